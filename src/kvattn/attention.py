@@ -1,0 +1,467 @@
+"""The NNX layer: learned projections, a KV cache in `nnx.Cache`, step and prefill.
+
+The layer is thin: it validates inputs (raising before any state changes),
+reads its variables, calls the pure functions of `kvattn.ops` and
+`kvattn.cache`, and writes the results back. Internally every path works on
+a batch; a layer built without `batch_size` holds one sequence and shows the
+seed's unbatched shapes `(max_len, K, H)` and a scalar `pos`.
+Axis letters follow the legend in `kvattn.ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import initializers
+
+from kvattn import cache as cache_ops
+from kvattn import ops
+
+__all__ = ["CacheOverflowError", "MultiHeadAttention", "Weights", "attend", "causal_self_attention", "extend"]
+
+default_kernel_init = initializers.lecun_normal()
+
+
+class Weights(NamedTuple):
+    """The layer's parameters as plain arrays (biases None without `use_bias`)."""
+
+    query_kernel: jax.Array
+    query_bias: jax.Array | None
+    key_kernel: jax.Array
+    key_bias: jax.Array | None
+    value_kernel: jax.Array
+    value_bias: jax.Array | None
+    out_kernel: jax.Array
+    out_bias: jax.Array | None
+
+
+def _project_qkv(weights: Weights, xs):
+    return (
+        ops.project(xs, weights.query_kernel, weights.query_bias),
+        ops.project(xs, weights.key_kernel, weights.key_bias),
+        ops.project(xs, weights.value_kernel, weights.value_bias),
+    )
+
+
+@jax.jit
+def causal_self_attention(weights: Weights, xs):
+    """Full causal self-attention of tokens `(B, T, D)`, no cache: the training path."""
+    q, k, v = _project_qkv(weights, xs)
+    ctx = ops.attention(q, k, v, jnp.full(xs.shape[:1], xs.shape[1], jnp.int32))
+    return ops.project_out(ctx, weights.out_kernel, weights.out_bias)
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "layout", "buckets"))
+def extend(weights: Weights, k_cache, v_cache, pos, xs, lengths, *, max_len, layout, buckets):
+    """Appends tokens to a batch of caches and attends: step and prefill as one pure function.
+
+    Sequence b appends its first `lengths[b]` tokens of `xs` `(B, T, D)` at
+    slots `pos[b] ..`, each attending to the filled cache and causally to the
+    chunk. A sequence without room for them writes nothing, keeps its `pos`
+    and gets NaN outputs (the in-graph half of the overflow contract).
+    Padding tokens `t >= lengths[b]` get zero outputs.
+
+    Returns:
+      `(ys, k_cache, v_cache, pos)`: outputs `(B, T, D)` and the new cache.
+    """
+    num_new = xs.shape[1]
+    fits = cache_ops.capacity_ok(pos, lengths, max_len)
+    written = jnp.where(fits, lengths, 0)
+    q, k, v = _project_qkv(weights, xs)
+    ctx = ops.bucketed_attention(q, k, v, lengths, k_cache, v_cache, pos, layout, buckets)
+    ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
+    real = jnp.arange(num_new)[None, :] < lengths[:, None]
+    ys = jnp.where(real[:, :, None], ys, 0.0)
+    ys = jnp.where(fits[:, None, None], ys, jnp.nan)
+    # Stored after attention has read the old slots, so XLA can update
+    # the (donated) buffers in place.
+    k_cache = cache_ops.write(k_cache, k, pos, written, layout, after=ys)
+    v_cache = cache_ops.write(v_cache, v, pos, written, layout, after=ys)
+    return ys, k_cache, v_cache, pos + written
+
+
+class CacheOverflowError(ValueError):
+    """A step or prefill would write past `max_len`; nothing was changed."""
+
+
+def _is_traced(*arrays) -> bool:
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class MultiHeadAttention(nnx.Module):
+    """Causal multi-head attention with a KV cache for one-token-at-a-time decoding.
+
+    Parameters have the paths and shapes of `flax.nnx.MultiHeadAttention`:
+    `query`, `key`, `value` kernels `(D, N|K, H)` and biases `(N|K, H)`; `out`
+    kernel `(N, H, D)` and bias `(D,)`. The decoding state lives in three
+    `nnx.Cache` variables: `k_cache`, `v_cache` float32 `(max_len, K, H)` (or
+    `(B, max_len, K, H)` with `batch_size`; `K` before `max_len` in the
+    heads-major layout) and `pos`, the next free slot,
+    int32 `()` (or `(B,)`).
+
+    Overflow contract: a layer holds at most `max_len` tokens per sequence.
+    Called eagerly, a `step` or `prefill` that would pass it raises
+    `CacheOverflowError` before any state changes. Under `jit`, where `pos` is
+    traced, an overflowing sequence writes no slot, keeps its `pos`, and its
+    outputs are all NaN; the other sequences of a batch proceed.
+
+    Args:
+      num_heads: query heads N.
+      in_features: model width D.
+      max_len: cache capacity in tokens, per sequence.
+      head_dim: width H of a head; defaults to `in_features // num_heads`.
+      num_kv_heads: key/value heads K (grouped-query attention); must divide
+        `num_heads`. Defaults to `num_heads`; 1 gives multi-query attention.
+      batch_size: number of sequences the cache holds, or None for one
+        unbatched sequence.
+      use_bias: whether the projections have biases.
+      cache_layout: `"slots_major"`, the seed's `(max_len, K, H)`, or
+        `"heads_major"`, `(K, max_len, H)`: the same results, and 2-3x faster
+        attention on XLA:CPU, whose batched dots want the head axis first.
+      length_buckets: attend only over the smallest of these static prefix
+        lengths that holds every filled slot, so a step costs about the filled
+        length rather than `max_len`. None picks doublings from 128; `()`
+        always reads the whole buffer.
+      kernel_init, bias_init: initializers, as in Flax.
+      rngs: random streams for the initializers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
+      >>> xs = jnp.ones((5, 8))
+      >>> y = layer.prefill(xs[:4])
+      >>> y.shape, int(layer.pos[...])
+      ((4, 8), 4)
+      >>> bool(jnp.allclose(layer.step(xs[4]), layer(xs)[4], atol=1e-5))
+      True
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        *,
+        max_len: int,
+        head_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        batch_size: int | None = None,
+        use_bias: bool = True,
+        length_buckets: tuple[int, ...] | None = None,
+        cache_layout: str = "slots_major",
+        kernel_init=default_kernel_init,
+        bias_init=initializers.zeros_init(),
+        rngs: nnx.Rngs,
+    ):
+        num_heads = _positive_int("num_heads", num_heads)
+        in_features = _positive_int("in_features", in_features)
+        max_len = _positive_int("max_len", max_len)
+        if head_dim is None:
+            if in_features % num_heads:
+                raise ValueError(
+                    f"in_features ({in_features}) must be divisible by num_heads ({num_heads}) "
+                    "when head_dim is not given; pass head_dim explicitly"
+                )
+            head_dim = in_features // num_heads
+        head_dim = _positive_int("head_dim", head_dim)
+        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+        if batch_size is not None:
+            batch_size = _positive_int("batch_size", batch_size)
+        if cache_layout not in ops.LAYOUTS:
+            raise ValueError(f"cache_layout must be one of {sorted(ops.LAYOUTS)}, got {cache_layout!r}")
+        if length_buckets is None:
+            length_buckets = ops.length_buckets(max_len)
+        elif length_buckets == ():
+            length_buckets = (max_len,)
+        else:
+            length_buckets = tuple(sorted({int(b) for b in length_buckets} | {max_len}))
+            if length_buckets[0] < 1 or length_buckets[-1] > max_len:
+                raise ValueError(f"length_buckets must lie in [1, max_len={max_len}], got {length_buckets}")
+
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.in_features = in_features
+        self.head_dim = head_dim
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.use_bias = use_bias
+        self.length_buckets = length_buckets
+        self.cache_layout = cache_layout
+        self.layout = ops.LAYOUTS[cache_layout]
+
+        def linear(in_f, out_f, **kw):
+            return nnx.LinearGeneral(
+                in_f, out_f, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs, **kw
+            )
+
+        self.query = linear(in_features, (num_heads, head_dim))
+        self.key = linear(in_features, (num_kv_heads, head_dim))
+        self.value = linear(in_features, (num_kv_heads, head_dim))
+        self.out = linear((num_heads, head_dim), in_features, axis=(-2, -1))
+
+        lead = () if batch_size is None else (batch_size,)
+        slots = (max_len, num_kv_heads) if self.layout == ops.SLOTS_MAJOR else (num_kv_heads, max_len)
+        self.k_cache = nnx.Cache(jnp.zeros((*lead, *slots, head_dim), jnp.float32))
+        self.v_cache = nnx.Cache(jnp.zeros((*lead, *slots, head_dim), jnp.float32))
+        self.pos = nnx.Cache(jnp.zeros(lead, jnp.int32))
+
+    # ------------------------------------------------------------------ public
+
+    def __call__(self, xs):
+        """Full causal self-attention over `xs`, without reading or writing the cache.
+
+        The training path and the recompute baseline.
+
+        Args:
+          xs: tokens `(T, D)` or a batch `(B, T, D)`.
+
+        Returns:
+          The feature vector of every token, same shape as `xs`.
+        """
+        xs = self._check_tokens(xs, "xs", ranks=(2, 3), check_batch=False)
+        batched = xs.ndim == 3
+        xs = xs if batched else xs[None]
+        ys = causal_self_attention(self.weights, xs)
+        return ys if batched else ys[0]
+
+    def step(self, x, active=None):
+        """Decodes one token per sequence through the cache.
+
+        Projects only `x`, writes its key and value at slot `pos`, advances
+        `pos`, and attends over slots `0..pos` including the new one.
+
+        Args:
+          x: the new token `(D,)`, or `(B, D)` for a batched layer.
+          active: batched layers only, optional bool `(B,)`: inactive sequences
+            neither write nor advance, and return zeros.
+
+        Returns:
+          The new token's feature vector, same shape as `x`. NaN for a
+          sequence that overflowed under jit (see the class docstring).
+        """
+        lead = 0 if self.batch_size is None else 1
+        x = self._check_tokens(x, "x", ranks=(1 + lead,))
+        if active is None:
+            lengths = None
+        else:
+            active = self._check_mask(active, "active")
+            lengths = active.astype(jnp.int32)
+        ys = self._extend(x[..., None, :], lengths)
+        return ys[..., 0, :]
+
+    def prefill(self, xs, lengths=None):
+        """Writes a chunk of tokens into the cache in one call.
+
+        Each token attends causally to the cache and to the chunk up to
+        itself; outputs and the final state equal those of one `step` per
+        token, from any starting `pos`.
+
+        Args:
+          xs: tokens `(T, D)`, or `(B, T, D)` for a batched layer; T >= 1.
+          lengths: batched layers only, optional int `(B,)` with
+            `0 <= lengths[b] <= T`: sequence b takes its first `lengths[b]`
+            tokens. Padding never enters the cache or any attention, and its
+            outputs are zeros.
+
+        Returns:
+          The feature vector of every token, same shape as `xs`.
+        """
+        lead = 0 if self.batch_size is None else 1
+        xs = self._check_tokens(xs, "xs", ranks=(2 + lead,))
+        if xs.shape[-2] == 0:
+            raise ValueError(f"prefill needs at least one token, got xs of shape {xs.shape}")
+        if lengths is not None:
+            lengths = self._check_lengths(lengths, xs.shape[-2])
+        return self._extend(xs, lengths)
+
+    def reset(self, which=None):
+        """Empties the cache: `pos = 0` and zeroed buffers, as freshly built.
+
+        Args:
+          which: batched layers only, optional indices or bool mask `(B,)` of
+            the sequences to empty; the others stay bit-identical.
+        """
+        mask = self._which(which)
+        pos = self._batched(self.pos[...])
+        self._store(
+            cache_ops.clear(self._batched(self.k_cache[...]), mask),
+            cache_ops.clear(self._batched(self.v_cache[...]), mask),
+            jnp.where(mask, 0, pos),
+        )
+
+    # ---------------------------------------------------------------- internal
+
+    def _extend(self, xs, lengths):
+        """Appends `xs` `([B,] T, D)` to the cache and attends; the core of step and prefill."""
+        xs_b = self._batched(xs)
+        batch, num_new = xs_b.shape[:2]
+        pos = self._batched(self.pos[...])
+        if lengths is None:
+            lengths = jnp.full((batch,), num_new, jnp.int32)
+        self._check_capacity(pos, lengths)
+
+        ys, k_cache, v_cache, pos = extend(
+            self.weights,
+            self._batched(self.k_cache[...]),
+            self._batched(self.v_cache[...]),
+            pos,
+            xs_b,
+            lengths,
+            max_len=self.max_len,
+            layout=self.layout,
+            buckets=self.length_buckets,
+        )
+        self._store(k_cache, v_cache, pos)
+        return ys if self.batch_size is not None else ys[0]
+
+    @property
+    def weights(self) -> Weights:
+        """The four projections' current arrays."""
+
+        def bias(linear):
+            return None if linear.bias is None else linear.bias[...]
+
+        return Weights(
+            self.query.kernel[...],
+            bias(self.query),
+            self.key.kernel[...],
+            bias(self.key),
+            self.value.kernel[...],
+            bias(self.value),
+            self.out.kernel[...],
+            bias(self.out),
+        )
+
+    def _batched(self, array):
+        return array if self.batch_size is not None else array[None]
+
+    def _store(self, k_cache, v_cache, pos):
+        if self.batch_size is None:
+            k_cache, v_cache, pos = k_cache[0], v_cache[0], pos[0]
+        self.k_cache[...] = k_cache
+        self.v_cache[...] = v_cache
+        self.pos[...] = pos.astype(jnp.int32)
+
+    def _check_capacity(self, pos, lengths):
+        if _is_traced(pos, lengths):
+            return  # under jit the in-graph guard applies the overflow contract
+        needed = np.asarray(pos) + np.asarray(lengths)
+        over = np.flatnonzero(needed > self.max_len)
+        if over.size:
+            where = "" if self.batch_size is None else f" for sequences {over.tolist()}"
+            raise CacheOverflowError(
+                f"cache overflow{where}: pos {np.asarray(pos)[over].tolist()} + "
+                f"{np.asarray(lengths)[over].tolist()} new tokens exceeds max_len={self.max_len}; "
+                "nothing was written. Call reset() or build the layer with a larger max_len."
+            )
+
+    def _check_tokens(self, x, name, ranks, check_batch=True):
+        if not isinstance(x, jax.Array):
+            x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+        if x.ndim not in ranks:
+            expected = " or ".join(f"rank {r}" for r in ranks)
+            raise ValueError(f"{name} must have {expected} (..., D={self.in_features}), got shape {x.shape}")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{name} must end in in_features={self.in_features}, got shape {x.shape}")
+        if check_batch and self.batch_size is not None and x.shape[0] != self.batch_size:
+            raise ValueError(f"{name} must have batch_size={self.batch_size} rows, got shape {x.shape}")
+        return x
+
+    def _require_batched(self, name):
+        if self.batch_size is None:
+            raise ValueError(f"{name} is only for layers built with batch_size; this layer holds one sequence")
+
+    def _check_mask(self, mask, name):
+        self._require_batched(name)
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_ or mask.shape != (self.batch_size,):
+            raise ValueError(f"{name} must be bool ({self.batch_size},), got {mask.dtype} {mask.shape}")
+        return mask
+
+    def _check_lengths(self, lengths, num_new):
+        self._require_batched("lengths")
+        lengths = jnp.asarray(lengths)
+        if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape != (self.batch_size,):
+            raise ValueError(f"lengths must be int ({self.batch_size},), got {lengths.dtype} {lengths.shape}")
+        if not _is_traced(lengths):
+            host = np.asarray(lengths)
+            if host.min() < 0 or host.max() > num_new:
+                raise ValueError(f"lengths must lie in [0, T={num_new}], got {host.tolist()}")
+        return lengths.astype(jnp.int32)
+
+    def _which(self, which):
+        """Bool mask `(B,)` of sequences to act on; all of them when `which` is None."""
+        batch = 1 if self.batch_size is None else self.batch_size
+        if which is None:
+            return jnp.ones((batch,), jnp.bool_)
+        self._require_batched("which")
+        which = jnp.asarray(which)
+        if which.dtype == jnp.bool_:
+            return self._check_mask(which, "which")
+        if not jnp.issubdtype(which.dtype, jnp.integer) or which.ndim > 1:
+            raise ValueError(f"which must be indices or a bool mask ({batch},), got {which.dtype} {which.shape}")
+        if not _is_traced(which):
+            host = np.atleast_1d(np.asarray(which))
+            if host.size and (host.min() < 0 or host.max() >= batch):
+                raise ValueError(f"which indices must lie in [0, {batch}), got {host.tolist()}")
+        return jnp.zeros((batch,), jnp.bool_).at[which].set(True)
+
+
+def attend(layer: MultiHeadAttention, history, x, lengths=None):
+    """The entrypoint: rebuilds the cache from `history`, then steps `x`.
+
+    Every call resets the layer's cache, fills it with `history` (one
+    prefill), steps `x` and returns its feature vector, which equals row T of
+    `layer(concat(history, x))`. Afterwards the cache holds T + 1 tokens, so
+    decoding can go on with `layer.step`.
+
+    Args:
+      layer: the attention layer; its cache is overwritten.
+      history: earlier tokens `(T, D)` with T >= 0, or `(B, T, D)` for a
+        batched layer.
+      x: the new token `(D,)`, or `(B, D)`.
+      lengths: batched layers only, optional `(B,)`: sequence b's history is
+        its first `lengths[b]` rows (a padded batch of histories).
+
+    Returns:
+      The new token's feature vector, same shape as `x`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
+      >>> xs = jnp.arange(24.0).reshape(3, 8) / 24
+      >>> y = kvattn.attend(layer, xs[:2], xs[2])
+      >>> bool(jnp.allclose(y, layer(xs)[2], atol=1e-5)), int(layer.pos[...])
+      (True, 3)
+    """
+    lead = 0 if layer.batch_size is None else 1
+    history = layer._check_tokens(history, "history", ranks=(2 + lead,))
+    x = layer._check_tokens(x, "x", ranks=(1 + lead,))
+    if history.shape[-2] + 1 > layer.max_len:
+        raise CacheOverflowError(
+            f"history of {history.shape[-2]} tokens plus x does not fit max_len={layer.max_len}"
+        )
+    if lengths is not None:
+        lengths = layer._check_lengths(lengths, history.shape[-2])
+    layer.reset()
+    if history.shape[-2]:
+        layer.prefill(history, lengths)
+    return layer.step(x)

@@ -1,0 +1,240 @@
+"""Pure attention math on arrays: projections, causal masks, cached attention.
+
+Nothing here holds state; every function is a plain JAX function of its
+arguments, so each can be tested alone against the float64 reference.
+
+Axis legend used in every einsum of the package:
+  B batch, T new tokens (queries), U new tokens as keys, S cache slots,
+  N query heads, K kv heads, G query heads per kv head (N = K * G),
+  H head dim, D model dim.
+
+A cache layout is named by the letters of its axes, so it can be spliced into
+an einsum: `SLOTS_MAJOR = "BSKH"` is the seed's `(max_len, K, H)` per sequence,
+`HEADS_MAJOR = "BKSH"` puts the heads first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+__all__ = [
+    "HEADS_MAJOR",
+    "LAYOUTS",
+    "SLOTS_MAJOR",
+    "attention",
+    "bucket_index",
+    "length_buckets",
+    "project",
+    "project_out",
+]
+
+SLOTS_MAJOR = "BSKH"
+HEADS_MAJOR = "BKSH"
+LAYOUTS = {"slots_major": SLOTS_MAJOR, "heads_major": HEADS_MAJOR}
+
+# Up to this many new tokens per call, slots-major attention reads the cache
+# through the block-diagonal formulation below; longer chunks amortise the
+# transpose that a plain batched dot needs.
+_BLOCK_DIAGONAL_MAX_TOKENS = 8
+
+
+def project(
+    x: Float[Array, "B T D"],
+    kernel: Float[Array, "D K H"],
+    bias: Float[Array, "K H"] | None,
+) -> Float[Array, "B T K H"]:
+    """Projects tokens to per-head vectors (query, key or value).
+
+    Args:
+      x: tokens.
+      kernel: projection weights, Flax `LinearGeneral` layout.
+      bias: per-head bias, or None.
+
+    Returns:
+      The projected tokens.
+    """
+    y = jnp.einsum("BTD,DKH->BTKH", x, kernel)
+    return y if bias is None else y + bias
+
+
+def project_out(
+    ctx: Float[Array, "B T N H"],
+    kernel: Float[Array, "N H D"],
+    bias: Float[Array, " D"] | None,
+) -> Float[Array, "B T D"]:
+    """Merges the heads back to model width (the `out` projection)."""
+    y = jnp.einsum("BTNH,NHD->BTD", ctx, kernel)
+    return y if bias is None else y + bias
+
+
+def attention(
+    q: Float[Array, "B T N H"],
+    k_new: Float[Array, "B T K H"],
+    v_new: Float[Array, "B T K H"],
+    new_len: Int[Array, " B"],
+    k_cache: Float[Array, "B ..."] | None = None,
+    v_cache: Float[Array, "B ..."] | None = None,
+    cache_len: Int[Array, " B"] | None = None,
+    layout: str = SLOTS_MAJOR,
+) -> Float[Array, "B T N H"]:
+    """Causal attention of a chunk of new tokens over the cache and over itself.
+
+    Sequence b holds `cache_len[b]` earlier tokens in the cache and appends
+    its first `new_len[b]` new tokens; new token t sits at position
+    `cache_len[b] + t`. It sees every filled cache slot `s < cache_len[b]` and
+    the new tokens `u <= t`: exactly slots `0..pos` of a cache that already
+    holds it. Every other score is replaced by `-inf` before the softmax, so
+    unfilled slots and padding get weight zero whatever their content.
+    Queries at `t >= new_len[b]` are padding and return zeros.
+
+    The cache is only read, never written here: reading it before the new
+    tokens are stored lets XLA update the donated buffers in place.
+
+    Grouped-query attention: the `N` query heads split into `K` groups of
+    `G`; a group reads its kv head directly, without repeating the cache.
+
+    Args:
+      q: queries of the new tokens, unscaled.
+      k_new: keys of the new tokens.
+      v_new: values of the new tokens.
+      new_len: how many new tokens of each sequence are real.
+      k_cache: keys of earlier tokens, `(B, S, K, H)` in the slots-major
+        layout or `(B, K, S, H)` heads-major; None for no cache.
+      v_cache: values of earlier tokens, same layout.
+      cache_len: how many cache slots of each sequence are filled.
+      layout: `SLOTS_MAJOR` or `HEADS_MAJOR`.
+
+    Returns:
+      The attended values of every query head.
+    """
+    batch, num_new, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, num_new, num_kv_heads, group, head_dim)
+    q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+
+    query_t = jnp.arange(num_new)[None, :, None]
+    key_u = jnp.arange(num_new)[None, None, :]
+    real = query_t < new_len[:, None, None]  # B T 1
+    see_new = (key_u <= query_t) & real  # B T U
+    scores = [jnp.einsum("BTKGH,BUKH->BTKGU", q, k_new)]
+    visible = [see_new]
+    if k_cache is not None:
+        num_slots = k_cache.shape[layout.index("S")]
+        slot = jnp.arange(num_slots)[None, None, :]
+        visible.insert(0, (slot < cache_len[:, None, None]) & real)  # B T S
+        scores.insert(0, _cache_scores(q, k_cache, layout))
+    scores = jnp.concatenate(scores, axis=-1)
+    visible = jnp.concatenate(visible, axis=-1)[:, :, None, None, :]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    # A padding row sees nothing: all -inf, a NaN softmax. Exact zeros instead.
+    weights = jnp.where(real[:, :, :, None, None], weights, 0.0)
+
+    ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
+    if k_cache is not None:
+        ctx = ctx + _cache_values(weights[..., :-num_new], v_cache, layout)
+    return ctx.reshape(batch, num_new, num_heads, head_dim)
+
+
+def _cache_scores(q, k_cache, layout):
+    """Scores `(B, T, K, G, S)` of scaled queries `(B, T, K, G, H)` against every slot."""
+    if layout == SLOTS_MAJOR and q.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS:
+        batch, num_new, num_kv_heads, group, head_dim = q.shape
+        k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
+        scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat)
+        return scores.reshape(batch, num_new, num_kv_heads, group, -1)
+    return jnp.einsum(f"BTKGH,{layout}->BTKGS", q, k_cache)
+
+
+def _cache_values(weights, v_cache, layout):
+    """Mixes cached values `(B, T, K, G, H)` with weights `(B, T, K, G, S)`."""
+    if layout == SLOTS_MAJOR and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS:
+        batch, num_new, num_kv_heads, group, num_slots = weights.shape
+        head_dim = v_cache.shape[-1]
+        v_flat = v_cache.reshape(batch, num_slots, num_kv_heads * head_dim)
+        rows = weights.reshape(batch, num_new * num_kv_heads * group, num_slots)
+        mixed = jnp.einsum("BRS,BSE->BRE", rows, v_flat)
+        mixed = mixed.reshape(batch, num_new, num_kv_heads, group, num_kv_heads, head_dim)
+        return (mixed * _eye(num_kv_heads, mixed.dtype)).sum(axis=4)
+    return jnp.einsum(f"BTKGS,{layout}->BTKGH", weights, v_cache)
+
+
+def _eye(num_kv_heads, dtype):
+    return jnp.eye(num_kv_heads, dtype=dtype).reshape(1, 1, num_kv_heads, 1, num_kv_heads, 1)
+
+
+def _block_diagonal(q):
+    """Spreads queries `(B, T, K, G, H)` over a block-diagonal `(B, T*K*G, K*H)`.
+
+    A dot over a `(B, S, K, H)` cache that batches over K must first transpose
+    the whole cache on XLA:CPU. Flattening `K H` into one contraction axis
+    reads the cache in place instead; the multiplications by zero cost a
+    factor K in flops on a step that is bound by memory, not flops.
+    """
+    batch, num_new, num_kv_heads, group, head_dim = q.shape
+    blocks = q[:, :, :, :, None, :] * _eye(num_kv_heads, q.dtype)
+    return blocks.reshape(batch, num_new * num_kv_heads * group, num_kv_heads * head_dim)
+
+
+def length_buckets(max_len: int, smallest: int = 128) -> tuple[int, ...]:
+    """Static prefix lengths a step may read: doublings from `smallest` up to `max_len`.
+
+    >>> length_buckets(1000)
+    (128, 256, 512, 1000)
+    """
+    buckets = []
+    size = min(smallest, max_len)
+    while size < max_len:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_len)
+    return tuple(buckets)
+
+
+def bucket_index(buckets: tuple[int, ...], needed: Int[Array, ""]) -> Int[Array, ""]:
+    """Index of the smallest bucket holding `needed` slots (the last if none does)."""
+    index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), needed.astype(jnp.int32), side="left")
+    return jnp.minimum(index, len(buckets) - 1)
+
+
+def prefix(cache: Float[Array, "B ..."], size: int, layout: str) -> Float[Array, "B ..."]:
+    """The first `size` slots of a cache, a static slice along its slot axis."""
+    return cache[(slice(None),) * layout.index("S") + (slice(0, size),)]
+
+
+def bucketed_attention(
+    q: Float[Array, "B T N H"],
+    k_new: Float[Array, "B T K H"],
+    v_new: Float[Array, "B T K H"],
+    new_len: Int[Array, " B"],
+    k_cache: Float[Array, "B ..."],
+    v_cache: Float[Array, "B ..."],
+    cache_len: Int[Array, " B"],
+    layout: str,
+    buckets: tuple[int, ...],
+) -> Float[Array, "B T N H"]:
+    """`attention` that reads only the smallest bucket prefix of the cache holding every filled slot.
+
+    Shapes stay static: each bucket is one branch of a `lax.switch`, picked at
+    run time from `max(cache_len)`. Slots past the prefix are unfilled, hence
+    masked for every query, so the result equals `attention` on the whole
+    buffers up to the float rounding of a shorter softmax sum.
+    """
+    if len(buckets) == 1:
+        return attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, layout)
+
+    def branch(size):
+        def attend_prefix(q, k_new, v_new, new_len, k_cache, v_cache, cache_len):
+            k_part, v_part = prefix(k_cache, size, layout), prefix(v_cache, size, layout)
+            return attention(q, k_new, v_new, new_len, k_part, v_part, cache_len, layout)
+
+        return attend_prefix
+
+    index = bucket_index(buckets, jnp.max(cache_len))
+    branches = [branch(size) for size in buckets]
+    return jax.lax.switch(index, branches, q, k_new, v_new, new_len, k_cache, v_cache, cache_len)
