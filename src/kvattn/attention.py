@@ -94,7 +94,9 @@ def _is_traced(*arrays) -> bool:
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -301,6 +303,81 @@ class MultiHeadAttention(nnx.Module):
             cache_ops.clear(self._batched(self.k_cache[...]), mask),
             cache_ops.clear(self._batched(self.v_cache[...]), mask),
             jnp.where(mask, 0, pos),
+        )
+
+    def truncate(self, keep):
+        """Rolls back: keeps the first `keep` tokens of each sequence and drops the rest.
+
+        Dropped slots are zeroed and `pos` set to `keep`, so what follows is
+        identical to never having decoded the dropped tokens: the building
+        block of speculative decoding.
+
+        Args:
+          keep: tokens to keep, an int (every sequence) or int `(B,)` for a
+            batched layer, with `0 <= keep <= pos`. Eagerly anything else
+            raises; under jit a sequence asked to keep more than it holds is
+            left as it is, and a negative count keeps nothing.
+        """
+        pos = self._batched(self.pos[...])
+        keep = jnp.asarray(keep)
+        if not jnp.issubdtype(keep.dtype, jnp.integer) or keep.shape not in ((), pos.shape):
+            raise ValueError(f"keep must be an int or int array of shape {pos.shape}, got {keep.dtype} {keep.shape}")
+        keep = jnp.broadcast_to(keep, pos.shape).astype(jnp.int32)
+        if not _is_traced(pos, keep):
+            bad = np.flatnonzero((np.asarray(keep) < 0) | (np.asarray(keep) > np.asarray(pos)))
+            if bad.size:
+                raise ValueError(
+                    f"truncate keeps 0..pos tokens per sequence; got keep {np.asarray(keep)[bad].tolist()} "
+                    f"for sequences {bad.tolist()} holding {np.asarray(pos)[bad].tolist()}"
+                )
+        keep = jnp.clip(keep, 0, pos)
+        self._store(
+            cache_ops.truncate(self._batched(self.k_cache[...]), keep, self.layout),
+            cache_ops.truncate(self._batched(self.v_cache[...]), keep, self.layout),
+            keep,
+        )
+
+    def fork(self, source, targets):
+        """Copies sequence `source` (cache and `pos`) into other sequences of the batch.
+
+        Share a prompt prefix: prefill it once, then fork it into the slots
+        of the requests that start with it.
+
+        Args:
+          source: index of the sequence to copy.
+          targets: indices or bool mask `(B,)` of the sequences to overwrite.
+        """
+        self._require_batched("fork")
+        source = jnp.asarray(source)
+        if not jnp.issubdtype(source.dtype, jnp.integer) or source.shape != ():
+            raise ValueError(f"source must be one sequence index, got {source.dtype} {source.shape}")
+        if not _is_traced(source) and not 0 <= int(source) < self.batch_size:
+            raise ValueError(f"source must lie in [0, {self.batch_size}), got {int(source)}")
+        mask = self._which(targets)
+        self._store(
+            cache_ops.fork(self.k_cache[...], source, mask),
+            cache_ops.fork(self.v_cache[...], source, mask),
+            cache_ops.fork(self.pos[...], source, mask),
+        )
+
+    def reorder(self, order):
+        """Sequence b becomes what sequence `order[b]` was (beam search selection).
+
+        Args:
+          order: int `(B,)` of source indices; repeats allowed.
+        """
+        self._require_batched("reorder")
+        order = jnp.asarray(order)
+        if not jnp.issubdtype(order.dtype, jnp.integer) or order.shape != (self.batch_size,):
+            raise ValueError(f"order must be int ({self.batch_size},), got {order.dtype} {order.shape}")
+        if not _is_traced(order):
+            host = np.asarray(order)
+            if host.min() < 0 or host.max() >= self.batch_size:
+                raise ValueError(f"order indices must lie in [0, {self.batch_size}), got {host.tolist()}")
+        self._store(
+            cache_ops.reorder(self.k_cache[...], order),
+            cache_ops.reorder(self.v_cache[...], order),
+            cache_ops.reorder(self.pos[...], order),
         )
 
     # ---------------------------------------------------------------- internal

@@ -81,13 +81,12 @@ def truncate(
     return jnp.where(kept, cache, jnp.zeros((), cache.dtype))
 
 
-def fork(
-    cache: Float[Array, "B ..."], source: int | Int[Array, ""], targets: Bool[Array, " B"]
-) -> Float[Array, "B ..."]:
-    """Copies sequence `source` into every sequence marked in `targets`."""
-    return jnp.where(targets[:, None, None, None], cache[source][None], cache)
+def fork(cache: Array, source: int | Int[Array, ""], targets: Bool[Array, " B"]) -> Array:
+    """Copies sequence `source` into every sequence marked in `targets` (any trailing shape)."""
+    mask = targets.reshape((-1,) + (1,) * (cache.ndim - 1))
+    return jnp.where(mask, cache[source][None], cache)
 
 
-def reorder(cache: Float[Array, "B ..."], order: Int[Array, " B"]) -> Float[Array, "B ..."]:
+def reorder(cache: Array, order: Int[Array, " B"]) -> Array:
     """Sequence b of the result is sequence `order[b]` of the input (beam search)."""
     return jnp.take(cache, order, axis=0)

@@ -58,7 +58,7 @@ def project(
       The projected tokens.
     """
     y = jnp.einsum("BTD,DKH->BTKH", x, kernel)
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias[None, None]
 
 
 def project_out(
@@ -68,7 +68,7 @@ def project_out(
 ) -> Float[Array, "B T D"]:
     """Merges the heads back to model width (the `out` projection)."""
     y = jnp.einsum("BTNH,NHD->BTD", ctx, kernel)
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias[None, None]
 
 
 def attention(

@@ -1,0 +1,473 @@
+"""Cache snapshots on disk: save a layer's KV cache, load it back, refuse anything else.
+
+A snapshot is a safetensors file (no pickle) holding the layer's `nnx.Cache`
+variables under their attribute paths (`k_cache`, `v_cache`, `pos`) and, in
+the safetensors string metadata:
+
+  format               "kvattn.cache_snapshot"
+  format_version       "1"
+  config               JSON: num_heads, num_kv_heads, head_dim, in_features,
+                       max_len, batch_size, cache_layout of the saving layer
+  tensors              JSON: name -> {"dtype", "shape", "sha256"}, where
+                       sha256 is taken over the tensor's little-endian
+                       C-order bytes, so flipped bits in the data are caught
+  weights_fingerprint  `weights_fingerprint` of the layer that filled the cache
+
+A cache is only meaningful for the weights that produced its keys and values,
+so loading refuses a snapshot taken under other weights unless asked not to.
+Comparing `weights_fingerprint(layer)` with `snapshot_info(path)` is the cheap
+way to tell, without loading, whether a snapshot is still valid for a layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import nnx
+
+from kvattn.attention import MultiHeadAttention
+
+__all__ = ["SnapshotError", "SnapshotInfo", "load_cache", "save_cache", "snapshot_info", "weights_fingerprint"]
+
+FORMAT_NAME = "kvattn.cache_snapshot"
+FORMAT_VERSION = 1
+
+CONFIG_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len", "batch_size", "cache_layout")
+_METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
+_HEADER_LENGTH_BYTES = 8
+_SHA256 = frozenset("0123456789abcdef")
+
+# The safetensors dtype codes of every NumPy dtype a cache may hold.
+_NUMPY_DTYPES = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "F16": np.dtype(np.float16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "F32": np.dtype(np.float32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F64": np.dtype(np.float64),
+}
+
+
+class SnapshotError(ValueError):
+    """A snapshot file cannot be loaded into this layer; the layer was not changed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot's metadata says about it (read without a layer)."""
+
+    format_version: int
+    config: dict
+    """The saving layer's configuration, keyed by `CONFIG_FIELDS`."""
+    tensors: dict
+    """Tensor name -> {"dtype": str, "shape": list[int], "sha256": str}."""
+    weights_fingerprint: str
+    """`weights_fingerprint` of the layer whose cache was saved."""
+
+
+# ---------------------------------------------------------------------- public
+
+
+def weights_fingerprint(layer: nnx.Module) -> str:
+    """A hex sha256 of the layer's weights: the cheap check that a snapshot still fits them.
+
+    Hashes, in sorted path order, each `nnx.Param` leaf's path (`query/kernel`),
+    its shape, and its values as little-endian float32 bytes. Equal weights
+    give equal fingerprints in any process; changing any weight changes it.
+
+    Args:
+      layer: any NNX module; only its `nnx.Param` variables are read.
+
+    Returns:
+      64 lowercase hex digits.
+
+    Example:
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> from kvattn.snapshot import weights_fingerprint
+      >>> a = kvattn.MultiHeadAttention(2, 8, max_len=4, rngs=nnx.Rngs(0))
+      >>> b = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
+      >>> weights_fingerprint(a) == weights_fingerprint(b)  # max_len is not a weight
+      True
+    """
+    digest = hashlib.sha256()
+    for name, array in sorted(_flat_arrays(layer, nnx.Param).items()):
+        values = np.ascontiguousarray(array, dtype="<f4")
+        digest.update(f"{name}:{list(values.shape)}\n".encode())
+        digest.update(values.tobytes())
+    return digest.hexdigest()
+
+
+def save_cache(layer: MultiHeadAttention, path: str | os.PathLike) -> None:
+    """Writes the layer's KV cache (`k_cache`, `v_cache`, `pos`) to a snapshot file, atomically.
+
+    The bytes go to a temporary file beside `path`, are flushed and fsynced,
+    and only then renamed onto `path`: a crash mid-save leaves any earlier
+    file at `path` intact and never a partial one. Like `tempfile.mkstemp`,
+    the new file is readable and writable by its owner only. The layer is
+    not changed.
+
+    Args:
+      layer: the layer whose cache to save.
+      path: the snapshot file to create or replace; its directory must exist.
+
+    Example:
+      >>> import tempfile, os
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> from kvattn.snapshot import load_cache, save_cache
+      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
+      >>> _ = layer.prefill(jnp.ones((5, 8)))
+      >>> with tempfile.TemporaryDirectory() as tmp:
+      ...     save_cache(layer, os.path.join(tmp, "prompt.safetensors"))
+      ...     sorted(os.listdir(tmp))
+      ['prompt.safetensors']
+    """
+    tensors = {name: np.asarray(array) for name, array in _flat_arrays(layer, nnx.Cache).items()}
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "config": _dumps(layer_config(layer)),
+        "tensors": _dumps({name: _tensor_spec(array) for name, array in tensors.items()}),
+        "weights_fingerprint": weights_fingerprint(layer),
+    }
+    _write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=metadata))
+
+
+def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weight_mismatch: bool = False) -> None:
+    """Replaces the layer's KV cache with a snapshot's, after checking everything.
+
+    The whole file is validated before the layer is touched: its safetensors
+    structure, the format, per-tensor checksums, the layer configuration,
+    tensor names, shapes and dtypes, `0 <= pos <= max_len`, and that the
+    snapshot was filled by the same weights. Any failure raises
+    `SnapshotError` naming what was expected and what was found, and leaves
+    the layer exactly as it was. Arrays keep the sharding of the cache they
+    replace.
+
+    Args:
+      layer: the layer to receive the cache; it must be configured like the
+        layer that saved it (batch_size, max_len, heads, cache_layout...).
+      path: a file written by `save_cache`.
+      allow_weight_mismatch: load even if the snapshot was filled by other
+        weights (its keys and values then do not match this layer's).
+
+    Raises:
+      SnapshotError: the file is not a valid snapshot for this layer.
+      OSError: the file cannot be read.
+
+    Example:
+      >>> import tempfile, os
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> from kvattn.snapshot import load_cache, save_cache
+      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
+      >>> _ = layer.prefill(jnp.ones((5, 8)))
+      >>> with tempfile.TemporaryDirectory() as tmp:
+      ...     path = os.path.join(tmp, "prompt.safetensors")
+      ...     save_cache(layer, path)
+      ...     layer.reset()
+      ...     load_cache(layer, path)
+      >>> int(layer.pos[...])
+      5
+    """
+    data = Path(path).read_bytes()
+    info = _parse_info(_header(data, total_size=len(data)))
+    tensors = _decode_tensors(data)
+    _check_tensors_match_metadata(tensors, info.tensors)
+    _check_config(info.config, layer_config(layer))
+    variables = nnx.to_flat_state(nnx.state(layer, nnx.Cache))
+    current = {_path_name(var_path): variable[...] for var_path, variable in variables}
+    _check_tensors_fit_layer(tensors, current)
+    _check_pos(tensors["pos"], layer.max_len)
+    if not allow_weight_mismatch:
+        _check_weights(info.weights_fingerprint, weights_fingerprint(layer))
+    # Everything is checked: from here on nothing can refuse.
+    for var_path, variable in variables:
+        name = _path_name(var_path)
+        variable[...] = _place_like(tensors[name], current[name])
+
+
+def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
+    """Reads a snapshot's metadata without a layer, from the file's header only.
+
+    Args:
+      path: a file written by `save_cache`.
+
+    Returns:
+      The `SnapshotInfo`; tensor data and checksums are not read (`load_cache`
+      checks them).
+
+    Raises:
+      SnapshotError: the header is not that of a kvattn cache snapshot.
+      OSError: the file cannot be read.
+
+    Example:
+      >>> import tempfile, os
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> from kvattn.snapshot import save_cache, snapshot_info, weights_fingerprint
+      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, batch_size=3, rngs=nnx.Rngs(0))
+      >>> with tempfile.TemporaryDirectory() as tmp:
+      ...     save_cache(layer, os.path.join(tmp, "c.safetensors"))
+      ...     info = snapshot_info(os.path.join(tmp, "c.safetensors"))
+      >>> info.config["max_len"], info.tensors["pos"]["shape"]
+      (16, [3])
+      >>> info.weights_fingerprint == weights_fingerprint(layer)
+      True
+    """
+    with open(path, "rb") as file:
+        total_size = os.fstat(file.fileno()).st_size
+        length_bytes = file.read(_HEADER_LENGTH_BYTES)
+        header_length = _header_length(length_bytes, total_size)
+        return _parse_info(_header(length_bytes + file.read(header_length), total_size))
+
+
+def layer_config(layer: MultiHeadAttention) -> dict:
+    """The configuration a snapshot records and a loading layer must match (`CONFIG_FIELDS`)."""
+    return {field: getattr(layer, field) for field in CONFIG_FIELDS}
+
+
+# ------------------------------------------------------------------- writing
+
+
+def _write_atomically(path: Path, payload: bytes) -> None:
+    """Writes `payload` to a temporary file in `path`'s directory, then renames it onto `path`."""
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            _write_and_sync(file, payload)
+        os.replace(temp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_name)
+        raise
+    _sync_directory(path.parent)
+
+
+def _write_and_sync(file, payload: bytes) -> None:
+    file.write(payload)
+    file.flush()
+    os.fsync(file.fileno())
+
+
+def _sync_directory(directory: Path) -> None:
+    """Makes the rename itself durable (POSIX; elsewhere a directory cannot be opened)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tensor_spec(array: np.ndarray) -> dict:
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": _sha256(array)}
+
+
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()).hexdigest()
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------- reading
+
+
+def _header_length(length_bytes: bytes, total_size: int) -> int:
+    if len(length_bytes) < _HEADER_LENGTH_BYTES:
+        raise SnapshotError(f"not a safetensors file: {total_size} bytes, too short to hold a header")
+    (header_length,) = struct.unpack("<Q", length_bytes[:_HEADER_LENGTH_BYTES])
+    if header_length > total_size - _HEADER_LENGTH_BYTES:
+        raise SnapshotError(
+            f"truncated or corrupted file: its header claims {header_length} bytes, "
+            f"but the file has only {total_size} bytes"
+        )
+    return header_length
+
+
+def _header(data: bytes, total_size: int) -> dict:
+    """The safetensors JSON header at the start of `data` (which holds at least all of it)."""
+    header_length = _header_length(data[:_HEADER_LENGTH_BYTES], total_size)
+    raw = data[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + header_length]
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise SnapshotError(f"corrupted file: the safetensors header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise SnapshotError(f"corrupted file: the safetensors header is a JSON {type(header).__name__}, not an object")
+    return header
+
+
+def _parse_info(header: dict) -> SnapshotInfo:
+    """Checks the metadata of a header and returns it decoded."""
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise SnapshotError(f"not a kvattn cache snapshot: expected format {FORMAT_NAME!r}, got {found!r}")
+    missing = [key for key in _METADATA_KEYS if not isinstance(metadata.get(key), str)]
+    if missing:
+        raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {_METADATA_KEYS}")
+    if metadata["format_version"] != str(FORMAT_VERSION):
+        raise SnapshotError(
+            f"unsupported snapshot format_version {metadata['format_version']!r}; this kvattn reads "
+            f"version {FORMAT_VERSION}. Save the cache again with this version of kvattn."
+        )
+    config = _loads_object(metadata, "config")
+    if sorted(config) != sorted(CONFIG_FIELDS):
+        raise SnapshotError(f"corrupted snapshot: config has fields {sorted(config)}, expected {sorted(CONFIG_FIELDS)}")
+    tensors = _loads_object(metadata, "tensors")
+    for name, spec in tensors.items():
+        _check_spec(name, spec)
+    fingerprint = metadata["weights_fingerprint"]
+    if not _is_sha256(fingerprint):
+        raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
+    return SnapshotInfo(FORMAT_VERSION, config, tensors, fingerprint)
+
+
+def _loads_object(metadata: dict, key: str) -> dict:
+    try:
+        value = json.loads(metadata[key])
+    except (ValueError, RecursionError):
+        raise SnapshotError(f"corrupted snapshot: metadata {key!r} is not valid JSON: {metadata[key]!r}") from None
+    if not isinstance(value, dict):
+        raise SnapshotError(f"corrupted snapshot: metadata {key!r} must be a JSON object, got {metadata[key]!r}")
+    return value
+
+
+def _check_spec(name: str, spec) -> None:
+    valid = (
+        isinstance(spec, dict)
+        and sorted(spec) == ["dtype", "sha256", "shape"]
+        and isinstance(spec["dtype"], str)
+        and isinstance(spec["shape"], list)
+        and all(type(size) is int and size >= 0 for size in spec["shape"])
+        and _is_sha256(spec["sha256"])
+    )
+    if not valid:
+        raise SnapshotError(
+            f"corrupted snapshot: metadata for tensor {name!r} must be "
+            f'{{"dtype": str, "shape": [int, ...], "sha256": hex}}, got {spec!r}'
+        )
+
+
+def _is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _SHA256
+
+
+def _decode_tensors(data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file, structure checked by safetensors itself."""
+    try:
+        views = safetensors.deserialize(data)
+    except safetensors.SafetensorError as error:
+        raise SnapshotError(f"truncated or corrupted file: {error}") from None
+    tensors = {}
+    for name, view in views:
+        dtype = _NUMPY_DTYPES.get(view["dtype"])
+        if dtype is None:
+            raise SnapshotError(f"tensor {name!r} has unsupported dtype {view['dtype']}")
+        tensors[name] = np.frombuffer(view["data"], dtype=dtype.newbyteorder("<")).reshape(view["shape"])
+    return tensors
+
+
+def _check_tensors_match_metadata(tensors: dict[str, np.ndarray], specs: dict) -> None:
+    """The file's tensors are exactly those its metadata lists, bit for bit (the checksums)."""
+    if sorted(tensors) != sorted(specs):
+        raise SnapshotError(
+            f"corrupted snapshot: metadata lists tensors {sorted(specs)}, the file holds {sorted(tensors)}"
+        )
+    for name, array in sorted(tensors.items()):
+        spec = specs[name]
+        if spec["dtype"] != array.dtype.name or spec["shape"] != list(array.shape):
+            raise SnapshotError(
+                f"corrupted snapshot: metadata says tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])}, "
+                f"the file holds {array.dtype.name} {array.shape}"
+            )
+        if spec["sha256"] != _sha256(array):
+            raise SnapshotError(
+                f"corrupted snapshot: tensor {name!r} fails its checksum (sha256 {_sha256(array)}, "
+                f"expected {spec['sha256']}); the file was damaged after it was written"
+            )
+
+
+def _check_config(saved: dict, expected: dict) -> None:
+    differences = [
+        f"{field}={saved[field]!r} (layer has {expected[field]!r})"
+        for field in CONFIG_FIELDS
+        if type(saved[field]) is not type(expected[field]) or saved[field] != expected[field]
+    ]
+    if differences:
+        raise SnapshotError(
+            f"snapshot was saved by a differently configured layer: {', '.join(differences)}. "
+            "Build the layer with the snapshot's configuration (see snapshot_info)."
+        )
+
+
+def _check_tensors_fit_layer(tensors: dict[str, np.ndarray], current: dict) -> None:
+    if sorted(tensors) != sorted(current):
+        raise SnapshotError(f"snapshot holds tensors {sorted(tensors)}, the layer's cache is {sorted(current)}")
+    for name, array in sorted(tensors.items()):
+        want_dtype, want_shape = np.dtype(current[name].dtype), tuple(current[name].shape)
+        if array.dtype != want_dtype or array.shape != want_shape:
+            raise SnapshotError(
+                f"tensor {name!r} is {array.dtype.name} {array.shape} in the snapshot, "
+                f"the layer expects {want_dtype.name} {want_shape}"
+            )
+
+
+def _check_weights(saved: str, current: str) -> None:
+    if saved != current:
+        raise SnapshotError(
+            f"snapshot was filled by other weights: fingerprint {saved} in the file, {current} for this "
+            "layer, so its keys and values do not belong to these weights. Recompute the cache, or pass "
+            "allow_weight_mismatch=True to load it anyway."
+        )
+
+
+def _check_pos(pos: np.ndarray, max_len: int) -> None:
+    bad = np.flatnonzero((pos < 0) | (pos > max_len))
+    if bad.size:
+        raise SnapshotError(
+            f"corrupted snapshot: pos must lie in [0, max_len={max_len}], got {pos.reshape(-1)[bad].tolist()} "
+            f"at sequences {bad.tolist()}"
+        )
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def _flat_arrays(module: nnx.Module, variable_type) -> dict:
+    """The module's variables of one type as `{"a/b": array}`."""
+    flat = nnx.to_flat_state(nnx.state(module, variable_type))
+    return {_path_name(var_path): variable[...] for var_path, variable in flat}
+
+
+def _path_name(var_path) -> str:
+    return "/".join(str(part) for part in var_path)
+
+
+def _place_like(array: np.ndarray, like):
+    """`array` on the devices and sharding of `like`, which it replaces."""
+    return jax.device_put(np.array(array, dtype=array.dtype.newbyteorder("=")), like.sharding)
