@@ -1,0 +1,155 @@
+"""The pure functions alone: attention math and cache transitions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvattn import cache as cache_ops
+from kvattn import ops
+
+
+def reference_attention(q, k, v, positions):
+    """float64 attention of queries at `positions` over keys `0..position` (one sequence)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(q.shape[-1])
+    visible = np.arange(len(k))[None, :] <= np.asarray(positions)[:, None]
+    scores = np.where(visible, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("nts,snh->tnh", probs, v)
+
+
+def to_layout(cache, layout):
+    """`(B, S, K, H)` in the given layout."""
+    return cache if layout == ops.SLOTS_MAJOR else jnp.swapaxes(cache, 1, 2)
+
+
+@settings(max_examples=10)
+@given(
+    shape=st.sampled_from([(1, 1, 1, 2), (2, 4, 2, 3), (3, 2, 1, 4)]),  # B, N, K, H
+    num_new=st.sampled_from([1, 4, 11]),
+    layout=st.sampled_from([ops.SLOTS_MAJOR, ops.HEADS_MAJOR]),
+    data=st.data(),
+)
+def test_attention_equals_reference_for_every_cache_fill(shape, num_new, layout, data):
+    """Cache part and chunk part together equal attention over the concatenated keys.
+
+    `num_new = 11` exceeds the block-diagonal threshold, covering both paths.
+    """
+    batch, num_heads, num_kv_heads, head_dim = shape
+    num_slots = 6
+    cache_len = np.array(data.draw(st.lists(st.integers(0, num_slots), min_size=batch, max_size=batch)))
+    new_len = np.array(data.draw(st.lists(st.integers(0, num_new), min_size=batch, max_size=batch)))
+    keys = jax.random.split(jax.random.key(data.draw(st.integers(0, 999))), 5)
+    q = jax.random.normal(keys[0], (batch, num_new, num_heads, head_dim))
+    k_new = jax.random.normal(keys[1], (batch, num_new, num_kv_heads, head_dim))
+    v_new = jax.random.normal(keys[2], (batch, num_new, num_kv_heads, head_dim))
+    k_cache = jax.random.normal(keys[3], (batch, num_slots, num_kv_heads, head_dim))
+    v_cache = jax.random.normal(keys[4], (batch, num_slots, num_kv_heads, head_dim))
+
+    out = jax.jit(ops.attention, static_argnames="layout")(
+        q, k_new, v_new, jnp.asarray(new_len), to_layout(k_cache, layout), to_layout(v_cache, layout),
+        jnp.asarray(cache_len), layout=layout,
+    )
+    for b in range(batch):
+        filled = cache_len[b]
+        k_all = np.concatenate([k_cache[b, :filled], k_new[b]])
+        v_all = np.concatenate([v_cache[b, :filled], v_new[b]])
+        positions = filled + np.arange(num_new)
+        expected = reference_attention(q[b], k_all, v_all, positions)
+        real = new_len[b]
+        np.testing.assert_allclose(out[b, :real], expected[:real], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[b, real:], 0.0)
+
+
+def test_attention_without_cache_is_causal():
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 5, 2, 3)) for i in range(3))
+    out = ops.attention(q, k, v, jnp.array([5]))
+    np.testing.assert_allclose(out[0], reference_attention(q[0], k[0], v[0], np.arange(5)), rtol=1e-5, atol=1e-6)
+    # Changing a later token never changes an earlier output.
+    k_later = k.at[0, 3:].set(100.0)
+    np.testing.assert_array_equal(ops.attention(q, k_later, v, jnp.array([5]))[0, :3], out[0, :3])
+
+
+def test_unfilled_slots_get_zero_weight_whatever_they_hold():
+    """Any finite garbage past `cache_len` is ignored (the layer keeps unfilled slots zero)."""
+    q = jnp.ones((1, 1, 1, 1))
+    k_new = v_new = jnp.ones((1, 1, 1, 1))
+    k_cache = jnp.full((1, 4, 1, 1), 1e30)
+    v_cache = jnp.full((1, 4, 1, 1), -1e30)
+    for layout in (ops.SLOTS_MAJOR, ops.HEADS_MAJOR):
+        k_part, v_part = to_layout(k_cache, layout), to_layout(v_cache, layout)
+        out = ops.attention(q, k_new, v_new, jnp.array([1]), k_part, v_part, jnp.array([0]), layout)
+        np.testing.assert_array_equal(out, 1.0)
+
+
+@pytest.mark.parametrize("layout", [ops.SLOTS_MAJOR, ops.HEADS_MAJOR])
+def test_bucketed_attention_equals_full_at_every_fill_and_boundary(layout):
+    buckets = (2, 4, 8)
+    q = jax.random.normal(jax.random.key(0), (2, 1, 2, 3))
+    k_new, v_new = (jax.random.normal(jax.random.key(i), (2, 1, 1, 3)) for i in (1, 2))
+    k_cache, v_cache = (jax.random.normal(jax.random.key(i), (2, 8, 1, 3)) for i in (3, 4))
+    k_cache, v_cache = to_layout(k_cache, layout), to_layout(v_cache, layout)
+    bucketed = jax.jit(ops.bucketed_attention, static_argnames=("layout", "buckets"))
+    one = jnp.ones(2, jnp.int32)
+    for filled in range(9):  # crosses 2, 4 and 8 from both sides
+        cache_len = jnp.array([filled, max(filled - 3, 0)])
+        full = ops.attention(q, k_new, v_new, one, k_cache, v_cache, cache_len, layout)
+        got = bucketed(q, k_new, v_new, one, k_cache, v_cache, cache_len, layout=layout, buckets=buckets)
+        np.testing.assert_allclose(got, full, rtol=1e-6, atol=1e-6)
+
+
+def test_bucket_index_picks_the_smallest_bucket_that_fits():
+    buckets = (2, 4, 8)
+    picks = [int(ops.bucket_index(buckets, jnp.int32(n))) for n in range(9)]
+    assert picks == [0, 0, 0, 1, 1, 2, 2, 2, 2]
+
+
+def test_length_buckets():
+    assert ops.length_buckets(2048) == (128, 256, 512, 1024, 2048)
+    assert ops.length_buckets(100) == (100,)
+    assert ops.length_buckets(8, smallest=2) == (2, 4, 8)
+
+
+# ------------------------------------------------------------------- cache.py
+
+
+@pytest.mark.parametrize("layout", [ops.SLOTS_MAJOR, ops.HEADS_MAJOR])
+def test_write_puts_each_token_at_its_slot_and_drops_the_rest(layout):
+    cache = to_layout(jnp.zeros((2, 4, 1, 1)), layout)
+    new = jnp.arange(1.0, 7.0).reshape(2, 3, 1, 1)
+    out = cache_ops.write(cache, new, jnp.array([1, 2]), jnp.array([2, 3]), layout)
+    out = np.asarray(to_layout(out, layout))[..., 0, 0]
+    # Sequence 1 has room for 2 of its 3 tokens: the third is dropped, not wrapped or clamped.
+    np.testing.assert_array_equal(out, [[0, 1, 2, 0], [0, 0, 4, 5]])
+
+
+def test_write_after_a_result_is_exact_even_when_it_is_nan():
+    cache = jnp.zeros((1, 3, 1, 1))
+    new = jnp.ones((1, 1, 1, 1))
+    out = cache_ops.write(cache, new, jnp.array([1]), jnp.array([1]), after=jnp.array([jnp.nan, -jnp.inf]))
+    np.testing.assert_array_equal(out[0, :, 0, 0], [0, 1, 0])
+
+
+def test_clear_truncate_fork_reorder():
+    cache = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
+    flat = lambda c: np.asarray(c)[..., 0, 0]  # noqa: E731
+    cleared = flat(cache_ops.clear(cache, jnp.array([False, True, False])))
+    np.testing.assert_array_equal(cleared, [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
+    kept = flat(cache_ops.truncate(cache, jnp.array([0, 2, 4])))
+    np.testing.assert_array_equal(kept, [[0, 0, 0, 0], [5, 6, 0, 0], [9, 10, 11, 12]])
+    heads_major = jnp.swapaxes(cache, 1, 2)
+    kept_hm = cache_ops.truncate(heads_major, jnp.array([0, 2, 4]), ops.HEADS_MAJOR)
+    np.testing.assert_array_equal(flat(jnp.swapaxes(kept_hm, 1, 2)), kept)
+    forked = flat(cache_ops.fork(cache, 2, jnp.array([True, False, False])))
+    np.testing.assert_array_equal(forked, [[9, 10, 11, 12], [5, 6, 7, 8], [9, 10, 11, 12]])
+    reordered = flat(cache_ops.reorder(cache, jnp.array([1, 1, 0])))
+    np.testing.assert_array_equal(reordered, [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    assert cache_ops.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), 4).tolist() == [True, False]
