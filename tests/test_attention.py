@@ -287,7 +287,7 @@ def test_jitted_step_compiles_once_for_every_position():
         (dict(head_dim=-1), "head_dim must be a positive int, got -1"),
         (dict(num_kv_heads=3, num_heads=4), r"num_kv_heads \(3\) must divide num_heads \(4\)"),
         (dict(cache_layout="columns"), "cache_layout must be one of"),
-        (dict(length_buckets=(0, 4)), "length_buckets must lie in"),
+        (dict(length_buckets=(0, 4)), "length_buckets must be positive"),
     ],
 )
 def test_bad_configuration_is_named(kwargs, message):

@@ -134,7 +134,7 @@ class MultiHeadAttention(nnx.Module):
       length_buckets: attend only over the smallest of these static prefix
         lengths that holds every filled slot, so a step costs about the filled
         length rather than `max_len`. None picks doublings from 128; `()`
-        always reads the whole buffer.
+        always reads the whole buffer; buckets past `max_len` are ignored.
       kernel_init, bias_init: initializers, as in Flax.
       rngs: random streams for the initializers.
 
@@ -190,9 +190,10 @@ class MultiHeadAttention(nnx.Module):
         elif length_buckets == ():
             length_buckets = (max_len,)
         else:
-            length_buckets = tuple(sorted({int(b) for b in length_buckets} | {max_len}))
-            if length_buckets[0] < 1 or length_buckets[-1] > max_len:
-                raise ValueError(f"length_buckets must lie in [1, max_len={max_len}], got {length_buckets}")
+            if min(length_buckets) < 1:
+                raise ValueError(f"length_buckets must be positive slot counts, got {length_buckets}")
+            # Buckets at or past max_len add nothing: the last one is max_len.
+            length_buckets = tuple(sorted({int(b) for b in length_buckets if b < max_len} | {max_len}))
 
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

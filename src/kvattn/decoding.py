@@ -76,9 +76,9 @@ class Decoder:
         self._host_pos = np.array(layer._batched(layer.pos[...]))
 
     @property
-    def pos(self) -> np.ndarray:
-        """Next free slot of each sequence, as known on the host (no device sync)."""
-        return self._host_pos.copy() if self.layer.batch_size is not None else self._host_pos[0].copy()
+    def pos(self) -> int | np.ndarray:
+        """Next free slot (an int, or one per sequence), as known on the host: no device sync."""
+        return self._host_pos.copy() if self.layer.batch_size is not None else int(self._host_pos[0])
 
     def step(self, x, active=None):
         """`MultiHeadAttention.step`, compiled once and run with the cache donated."""

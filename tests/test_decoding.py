@@ -1,0 +1,184 @@
+"""Fast drivers: the donated Decoder, the compiled decode loop, on-device generate."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvattn
+from kvattn import decoding
+from tests.reference import assert_close, causal_attention, weights_of
+from tests.test_attention import assert_bits_equal, cache_bits
+
+
+def make_layer(max_len=24, batch_size=None, **kwargs):
+    return kvattn.MultiHeadAttention(
+        4, 8, max_len=max_len, batch_size=batch_size, length_buckets=(8,), rngs=nnx.Rngs(0), **kwargs
+    )
+
+
+def stream(shape, seed=1):
+    return jax.random.normal(jax.random.key(seed), (*shape, 8))
+
+
+@pytest.mark.parametrize("layout", ["slots_major", "heads_major"])
+def test_decoder_equals_python_loop_and_reference(layout):
+    layer = make_layer(cache_layout=layout)
+    xs = stream((12,))
+    decoder = kvattn.Decoder(layer)
+    fast = jnp.concatenate([decoder.prefill(xs[:5])] + [decoder.step(x)[None] for x in xs[5:]])
+    assert_close(fast, causal_attention(weights_of(layer), xs))
+    assert int(layer.pos[...]) == 0  # untouched until sync
+    assert decoder.pos == 12
+    slow_layer = make_layer(cache_layout=layout)
+    slow = jnp.concatenate([slow_layer.prefill(xs[:5])] + [slow_layer.step(x)[None] for x in xs[5:]])
+    np.testing.assert_allclose(fast, slow, rtol=1e-6, atol=1e-6)
+    decoder.sync()
+    assert int(layer.pos[...]) == 12
+    np.testing.assert_allclose(layer.step(xs[0]), decoder.step(xs[0]), rtol=1e-6, atol=1e-6)
+
+
+def test_decoder_overflow_raises_before_running():
+    layer = make_layer(max_len=4)
+    decoder = kvattn.Decoder(layer)
+    decoder.prefill(stream((3,)))
+    y = decoder.step(stream((1,))[0])
+    with pytest.raises(kvattn.CacheOverflowError, match="max_len=4"):
+        decoder.step(stream((1,))[0])
+    assert decoder.pos == 4
+    assert np.isfinite(np.asarray(y)).all()
+    assert int(decoder.sync().pos[...]) == 4
+
+
+def test_batched_decoder_tracks_active_sequences():
+    layer = make_layer(batch_size=2, max_len=3)
+    decoder = kvattn.Decoder(layer)
+    decoder.prefill(stream((2, 2)), jnp.array([2, 0]))
+    decoder.step(stream((2,)), jnp.array([True, True]))
+    np.testing.assert_array_equal(decoder.pos, [3, 1])
+    with pytest.raises(kvattn.CacheOverflowError, match=r"sequences \[0\]"):
+        decoder.step(stream((2,)))
+    decoder.step(stream((2,)), jnp.array([False, True]))
+    np.testing.assert_array_equal(np.asarray(decoder.sync().pos[...]), [3, 2])
+
+
+def test_decoder_step_compiles_once():
+    layer = make_layer(max_len=40)
+    decoder = kvattn.Decoder(layer)
+    program = decoder._programs["step"]
+    before = program._cache_size()
+    for x in stream((20,)):
+        decoder.step(x)
+    assert program._cache_size() - before == 1
+
+
+def full_cache_copies(hlo: str, shape: str) -> list[str]:
+    return [line for line in hlo.splitlines() if re.search(rf"= {re.escape(shape)}\S* copy\(", line)]
+
+
+@pytest.mark.parametrize("layout", ["slots_major", "heads_major"])
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_compiled_step_updates_the_cache_in_place(layout, batch_size):
+    """The donated step aliases its cache outputs to its inputs and never copies a whole buffer."""
+    layer = make_layer(max_len=256, batch_size=batch_size, cache_layout=layout)
+    decoder = kvattn.Decoder(layer)
+    x = stream(() if batch_size is None else (batch_size,))
+    compiled = decoder._programs["step"].lower(decoder._rest, decoder._cache, (x, None)).compile()
+    hlo = compiled.as_text()
+    header = hlo.splitlines()[0]
+    assert header.count("-alias)") == 3  # k_cache, v_cache and pos reuse their input buffers
+    cache_shape = "f32[" + ",".join(str(d) for d in layer.k_cache[...].shape) + "]"
+    assert full_cache_copies(hlo, cache_shape) == []
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_decode_equals_step_loop_and_reference(batch_size):
+    lead = () if batch_size is None else (batch_size,)
+    xs = stream((*lead, 10))
+    looped, compiled = make_layer(batch_size=batch_size), make_layer(batch_size=batch_size)
+    looped.prefill(xs[..., :3, :])
+    compiled.prefill(xs[..., :3, :])
+    expected = jnp.stack([looped.step(xs[..., t, :]) for t in range(3, 10)], axis=-2)
+    got = kvattn.decode(compiled, xs[..., 3:, :])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    for a, b in zip(cache_bits(looped), cache_bits(compiled)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    weights = weights_of(compiled)
+    for b in range(batch_size or 1):
+        seq = xs[b] if batch_size else xs
+        row = got[b] if batch_size else got
+        assert_close(row, causal_attention(weights, seq)[3:])
+
+
+def test_decode_raises_before_running_when_stream_does_not_fit():
+    layer = make_layer(max_len=6)
+    layer.prefill(stream((3,)))
+    before = cache_bits(layer)
+    with pytest.raises(kvattn.CacheOverflowError):
+        kvattn.decode(layer, stream((4,)))
+    assert_bits_equal(before, cache_bits(layer))
+
+
+def feedback(y):
+    return jnp.tanh(y)
+
+
+def test_generate_equals_manual_feedback_loop():
+    layer, manual = make_layer(), make_layer()
+    x0 = stream(())
+    result = kvattn.generate(layer, x0, 6, feedback)
+    assert int(result.length) == 6
+    x, expected = x0, []
+    for _ in range(6):
+        y = manual.step(x)
+        expected.append(y)
+        x = feedback(y)
+    np.testing.assert_allclose(result.outputs, jnp.stack(expected), rtol=1e-5, atol=1e-6)
+    inputs = [x0] + [feedback(y) for y in expected[:-1]]
+    assert_close(result.outputs, causal_attention(weights_of(layer), jnp.stack(inputs)))
+    assert int(layer.pos[...]) == 6
+
+
+def test_generate_stops_cleanly_at_capacity():
+    layer = make_layer(max_len=5)
+    layer.prefill(stream((2,)))
+    before_k = np.asarray(layer.k_cache[...]).copy()
+    result = kvattn.generate(layer, stream((), seed=3), 6, feedback)
+    assert int(result.length) == 3
+    assert np.isfinite(np.asarray(result.outputs[:3])).all()
+    assert np.isnan(np.asarray(result.outputs[3:])).all()
+    assert int(layer.pos[...]) == 5
+    np.testing.assert_array_equal(np.asarray(layer.k_cache[...])[:2], before_k[:2])
+    full = kvattn.generate(layer, stream(()), 2, feedback)
+    assert int(full.length) == 0 and np.isnan(np.asarray(full.outputs)).all()
+
+
+def test_batched_generate_runs_until_every_sequence_is_full():
+    layer = make_layer(batch_size=2, max_len=4)
+    layer.prefill(stream((2, 2)), jnp.array([2, 0]))
+    result = kvattn.generate(layer, stream((2,)), 5, feedback)
+    assert result.outputs.shape == (2, 5, 8)
+    assert int(result.length) == 4
+    assert np.isfinite(np.asarray(result.outputs[0, :2])).all()
+    assert np.isnan(np.asarray(result.outputs[0, 2:])).all()  # sequence 0 full after 2 steps
+    assert np.isfinite(np.asarray(result.outputs[1, :4])).all()
+    np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 4])
+
+
+def test_generate_rejects_bad_step_count():
+    with pytest.raises(ValueError, match="num_steps must be a non-negative int"):
+        kvattn.generate(make_layer(), stream(()), -1, feedback)
+
+
+def test_generate_program_is_reused_for_the_same_next_input():
+    layer = make_layer()
+    kvattn.generate(layer, stream(()), 3, feedback)
+    before = decoding._generate._cache_size()
+    layer.reset()
+    kvattn.generate(layer, stream((), seed=2), 3, feedback)
+    assert decoding._generate._cache_size() == before
