@@ -143,25 +143,37 @@ def attention(
 
 def _cache_scores(q, k_cache, layout):
     """Scores `(B, T, K, G, S)` of scaled queries `(B, T, K, G, H)` against every slot."""
-    if layout == SLOTS_MAJOR and q.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS:
-        batch, num_new, num_kv_heads, group, head_dim = q.shape
+    batch, num_new, num_kv_heads, group, head_dim = q.shape
+    if layout == HEADS_MAJOR:
+        # Rows R = (T, G) of one kv head are gathered first, so the product
+        # is a plain batched matmul over (B, K) that reads the cache in place.
+        rows = q.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_new * group, head_dim)
+        scores = jnp.einsum("BKRH,BKSH->BKRS", rows, k_cache)
+        scores = scores.reshape(batch, num_kv_heads, num_new, group, -1)
+        return scores.transpose(0, 2, 1, 3, 4)
+    if num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
         scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat)
         return scores.reshape(batch, num_new, num_kv_heads, group, -1)
-    return jnp.einsum(f"BTKGH,{layout}->BTKGS", q, k_cache)
+    return jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
 
 
 def _cache_values(weights, v_cache, layout):
     """Mixes cached values `(B, T, K, G, H)` with weights `(B, T, K, G, S)`."""
-    if layout == SLOTS_MAJOR and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS:
-        batch, num_new, num_kv_heads, group, num_slots = weights.shape
-        head_dim = v_cache.shape[-1]
+    batch, num_new, num_kv_heads, group, num_slots = weights.shape
+    head_dim = v_cache.shape[-1]
+    if layout == HEADS_MAJOR:
+        rows = weights.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_new * group, num_slots)
+        mixed = jnp.einsum("BKRS,BKSH->BKRH", rows, v_cache)
+        mixed = mixed.reshape(batch, num_kv_heads, num_new, group, head_dim)
+        return mixed.transpose(0, 2, 1, 3, 4)
+    if num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         v_flat = v_cache.reshape(batch, num_slots, num_kv_heads * head_dim)
         rows = weights.reshape(batch, num_new * num_kv_heads * group, num_slots)
         mixed = jnp.einsum("BRS,BSE->BRE", rows, v_flat)
         mixed = mixed.reshape(batch, num_new, num_kv_heads, group, num_kv_heads, head_dim)
         return (mixed * _eye(num_kv_heads, mixed.dtype)).sum(axis=4)
-    return jnp.einsum(f"BTKGS,{layout}->BTKGH", weights, v_cache)
+    return jnp.einsum("BTKGS,BSKH->BTKGH", weights, v_cache)
 
 
 def _eye(num_kv_heads, dtype):
