@@ -121,35 +121,73 @@ def test_length_buckets():
 # ------------------------------------------------------------------- cache.py
 
 
+def values_of(cache, layout=ops.SLOTS_MAJOR):
+    """`(B, S)` view of a cache with K = H = 1."""
+    k = cache.k if layout == ops.SLOTS_MAJOR else jnp.swapaxes(cache.k, 1, 2)
+    return np.asarray(k)[..., 0, 0]
+
+
+def empty_cache(batch, slots, layout=ops.SLOTS_MAJOR, dtype=jnp.float32):
+    k = to_layout(jnp.zeros((batch, slots, 1, 1), dtype), layout)
+    return cache_ops.KVCache(k, k, jnp.zeros(batch, jnp.int32))
+
+
 @pytest.mark.parametrize("layout", [ops.SLOTS_MAJOR, ops.HEADS_MAJOR])
-def test_write_puts_each_token_at_its_slot_and_drops_the_rest(layout):
-    cache = to_layout(jnp.zeros((2, 4, 1, 1)), layout)
+def test_append_puts_each_token_at_its_slot_and_drops_the_rest(layout):
+    cache = empty_cache(2, 4, layout)._replace(pos=jnp.array([1, 2]))
     new = jnp.arange(1.0, 7.0).reshape(2, 3, 1, 1)
-    out = cache_ops.write(cache, new, jnp.array([1, 2]), jnp.array([2, 3]), layout)
-    out = np.asarray(to_layout(out, layout))[..., 0, 0]
+    out = cache_ops.append(cache, new, new, jnp.array([2, 3]), layout=layout)
     # Sequence 1 has room for 2 of its 3 tokens: the third is dropped, not wrapped or clamped.
-    np.testing.assert_array_equal(out, [[0, 1, 2, 0], [0, 0, 4, 5]])
+    np.testing.assert_array_equal(values_of(out, layout), [[0, 1, 2, 0], [0, 0, 4, 5]])
+    np.testing.assert_array_equal(out.pos, [3, 5])
 
 
-def test_write_after_a_result_is_exact_even_when_it_is_nan():
-    cache = jnp.zeros((1, 3, 1, 1))
+def test_ring_append_wraps_and_keeps_only_the_last_tokens():
+    cache = empty_cache(2, 3)._replace(pos=jnp.array([2, 0]))
+    new = jnp.arange(1.0, 11.0).reshape(2, 5, 1, 1)
+    out = cache_ops.append(cache, new, new, jnp.array([2, 5]), ring=True)
+    # Sequence 0: positions 2, 3 -> slots 2, 0. Sequence 1: five tokens in
+    # three slots, only positions 2, 3, 4 (values 8, 9, 10) survive.
+    np.testing.assert_array_equal(values_of(out), [[2, 0, 1], [9, 10, 8]])
+    np.testing.assert_array_equal(out.pos, [4, 5])
+
+
+def test_append_after_a_result_is_exact_even_when_it_is_nan():
+    cache = empty_cache(1, 3)._replace(pos=jnp.array([1]))
     new = jnp.ones((1, 1, 1, 1))
-    out = cache_ops.write(cache, new, jnp.array([1]), jnp.array([1]), after=jnp.array([jnp.nan, -jnp.inf]))
-    np.testing.assert_array_equal(out[0, :, 0, 0], [0, 1, 0])
+    out = cache_ops.append(cache, new, new, jnp.array([1]), after=jnp.array([jnp.nan, -jnp.inf]))
+    np.testing.assert_array_equal(values_of(out), [[0, 1, 0]])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_encode_round_trips_within_the_storage_precision(dtype):
+    x = jax.random.normal(jax.random.key(0), (2, 3, 4, 16))
+    stored, scale = cache_ops.encode(x, dtype)
+    assert stored.dtype == dtype
+    back = cache_ops.decode_values(stored, scale)
+    bound = 2.0**-8 if dtype == jnp.bfloat16 else 0.5 / 127  # half a step, relative to max|x|
+    peak = np.abs(np.asarray(x)).max(axis=-1, keepdims=True)
+    assert (np.abs(np.asarray(back - x)) <= bound * peak + 1e-7).all()
+    zeros, zero_scale = cache_ops.encode(jnp.zeros((1, 1, 1, 4)), dtype)
+    np.testing.assert_array_equal(cache_ops.decode_values(zeros, zero_scale), 0.0)
 
 
 def test_clear_truncate_fork_reorder():
-    cache = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
-    flat = lambda c: np.asarray(c)[..., 0, 0]  # noqa: E731
-    cleared = flat(cache_ops.clear(cache, jnp.array([False, True, False])))
-    np.testing.assert_array_equal(cleared, [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
-    kept = flat(cache_ops.truncate(cache, jnp.array([0, 2, 4])))
-    np.testing.assert_array_equal(kept, [[0, 0, 0, 0], [5, 6, 0, 0], [9, 10, 11, 12]])
-    heads_major = jnp.swapaxes(cache, 1, 2)
+    k = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
+    cache = cache_ops.KVCache(k, k, jnp.array([4, 4, 4]))
+    cleared = cache_ops.clear(cache, jnp.array([False, True, False]))
+    np.testing.assert_array_equal(values_of(cleared), [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
+    np.testing.assert_array_equal(cleared.pos, [4, 0, 4])
+    kept = cache_ops.truncate(cache, jnp.array([0, 2, 4]))
+    np.testing.assert_array_equal(values_of(kept), [[0, 0, 0, 0], [5, 6, 0, 0], [9, 10, 11, 12]])
+    np.testing.assert_array_equal(kept.pos, [0, 2, 4])
+    heads_major = cache_ops.KVCache(jnp.swapaxes(k, 1, 2), jnp.swapaxes(k, 1, 2), cache.pos)
     kept_hm = cache_ops.truncate(heads_major, jnp.array([0, 2, 4]), ops.HEADS_MAJOR)
-    np.testing.assert_array_equal(flat(jnp.swapaxes(kept_hm, 1, 2)), kept)
-    forked = flat(cache_ops.fork(cache, 2, jnp.array([True, False, False])))
-    np.testing.assert_array_equal(forked, [[9, 10, 11, 12], [5, 6, 7, 8], [9, 10, 11, 12]])
-    reordered = flat(cache_ops.reorder(cache, jnp.array([1, 1, 0])))
-    np.testing.assert_array_equal(reordered, [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    np.testing.assert_array_equal(values_of(kept_hm, ops.HEADS_MAJOR), values_of(kept))
+    forked = cache_ops.fork(cache._replace(pos=jnp.array([1, 2, 3])), 2, jnp.array([True, False, False]))
+    np.testing.assert_array_equal(values_of(forked), [[9, 10, 11, 12], [5, 6, 7, 8], [9, 10, 11, 12]])
+    np.testing.assert_array_equal(forked.pos, [3, 2, 3])
+    reordered = cache_ops.reorder(cache, jnp.array([1, 1, 0]))
+    np.testing.assert_array_equal(values_of(reordered), [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
     assert cache_ops.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), 4).tolist() == [True, False]
+    assert cache_ops.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), None).tolist() == [True, True]

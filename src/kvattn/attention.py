@@ -56,33 +56,45 @@ def causal_self_attention(weights: Weights, xs):
     return ops.project_out(ctx, weights.out_kernel, weights.out_bias)
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "layout", "buckets"))
-def extend(weights: Weights, k_cache, v_cache, pos, xs, lengths, *, max_len, layout, buckets):
+@functools.partial(jax.jit, static_argnames=("max_len", "layout", "buckets", "window"))
+def extend(
+    weights: Weights,
+    cache: cache_ops.KVCache,
+    xs,
+    lengths,
+    *,
+    max_len: int | None,
+    layout: str,
+    buckets: tuple[int, ...],
+    window: int | None = None,
+):
     """Appends tokens to a batch of caches and attends: step and prefill as one pure function.
 
     Sequence b appends its first `lengths[b]` tokens of `xs` `(B, T, D)` at
-    slots `pos[b] ..`, each attending to the filled cache and causally to the
-    chunk. A sequence without room for them writes nothing, keeps its `pos`
-    and gets NaN outputs (the in-graph half of the overflow contract).
+    positions `cache.pos[b] ..`, each attending to the cache and causally to
+    the chunk. A sequence without room for them writes nothing, keeps its
+    `pos` and gets NaN outputs (the in-graph half of the overflow contract).
     Padding tokens `t >= lengths[b]` get zero outputs.
 
     Returns:
-      `(ys, k_cache, v_cache, pos)`: outputs `(B, T, D)` and the new cache.
+      `(ys, cache)`: outputs `(B, T, D)` and the advanced cache.
     """
     num_new = xs.shape[1]
-    fits = cache_ops.capacity_ok(pos, lengths, max_len)
-    written = jnp.where(fits, lengths, 0)
+    fits = cache_ops.capacity_ok(cache.pos, lengths, max_len)
     q, k, v = _project_qkv(weights, xs)
-    ctx = ops.bucketed_attention(q, k, v, lengths, k_cache, v_cache, pos, layout, buckets)
+    ctx = ops.bucketed_attention(
+        q, k, v, lengths, cache.k, cache.v, cache.pos, layout, buckets,
+        k_scale=cache.k_scale, v_scale=cache.v_scale, window=window,
+    )
     ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
     real = jnp.arange(num_new)[None, :] < lengths[:, None]
     ys = jnp.where(real[:, :, None], ys, 0.0)
     ys = jnp.where(fits[:, None, None], ys, jnp.nan)
-    # Stored after attention has read the old slots, so XLA can update
-    # the (donated) buffers in place.
-    k_cache = cache_ops.write(k_cache, k, pos, written, layout, after=ys)
-    v_cache = cache_ops.write(v_cache, v, pos, written, layout, after=ys)
-    return ys, k_cache, v_cache, pos + written
+    # Stored after attention has read the old slots, so XLA can update the
+    # (donated) buffers in place.
+    written = jnp.where(fits, lengths, 0)
+    cache = cache_ops.append(cache, k, v, written, layout=layout, ring=window is not None, after=ys)
+    return ys, cache
 
 
 class CacheOverflowError(ValueError):
@@ -106,28 +118,36 @@ class MultiHeadAttention(nnx.Module):
 
     Parameters have the paths and shapes of `flax.nnx.MultiHeadAttention`:
     `query`, `key`, `value` kernels `(D, N|K, H)` and biases `(N|K, H)`; `out`
-    kernel `(N, H, D)` and bias `(D,)`. The decoding state lives in three
+    kernel `(N, H, D)` and bias `(D,)`. The decoding state lives in
     `nnx.Cache` variables: `k_cache`, `v_cache` float32 `(max_len, K, H)` (or
     `(B, max_len, K, H)` with `batch_size`; `K` before `max_len` in the
-    heads-major layout) and `pos`, the next free slot,
-    int32 `()` (or `(B,)`).
+    heads-major layout) and `pos`, the next free slot, int32 `()` (or
+    `(B,)`). int8 storage adds `k_scale`, `v_scale`, one float32 per slot and
+    kv head.
 
     Overflow contract: a layer holds at most `max_len` tokens per sequence.
     Called eagerly, a `step` or `prefill` that would pass it raises
     `CacheOverflowError` before any state changes. Under `jit`, where `pos` is
     traced, an overflowing sequence writes no slot, keeps its `pos`, and its
-    outputs are all NaN; the other sequences of a batch proceed.
+    outputs are all NaN; the other sequences of a batch proceed. A windowed
+    layer never overflows.
 
     Args:
       num_heads: query heads N.
       in_features: model width D.
-      max_len: cache capacity in tokens, per sequence.
+      max_len: cache capacity in tokens, per sequence. Not used with `window`.
       head_dim: width H of a head; defaults to `in_features // num_heads`.
       num_kv_heads: key/value heads K (grouped-query attention); must divide
         `num_heads`. Defaults to `num_heads`; 1 gives multi-query attention.
       batch_size: number of sequences the cache holds, or None for one
         unbatched sequence.
       use_bias: whether the projections have biases.
+      window: sliding-window attention over the last `window` tokens, kept
+        in a ring of `window` slots: a stream can run forever at constant
+        memory. Replaces `max_len`.
+      cache_dtype: storage of keys and values: `"float32"` (the seed's),
+        `"bfloat16"` (half the memory) or `"int8"` (a quarter, plus one
+        float32 scale per token and head). Attention math is float32.
       cache_layout: `"slots_major"`, the seed's `(max_len, K, H)`, or
         `"heads_major"`, `(K, max_len, H)`: the same results, and 2-3x faster
         attention on XLA:CPU, whose batched dots want the head axis first.
@@ -135,6 +155,11 @@ class MultiHeadAttention(nnx.Module):
         lengths that holds every filled slot, so a step costs about the filled
         length rather than `max_len`. None picks doublings from 128; `()`
         always reads the whole buffer; buckets past `max_len` are ignored.
+      data_axis, model_axis: names of mesh axes to shard over: sequences of
+        the batch over `data_axis`, heads (projections and cache) over
+        `model_axis`. Recorded as Flax `out_sharding` annotations, applied
+        when the layer is built under `jax.set_mesh(mesh)` or by
+        `kvattn.shard`.
       kernel_init, bias_init: initializers, as in Flax.
       rngs: random streams for the initializers.
 
@@ -156,20 +181,29 @@ class MultiHeadAttention(nnx.Module):
         num_heads: int,
         in_features: int,
         *,
-        max_len: int,
+        max_len: int | None = None,
         head_dim: int | None = None,
         num_kv_heads: int | None = None,
         batch_size: int | None = None,
         use_bias: bool = True,
-        length_buckets: tuple[int, ...] | None = None,
+        window: int | None = None,
+        cache_dtype: str = "float32",
         cache_layout: str = "slots_major",
+        length_buckets: tuple[int, ...] | None = None,
+        data_axis: str | None = None,
+        model_axis: str | None = None,
         kernel_init=default_kernel_init,
         bias_init=initializers.zeros_init(),
         rngs: nnx.Rngs,
     ):
         num_heads = _positive_int("num_heads", num_heads)
         in_features = _positive_int("in_features", in_features)
-        max_len = _positive_int("max_len", max_len)
+        if (max_len is None) == (window is None):
+            raise ValueError(
+                f"give exactly one of max_len (a bounded cache) or window (a ring), "
+                f"got max_len={max_len!r} and window={window!r}"
+            )
+        num_slots = _positive_int("window" if max_len is None else "max_len", window if max_len is None else max_len)
         if head_dim is None:
             if in_features % num_heads:
                 raise ValueError(
@@ -185,42 +219,73 @@ class MultiHeadAttention(nnx.Module):
             batch_size = _positive_int("batch_size", batch_size)
         if cache_layout not in ops.LAYOUTS:
             raise ValueError(f"cache_layout must be one of {sorted(ops.LAYOUTS)}, got {cache_layout!r}")
+        if cache_dtype not in cache_ops.CACHE_DTYPES:
+            raise ValueError(f"cache_dtype must be one of {sorted(cache_ops.CACHE_DTYPES)}, got {cache_dtype!r}")
         if length_buckets is None:
-            length_buckets = ops.length_buckets(max_len)
-        elif length_buckets == ():
-            length_buckets = (max_len,)
+            length_buckets = ops.length_buckets(num_slots)
         else:
-            if min(length_buckets) < 1:
+            if length_buckets and min(length_buckets) < 1:
                 raise ValueError(f"length_buckets must be positive slot counts, got {length_buckets}")
-            # Buckets at or past max_len add nothing: the last one is max_len.
-            length_buckets = tuple(sorted({int(b) for b in length_buckets if b < max_len} | {max_len}))
+            # Buckets at or past the slot count add nothing: the last one is all slots.
+            length_buckets = tuple(sorted({int(b) for b in length_buckets if b < num_slots} | {num_slots}))
 
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.in_features = in_features
         self.head_dim = head_dim
         self.max_len = max_len
+        self.window = window
+        self.num_slots = num_slots
         self.batch_size = batch_size
         self.use_bias = use_bias
-        self.length_buckets = length_buckets
+        self.cache_dtype = cache_dtype
         self.cache_layout = cache_layout
         self.layout = ops.LAYOUTS[cache_layout]
+        self.length_buckets = length_buckets
+        self.data_axis = data_axis
+        self.model_axis = model_axis
 
-        def linear(in_f, out_f, **kw):
+        def linear(in_f, out_f, kernel_axes, bias_axes, **kw):
             return nnx.LinearGeneral(
-                in_f, out_f, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs, **kw
+                in_f, out_f, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
+                kernel_metadata=self._annotation(kernel_axes), bias_metadata=self._annotation(bias_axes), **kw,
             )
 
-        self.query = linear(in_features, (num_heads, head_dim))
-        self.key = linear(in_features, (num_kv_heads, head_dim))
-        self.value = linear(in_features, (num_kv_heads, head_dim))
-        self.out = linear((num_heads, head_dim), in_features, axis=(-2, -1))
+        heads = (None, model_axis, None)
+        self.query = linear(in_features, (num_heads, head_dim), heads, (model_axis, None))
+        self.key = linear(in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
+        self.value = linear(in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
+        self.out = linear((num_heads, head_dim), in_features, (model_axis, None, None), (None,), axis=(-2, -1))
 
-        lead = () if batch_size is None else (batch_size,)
-        slots = (max_len, num_kv_heads) if self.layout == ops.SLOTS_MAJOR else (num_kv_heads, max_len)
-        self.k_cache = nnx.Cache(jnp.zeros((*lead, *slots, head_dim), jnp.float32))
-        self.v_cache = nnx.Cache(jnp.zeros((*lead, *slots, head_dim), jnp.float32))
-        self.pos = nnx.Cache(jnp.zeros(lead, jnp.int32))
+        lead, lead_axes = ((), ()) if batch_size is None else ((batch_size,), (data_axis,))
+        if self.layout == ops.SLOTS_MAJOR:
+            slots, slot_axes = (num_slots, num_kv_heads), (None, model_axis)
+        else:
+            slots, slot_axes = (num_kv_heads, num_slots), (model_axis, None)
+        dtype = cache_ops.CACHE_DTYPES[cache_dtype]
+
+        def cache(shape, axes, dtype):
+            return nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes))
+
+        self.k_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
+        self.v_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
+        self.pos = cache(lead, lead_axes, jnp.int32)
+        if cache_dtype == "int8":
+            self.k_scale = cache((*lead, *slots), (*lead_axes, *slot_axes), jnp.float32)
+            self.v_scale = cache((*lead, *slots), (*lead_axes, *slot_axes), jnp.float32)
+
+    def _annotation(self, axes) -> dict:
+        """Flax sharding metadata for a variable, or nothing when no mesh axis is named."""
+        if self.data_axis is None and self.model_axis is None:
+            return {}
+        return {"out_sharding": tuple(axes)}
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Bytes of cache one token takes in one sequence (keys, values and int8 scales)."""
+        itemsize = jnp.dtype(cache_ops.CACHE_DTYPES[self.cache_dtype]).itemsize
+        scales = 2 * self.num_kv_heads * 4 if self.cache_dtype == "int8" else 0
+        return 2 * self.num_kv_heads * self.head_dim * itemsize + scales
 
     # ------------------------------------------------------------------ public
 
@@ -298,13 +363,7 @@ class MultiHeadAttention(nnx.Module):
           which: batched layers only, optional indices or bool mask `(B,)` of
             the sequences to empty; the others stay bit-identical.
         """
-        mask = self._which(which)
-        pos = self._batched(self.pos[...])
-        self._store(
-            cache_ops.clear(self._batched(self.k_cache[...]), mask),
-            cache_ops.clear(self._batched(self.v_cache[...]), mask),
-            jnp.where(mask, 0, pos),
-        )
+        self._set_cache(cache_ops.clear(self.cache, self._which(which)))
 
     def truncate(self, keep):
         """Rolls back: keeps the first `keep` tokens of each sequence and drops the rest.
@@ -318,7 +377,12 @@ class MultiHeadAttention(nnx.Module):
             batched layer, with `0 <= keep <= pos`. Eagerly anything else
             raises; under jit a sequence asked to keep more than it holds is
             left as it is, and a negative count keeps nothing.
+
+        Not available with `window`: the ring has already overwritten the
+        tokens that would slide back into view.
         """
+        if self.window is not None:
+            raise ValueError("truncate is not supported on a windowed layer; reset() it or keep decoding")
         pos = self._batched(self.pos[...])
         keep = jnp.asarray(keep)
         if not jnp.issubdtype(keep.dtype, jnp.integer) or keep.shape not in ((), pos.shape):
@@ -331,12 +395,7 @@ class MultiHeadAttention(nnx.Module):
                     f"truncate keeps 0..pos tokens per sequence; got keep {np.asarray(keep)[bad].tolist()} "
                     f"for sequences {bad.tolist()} holding {np.asarray(pos)[bad].tolist()}"
                 )
-        keep = jnp.clip(keep, 0, pos)
-        self._store(
-            cache_ops.truncate(self._batched(self.k_cache[...]), keep, self.layout),
-            cache_ops.truncate(self._batched(self.v_cache[...]), keep, self.layout),
-            keep,
-        )
+        self._set_cache(cache_ops.truncate(self.cache, jnp.clip(keep, 0, pos), self.layout))
 
     def fork(self, source, targets):
         """Copies sequence `source` (cache and `pos`) into other sequences of the batch.
@@ -354,12 +413,7 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(f"source must be one sequence index, got {source.dtype} {source.shape}")
         if not _is_traced(source) and not 0 <= int(source) < self.batch_size:
             raise ValueError(f"source must lie in [0, {self.batch_size}), got {int(source)}")
-        mask = self._which(targets)
-        self._store(
-            cache_ops.fork(self.k_cache[...], source, mask),
-            cache_ops.fork(self.v_cache[...], source, mask),
-            cache_ops.fork(self.pos[...], source, mask),
-        )
+        self._set_cache(cache_ops.fork(self.cache, source, self._which(targets)))
 
     def reorder(self, order):
         """Sequence b becomes what sequence `order[b]` was (beam search selection).
@@ -375,11 +429,7 @@ class MultiHeadAttention(nnx.Module):
             host = np.asarray(order)
             if host.min() < 0 or host.max() >= self.batch_size:
                 raise ValueError(f"order indices must lie in [0, {self.batch_size}), got {host.tolist()}")
-        self._store(
-            cache_ops.reorder(self.k_cache[...], order),
-            cache_ops.reorder(self.v_cache[...], order),
-            cache_ops.reorder(self.pos[...], order),
-        )
+        self._set_cache(cache_ops.reorder(self.cache, order))
 
     # ---------------------------------------------------------------- internal
 
@@ -387,23 +437,21 @@ class MultiHeadAttention(nnx.Module):
         """Appends `xs` `([B,] T, D)` to the cache and attends; the core of step and prefill."""
         xs_b = self._batched(xs)
         batch, num_new = xs_b.shape[:2]
-        pos = self._batched(self.pos[...])
+        cache = self.cache
         if lengths is None:
             lengths = jnp.full((batch,), num_new, jnp.int32)
-        self._check_capacity(pos, lengths)
-
-        ys, k_cache, v_cache, pos = extend(
+        self._check_capacity(cache.pos, lengths)
+        ys, cache = extend(
             self.weights,
-            self._batched(self.k_cache[...]),
-            self._batched(self.v_cache[...]),
-            pos,
+            cache,
             xs_b,
             lengths,
             max_len=self.max_len,
             layout=self.layout,
             buckets=self.length_buckets,
+            window=self.window,
         )
-        self._store(k_cache, v_cache, pos)
+        self._set_cache(cache)
         return ys if self.batch_size is not None else ys[0]
 
     @property
@@ -424,19 +472,34 @@ class MultiHeadAttention(nnx.Module):
             bias(self.out),
         )
 
+    @property
+    def cache(self) -> cache_ops.KVCache:
+        """The decoding state as plain arrays, always with a leading batch axis."""
+        int8 = self.cache_dtype == "int8"
+        return cache_ops.KVCache(
+            k=self._batched(self.k_cache[...]),
+            v=self._batched(self.v_cache[...]),
+            pos=self._batched(self.pos[...]),
+            k_scale=self._batched(self.k_scale[...]) if int8 else None,
+            v_scale=self._batched(self.v_scale[...]) if int8 else None,
+        )
+
+    def _set_cache(self, cache: cache_ops.KVCache):
+        """Writes a `KVCache` (with its batch axis) back into the `nnx.Cache` variables."""
+        unbatch = (lambda a: a[0]) if self.batch_size is None else (lambda a: a)
+        self.k_cache[...] = unbatch(cache.k)
+        self.v_cache[...] = unbatch(cache.v)
+        self.pos[...] = unbatch(cache.pos).astype(jnp.int32)
+        if self.cache_dtype == "int8":
+            self.k_scale[...] = unbatch(cache.k_scale)
+            self.v_scale[...] = unbatch(cache.v_scale)
+
     def _batched(self, array):
         return array if self.batch_size is not None else array[None]
 
-    def _store(self, k_cache, v_cache, pos):
-        if self.batch_size is None:
-            k_cache, v_cache, pos = k_cache[0], v_cache[0], pos[0]
-        self.k_cache[...] = k_cache
-        self.v_cache[...] = v_cache
-        self.pos[...] = pos.astype(jnp.int32)
-
     def _check_capacity(self, pos, lengths):
-        if _is_traced(pos, lengths):
-            return  # under jit the in-graph guard applies the overflow contract
+        if self.max_len is None or _is_traced(pos, lengths):
+            return  # a ring never overflows; under jit the in-graph guard applies
         needed = np.asarray(pos) + np.asarray(lengths)
         over = np.flatnonzero(needed > self.max_len)
         if over.size:
@@ -533,7 +596,7 @@ def attend(layer: MultiHeadAttention, history, x, lengths=None):
     lead = 0 if layer.batch_size is None else 1
     history = layer._check_tokens(history, "history", ranks=(2 + lead,))
     x = layer._check_tokens(x, "x", ranks=(1 + lead,))
-    if history.shape[-2] + 1 > layer.max_len:
+    if layer.max_len is not None and history.shape[-2] + 1 > layer.max_len:
         raise CacheOverflowError(
             f"history of {history.shape[-2]} tokens plus x does not fit max_len={layer.max_len}"
         )

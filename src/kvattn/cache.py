@@ -1,14 +1,23 @@
-"""Pure cache transitions on arrays: write, reset, truncate, fork, reorder.
+"""Pure cache transitions on arrays: append, clear, truncate, fork, reorder.
 
-The cache of a batch is `k, v: (B, S, K, H)` (or `(B, K, S, H)` in the
-heads-major layout, named by the `layout` argument) and `pos: (B,)`, where
-`pos[b]` is the next free slot of sequence b. Every function returns new arrays and
-never touches a slot it was not asked to: writes that must not happen are
-dropped explicitly (an out-of-range index with `mode="drop"`), never clamped.
-Axis letters follow the legend in `kvattn.ops`.
+A batch of caches is a `KVCache`: keys and values `(B, S, K, H)` (or
+`(B, K, S, H)` in the heads-major layout, named by the `layout` argument),
+the next free position `pos: (B,)`, and, for int8 storage, one float32 scale
+per token and head, `(B, S, K)` (or `(B, K, S)`).
+
+Every function returns a new cache and never touches a slot it was not asked
+to: writes that must not happen are sent to an explicit out-of-range index
+and dropped, never clamped or wrapped onto a live slot. Slots that hold no
+token are kept at zero (the attention masks them, and zero keeps their
+masked contribution exactly zero). Axis letters follow `kvattn.ops`.
+
+A ring cache (`window=W`, with `S = W` slots) keeps the last W tokens:
+position p lives in slot `p % W`, and `pos` counts every token ever appended.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,77 +25,164 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvattn.ops import SLOTS_MAJOR
 
-__all__ = ["write", "capacity_ok", "clear", "truncate", "fork", "reorder"]
+__all__ = [
+    "CACHE_DTYPES",
+    "KVCache",
+    "append",
+    "capacity_ok",
+    "clear",
+    "decode_values",
+    "encode",
+    "fork",
+    "reorder",
+    "truncate",
+]
+
+CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
 
 
-def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], max_len: int) -> Bool[Array, " B"]:
-    """Whether each sequence has room for its `lengths` new tokens."""
+class KVCache(NamedTuple):
+    """The decoding state of a batch of sequences, as plain arrays."""
+
+    k: Array
+    v: Array
+    pos: Int[Array, " B"]
+    k_scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
+    v_scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
+
+
+def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], max_len: int | None) -> Bool[Array, " B"]:
+    """Whether each sequence has room for its `lengths` new tokens (always, for a ring)."""
+    if max_len is None:
+        return jnp.ones(pos.shape, jnp.bool_)
     return pos + lengths <= max_len
 
 
-def write(
-    cache: Float[Array, "B ..."],
-    new: Float[Array, "B T K H"],
+def encode(x: Float[Array, "B T K H"], dtype) -> tuple[Array, Float[Array, "B T K"] | None]:
+    """Converts new keys or values to the storage dtype, with int8 scales.
+
+    int8 is symmetric per token and head: `x ≈ q * scale`, `scale = max|x| / 127`.
+    """
+    if dtype != jnp.int8:
+        return x.astype(dtype), None
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)
+    quantized = jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8)
+    return quantized, scale.astype(jnp.float32)
+
+
+def decode_values(stored: Array, scale: Array | None) -> Float[Array, "..."]:
+    """float32 keys or values from storage; the inverse of `encode` up to rounding."""
+    values = stored.astype(jnp.float32)
+    return values if scale is None else values * scale[..., None]
+
+
+def _write(
+    buffer: Array,
+    new: Array,
     start: Int[Array, " B"],
     lengths: Int[Array, " B"],
-    layout: str = SLOTS_MAJOR,
-    after: Array | None = None,
-) -> Float[Array, "B ..."]:
-    """Writes `new[b, :lengths[b]]` to slots `start[b] ..` of sequence b.
-
-    Tokens at `t >= lengths[b]` are not written anywhere. The caller checks
-    capacity first; any slot index that would still fall past the buffer is
-    sent to an explicit out-of-range index and dropped, never wrapped.
-
-    `after` names a result that reads the old cache (the attention output).
-    The write is made to depend on it through a term that is always zero:
-    without that data dependency XLA:CPU cannot prove the in-place write
-    runs after the reads and copies the whole donated buffer every step.
-    """
-    batch, num_slots = cache.shape[0], cache.shape[layout.index("S")]
-    num_new = new.shape[1]
-    offsets = jnp.arange(num_new)[None, :]
+    layout: str,
+    ring: bool,
+    after: Array | None,
+) -> Array:
+    """Writes `new[b, :lengths[b]]` (`(B, T, K, ...)`) at positions `start[b] ..` of sequence b."""
+    batch, num_slots = buffer.shape[0], buffer.shape[layout.index("S")]
     if after is not None:
         start = start + _zero_after(after)
+    offsets = jnp.arange(new.shape[1])[None, :]
     slots = start[:, None] + offsets
-    keep = (offsets < lengths[:, None]) & (slots < num_slots)
+    real = offsets < lengths[:, None]
+    if ring:
+        # Only the last S tokens of a chunk survive; the rest would share slots.
+        keep = real & (offsets >= lengths[:, None] - num_slots)
+        slots = slots % num_slots
+    else:
+        keep = real & (slots < num_slots)
     slots = jnp.where(keep, slots, num_slots)
     rows = jnp.arange(batch)[:, None]
-    # Either way the indexed view is (B, T, K, H): with a slice between the
+    # Either way the indexed view is (B, T, K, ...): with a slice between the
     # two index arrays, NumPy indexing puts the indexed axes first.
-    index = (rows, slots) if layout == SLOTS_MAJOR else (rows, slice(None), slots)
-    return cache.at[index].set(new.astype(cache.dtype), mode="drop")
+    index = (rows, slots) if layout.index("S") == 1 else (rows, slice(None), slots)
+    return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
 
 
 def _zero_after(result: Array) -> Int[Array, ""]:
-    """An int32 zero that XLA must compute from `result` (exact, NaN-safe)."""
+    """An int32 zero that XLA must compute from `result` (exact, NaN-safe).
+
+    Writes use it to depend on the attention output. Without that data
+    dependency XLA:CPU cannot prove the in-place write runs after the reads
+    of the old cache, and copies the whole donated buffer every step.
+    """
     bits = jax.lax.bitcast_convert_type(jnp.sum(result).astype(jnp.float32), jnp.int32)
     return jnp.minimum(bits & 1, 0)
 
 
-def clear(cache: Float[Array, "B ..."], which: Bool[Array, " B"]) -> Float[Array, "B ..."]:
-    """Zeros the whole buffer of the chosen sequences; others stay bit-identical."""
-    return jnp.where(which[:, None, None, None], jnp.zeros((), cache.dtype), cache)
+def append(
+    cache: KVCache,
+    k_new: Float[Array, "B T K H"],
+    v_new: Float[Array, "B T K H"],
+    lengths: Int[Array, " B"],
+    *,
+    layout: str = SLOTS_MAJOR,
+    ring: bool = False,
+    after: Array | None = None,
+) -> KVCache:
+    """Appends the first `lengths[b]` new keys and values of each sequence and advances `pos`.
+
+    The caller has checked capacity (`capacity_ok`) and passes zero
+    `lengths` for sequences that must not change. `after` names a result
+    that reads the old cache (the attention output): see `_zero_after`.
+    """
+    k_stored, k_scale = encode(k_new, cache.k.dtype)
+    v_stored, v_scale = encode(v_new, cache.v.dtype)
+
+    def put(buffer, new):
+        return _write(buffer, new, cache.pos, lengths, layout, ring, after)
+
+    return KVCache(
+        k=put(cache.k, k_stored),
+        v=put(cache.v, v_stored),
+        pos=cache.pos + lengths,
+        k_scale=None if k_scale is None else put(cache.k_scale, k_scale),
+        v_scale=None if v_scale is None else put(cache.v_scale, v_scale),
+    )
 
 
-def truncate(
-    cache: Float[Array, "B ..."], keep: Int[Array, " B"], layout: str = SLOTS_MAJOR
-) -> Float[Array, "B ..."]:
-    """Zeros the slots at and after `keep[b]`, as if they were never written."""
-    slot_axis = layout.index("S")
-    shape = [1] * cache.ndim
-    shape[slot_axis] = cache.shape[slot_axis]
-    slot = jnp.arange(cache.shape[slot_axis]).reshape(shape)
-    kept = slot < keep.reshape((-1,) + (1,) * (cache.ndim - 1))
-    return jnp.where(kept, cache, jnp.zeros((), cache.dtype))
+def _map(fn, cache: KVCache) -> KVCache:
+    return KVCache(*(None if array is None else fn(array) for array in cache))
 
 
-def fork(cache: Array, source: int | Int[Array, ""], targets: Bool[Array, " B"]) -> Array:
-    """Copies sequence `source` into every sequence marked in `targets` (any trailing shape)."""
-    mask = targets.reshape((-1,) + (1,) * (cache.ndim - 1))
-    return jnp.where(mask, cache[source][None], cache)
+def _per_sequence(mask: Array, array: Array) -> Array:
+    return mask.reshape((-1,) + (1,) * (array.ndim - 1))
 
 
-def reorder(cache: Array, order: Int[Array, " B"]) -> Array:
+def clear(cache: KVCache, which: Bool[Array, " B"]) -> KVCache:
+    """Empties the chosen sequences (`pos = 0`, zeroed buffers); others stay bit-identical."""
+    return _map(lambda a: jnp.where(_per_sequence(which, a), jnp.zeros((), a.dtype), a), cache)
+
+
+def truncate(cache: KVCache, keep: Int[Array, " B"], layout: str = SLOTS_MAJOR) -> KVCache:
+    """Keeps the first `keep[b]` tokens of sequence b and zeros the slots after them."""
+
+    def cut(array):
+        if array.ndim == 1:
+            return keep.astype(array.dtype)
+        slot_axis = layout.index("S")
+        shape = [1] * array.ndim
+        shape[slot_axis] = array.shape[slot_axis]
+        slot = jnp.arange(array.shape[slot_axis]).reshape(shape)
+        kept = slot < _per_sequence(keep, array)
+        return jnp.where(kept, array, jnp.zeros((), array.dtype))
+
+    return _map(cut, cache)
+
+
+def fork(cache: KVCache, source: int | Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:
+    """Copies sequence `source` into every sequence marked in `targets`."""
+    return _map(lambda a: jnp.where(_per_sequence(targets, a), a[source][None], a), cache)
+
+
+def reorder(cache: KVCache, order: Int[Array, " B"]) -> KVCache:
     """Sequence b of the result is sequence `order[b]` of the input (beam search)."""
-    return jnp.take(cache, order, axis=0)
+    return _map(lambda a: jnp.take(a, order, axis=0), cache)

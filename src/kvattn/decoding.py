@@ -114,7 +114,8 @@ class Decoder:
 
     def _advance(self, method, args, lengths):
         needed = self._host_pos + lengths
-        over = np.flatnonzero(needed > self.layer.max_len)
+        capacity = self.layer.max_len
+        over = np.flatnonzero(needed > capacity) if capacity is not None else np.empty(0, int)
         if over.size:
             raise CacheOverflowError(
                 f"cache overflow for sequences {over.tolist()}: pos {self._host_pos[over].tolist()} + "
@@ -180,7 +181,7 @@ def _generate(graphdef, rest, cache, x0, num_steps, next_input):
     outputs = jnp.full((num_steps, *x0.shape), jnp.nan, x0.dtype)
 
     def room(cache):
-        return jnp.any(cache["pos"][...] < max_len)
+        return True if max_len is None else jnp.any(cache["pos"][...] < max_len)
 
     def cond(carry):
         i, cache, _, _ = carry

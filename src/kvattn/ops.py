@@ -19,7 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 __all__ = [
     "HEADS_MAJOR",
@@ -76,10 +76,14 @@ def attention(
     k_new: Float[Array, "B T K H"],
     v_new: Float[Array, "B T K H"],
     new_len: Int[Array, " B"],
-    k_cache: Float[Array, "B ..."] | None = None,
-    v_cache: Float[Array, "B ..."] | None = None,
+    k_cache: Shaped[Array, "B ..."] | None = None,
+    v_cache: Shaped[Array, "B ..."] | None = None,
     cache_len: Int[Array, " B"] | None = None,
     layout: str = SLOTS_MAJOR,
+    *,
+    k_scale: Float[Array, "B ..."] | None = None,
+    v_scale: Float[Array, "B ..."] | None = None,
+    window: int | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk of new tokens over the cache and over itself.
 
@@ -91,8 +95,14 @@ def attention(
     unfilled slots and padding get weight zero whatever their content.
     Queries at `t >= new_len[b]` are padding and return zeros.
 
+    With `window=W`, token t sees only the last W positions up to itself,
+    and the cache is a ring of W slots (position p in slot `p % W`).
+
     The cache is only read, never written here: reading it before the new
-    tokens are stored lets XLA update the donated buffers in place.
+    tokens are stored lets XLA update the donated buffers in place. It may
+    be stored in a compact dtype; the math runs in float32, with int8
+    scales applied to the scores and to the attention weights, so no
+    dequantized copy of the cache is formed.
 
     Grouped-query attention: the `N` query heads split into `K` groups of
     `G`; a group reads its kv head directly, without repeating the cache.
@@ -105,8 +115,13 @@ def attention(
       k_cache: keys of earlier tokens, `(B, S, K, H)` in the slots-major
         layout or `(B, K, S, H)` heads-major; None for no cache.
       v_cache: values of earlier tokens, same layout.
-      cache_len: how many cache slots of each sequence are filled.
+      cache_len: how many tokens each sequence has appended before (the
+        filled prefix of slots, or, for a ring, every token ever appended).
       layout: `SLOTS_MAJOR` or `HEADS_MAJOR`.
+      k_scale: int8 storage only: per-slot, per-head key scales, `(B, S, K)`
+        or heads-major `(B, K, S)`.
+      v_scale: the same for values.
+      window: attend to at most this many positions (a ring cache).
 
     Returns:
       The attended values of every query head.
@@ -121,13 +136,16 @@ def attention(
     key_u = jnp.arange(num_new)[None, None, :]
     real = query_t < new_len[:, None, None]  # B T 1
     see_new = (key_u <= query_t) & real  # B T U
+    if window is not None:
+        see_new &= query_t - key_u < window
     scores = [jnp.einsum("BTKGH,BUKH->BTKGU", q, k_new)]
     visible = [see_new]
     if k_cache is not None:
-        num_slots = k_cache.shape[layout.index("S")]
-        slot = jnp.arange(num_slots)[None, None, :]
-        visible.insert(0, (slot < cache_len[:, None, None]) & real)  # B T S
-        scores.insert(0, _cache_scores(q, k_cache, layout))
+        visible.insert(0, _cache_visibility(cache_len, k_cache.shape[layout.index("S")], query_t, window) & real)
+        cache_scores = _cache_scores(q, k_cache.astype(q.dtype), layout)
+        if k_scale is not None:
+            cache_scores = cache_scores * _scale_per_score(k_scale, layout)
+        scores.insert(0, cache_scores)
     scores = jnp.concatenate(scores, axis=-1)
     visible = jnp.concatenate(visible, axis=-1)[:, :, None, None, :]
     scores = jnp.where(visible, scores, -jnp.inf)
@@ -137,8 +155,34 @@ def attention(
 
     ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
     if k_cache is not None:
-        ctx = ctx + _cache_values(weights[..., :-num_new], v_cache, layout)
+        cache_weights = weights[..., :-num_new]
+        if v_scale is not None:
+            cache_weights = cache_weights * _scale_per_score(v_scale, layout)
+        ctx = ctx + _cache_values(cache_weights, v_cache.astype(q.dtype), layout)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
+
+
+def _cache_visibility(cache_len, num_slots, query_t, window):
+    """Which cache slots `(B, T, S)` each new token sees.
+
+    Without a window, slot s holds position s and is filled when
+    `s < cache_len`. In a ring of W slots, slot s holds the latest position
+    `p < cache_len` with `p % W == s`; it is filled when that p >= 0, and new
+    token t (at position `cache_len + t`) sees it while `p > cache_len + t - W`.
+    """
+    slot = jnp.arange(num_slots)[None, None, :]
+    cache_len = cache_len[:, None, None]
+    if window is None:
+        return slot < cache_len
+    position = cache_len - 1 - (cache_len - 1 - slot) % window
+    return (position >= 0) & (position > cache_len + query_t - window)
+
+
+def _scale_per_score(scale, layout):
+    """Per-slot scales `(B, S, K)` or `(B, K, S)` broadcast against scores `(B, T, K, G, S)`."""
+    if layout == SLOTS_MAJOR:
+        scale = scale.transpose(0, 2, 1)
+    return scale[:, None, :, None, :]
 
 
 def _cache_scores(q, k_cache, layout):
@@ -214,7 +258,7 @@ def bucket_index(buckets: tuple[int, ...], needed: Int[Array, ""]) -> Int[Array,
     return jnp.minimum(index, len(buckets) - 1)
 
 
-def prefix(cache: Float[Array, "B ..."], size: int, layout: str) -> Float[Array, "B ..."]:
+def prefix(cache: Array, size: int, layout: str) -> Array:
     """The first `size` slots of a cache, a static slice along its slot axis."""
     return cache[(slice(None),) * layout.index("S") + (slice(0, size),)]
 
@@ -224,29 +268,45 @@ def bucketed_attention(
     k_new: Float[Array, "B T K H"],
     v_new: Float[Array, "B T K H"],
     new_len: Int[Array, " B"],
-    k_cache: Float[Array, "B ..."],
-    v_cache: Float[Array, "B ..."],
+    k_cache: Shaped[Array, "B ..."],
+    v_cache: Shaped[Array, "B ..."],
     cache_len: Int[Array, " B"],
     layout: str,
     buckets: tuple[int, ...],
+    *,
+    k_scale: Array | None = None,
+    v_scale: Array | None = None,
+    window: int | None = None,
 ) -> Float[Array, "B T N H"]:
     """`attention` that reads only the smallest bucket prefix of the cache holding every filled slot.
 
     Shapes stay static: each bucket is one branch of a `lax.switch`, picked at
-    run time from `max(cache_len)`. Slots past the prefix are unfilled, hence
-    masked for every query, so the result equals `attention` on the whole
-    buffers up to the float rounding of a shorter softmax sum.
+    run time from the longest filled prefix, `max(cache_len)` (at most the
+    ring size: a ring fills its slots in order before it wraps). Slots past
+    the prefix are unfilled, hence masked for every query, so the result
+    equals `attention` on the whole buffers up to the float rounding of a
+    shorter softmax sum.
     """
     if len(buckets) == 1:
-        return attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, layout)
+        return attention(
+            q, k_new, v_new, new_len, k_cache, v_cache, cache_len, layout,
+            k_scale=k_scale, v_scale=v_scale, window=window,
+        )
 
     def branch(size):
-        def attend_prefix(q, k_new, v_new, new_len, k_cache, v_cache, cache_len):
-            k_part, v_part = prefix(k_cache, size, layout), prefix(v_cache, size, layout)
-            return attention(q, k_new, v_new, new_len, k_part, v_part, cache_len, layout)
+        def attend_prefix(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, k_scale, v_scale):
+            return attention(
+                q, k_new, v_new, new_len,
+                prefix(k_cache, size, layout), prefix(v_cache, size, layout), cache_len, layout,
+                k_scale=None if k_scale is None else prefix(k_scale, size, layout),
+                v_scale=None if v_scale is None else prefix(v_scale, size, layout),
+                window=window,
+            )
 
         return attend_prefix
 
-    index = bucket_index(buckets, jnp.max(cache_len))
+    filled = jnp.max(cache_len) if window is None else jnp.minimum(jnp.max(cache_len), window)
+    index = bucket_index(buckets, filled)
     branches = [branch(size) for size in buckets]
-    return jax.lax.switch(index, branches, q, k_new, v_new, new_len, k_cache, v_cache, cache_len)
+    operands = (q, k_new, v_new, new_len, k_cache, v_cache, cache_len, k_scale, v_scale)
+    return jax.lax.switch(index, branches, *operands)
