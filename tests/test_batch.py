@@ -103,6 +103,8 @@ def test_reset_which_leaves_others_bit_identical_and_slot_is_reusable():
     np.testing.assert_array_equal(k_after[1], 0.0)
     np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 0, 4])
 
+    layer.reset([])  # no sequence: nothing changes
+    np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 0, 4])
     layer.reset(jnp.array([False, False, True]))
     np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 0, 0])
     fresh = stream((3, 3), seed=5)

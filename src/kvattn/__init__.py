@@ -2,13 +2,20 @@
 
 from kvattn.attention import CacheOverflowError, MultiHeadAttention, attend
 from kvattn.decoding import Decoder, Generation, decode, generate
+from kvattn.snapshot import SnapshotError, SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 
 __all__ = [
     "CacheOverflowError",
     "Decoder",
     "Generation",
     "MultiHeadAttention",
+    "SnapshotError",
+    "SnapshotInfo",
     "attend",
     "decode",
     "generate",
+    "load_cache",
+    "save_cache",
+    "snapshot_info",
+    "weights_fingerprint",
 ]

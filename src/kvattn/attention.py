@@ -553,6 +553,8 @@ class MultiHeadAttention(nnx.Module):
             return jnp.ones((batch,), jnp.bool_)
         self._require_batched("which")
         which = jnp.asarray(which)
+        if which.size == 0:
+            which = which.astype(jnp.int32)  # `[]` is float32 to NumPy: no sequence, not a type error
         if which.dtype == jnp.bool_:
             return self._check_mask(which, "which")
         if not jnp.issubdtype(which.dtype, jnp.integer) or which.ndim > 1:

@@ -1,13 +1,13 @@
 """Cache snapshots on disk: save a layer's KV cache, load it back, refuse anything else.
 
 A snapshot is a safetensors file (no pickle) holding the layer's `nnx.Cache`
-variables under their attribute paths (`k_cache`, `v_cache`, `pos`) and, in
-the safetensors string metadata:
+variables under their attribute paths (`k_cache`, `v_cache`, `pos`, and
+`k_scale`, `v_scale` for int8 storage) and, in the safetensors string
+metadata:
 
   format               "kvattn.cache_snapshot"
   format_version       "1"
-  config               JSON: num_heads, num_kv_heads, head_dim, in_features,
-                       max_len, batch_size, cache_layout of the saving layer
+  config               JSON: the saving layer's `CONFIG_FIELDS`
   tensors              JSON: name -> {"dtype", "shape", "sha256"}, where
                        sha256 is taken over the tensor's little-endian
                        C-order bytes, so flipped bits in the data are caught
@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 import safetensors
 import safetensors.numpy
@@ -43,7 +44,17 @@ __all__ = ["SnapshotError", "SnapshotInfo", "load_cache", "save_cache", "snapsho
 FORMAT_NAME = "kvattn.cache_snapshot"
 FORMAT_VERSION = 1
 
-CONFIG_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len", "batch_size", "cache_layout")
+CONFIG_FIELDS = (
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "in_features",
+    "max_len",
+    "window",
+    "batch_size",
+    "cache_dtype",
+    "cache_layout",
+)
 _METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
 _HEADER_LENGTH_BYTES = 8
 _SHA256 = frozenset("0123456789abcdef")
@@ -56,6 +67,7 @@ _NUMPY_DTYPES = {
     "U16": np.dtype(np.uint16),
     "I16": np.dtype(np.int16),
     "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
     "U32": np.dtype(np.uint32),
     "I32": np.dtype(np.int32),
     "F32": np.dtype(np.float32),
@@ -116,7 +128,7 @@ def weights_fingerprint(layer: nnx.Module) -> str:
 
 
 def save_cache(layer: MultiHeadAttention, path: str | os.PathLike) -> None:
-    """Writes the layer's KV cache (`k_cache`, `v_cache`, `pos`) to a snapshot file, atomically.
+    """Writes the layer's KV cache (its `nnx.Cache` variables) to a snapshot file, atomically.
 
     The bytes go to a temporary file beside `path`, are flushed and fsynced,
     and only then renamed onto `path`: a crash mid-save leaves any earlier
@@ -145,7 +157,7 @@ def save_cache(layer: MultiHeadAttention, path: str | os.PathLike) -> None:
     metadata = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
-        "config": _dumps(layer_config(layer)),
+        "config": _dumps(_layer_config(layer)),
         "tensors": _dumps({name: _tensor_spec(array) for name, array in tensors.items()}),
         "weights_fingerprint": weights_fingerprint(layer),
     }
@@ -157,15 +169,16 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
 
     The whole file is validated before the layer is touched: its safetensors
     structure, the format, per-tensor checksums, the layer configuration,
-    tensor names, shapes and dtypes, `0 <= pos <= max_len`, and that the
-    snapshot was filled by the same weights. Any failure raises
-    `SnapshotError` naming what was expected and what was found, and leaves
-    the layer exactly as it was. Arrays keep the sharding of the cache they
-    replace.
+    tensor names, shapes and dtypes, `0 <= pos <= max_len` (`0 <= pos` for
+    a windowed layer), and that the snapshot was filled by the same weights.
+    Any failure raises `SnapshotError` naming what was expected and what was
+    found, and leaves the layer exactly as it was. The loaded arrays take the
+    devices and sharding of the cache they replace.
 
     Args:
       layer: the layer to receive the cache; it must be configured like the
-        layer that saved it (batch_size, max_len, heads, cache_layout...).
+        layer that saved it (batch_size, max_len or window, heads,
+        cache_dtype, cache_layout...).
       path: a file written by `save_cache`.
       allow_weight_mismatch: load even if the snapshot was filled by other
         weights (its keys and values then do not match this layer's).
@@ -194,17 +207,17 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
     info = _parse_info(_header(data, total_size=len(data)))
     tensors = _decode_tensors(data)
     _check_tensors_match_metadata(tensors, info.tensors)
-    _check_config(info.config, layer_config(layer))
-    variables = nnx.to_flat_state(nnx.state(layer, nnx.Cache))
-    current = {_path_name(var_path): variable[...] for var_path, variable in variables}
-    _check_tensors_fit_layer(tensors, current)
+    _check_config(info.config, _layer_config(layer))
+    flat = nnx.to_flat_state(nnx.state(layer, nnx.Cache))
+    variables = {_path_name(var_path): variable for var_path, variable in flat}
+    _check_tensors_fit_layer(tensors, {name: variable[...] for name, variable in variables.items()})
     _check_pos(tensors["pos"], layer.max_len)
     if not allow_weight_mismatch:
         _check_weights(info.weights_fingerprint, weights_fingerprint(layer))
-    # Everything is checked: from here on nothing can refuse.
-    for var_path, variable in variables:
-        name = _path_name(var_path)
-        variable[...] = _place_like(tensors[name], current[name])
+    # Everything is checked and on its devices before the first assignment.
+    placed = {name: _place_like(tensors[name], variable[...]) for name, variable in variables.items()}
+    for name, variable in variables.items():
+        variable[...] = placed[name]
 
 
 def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
@@ -242,7 +255,7 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
         return _parse_info(_header(length_bytes + file.read(header_length), total_size))
 
 
-def layer_config(layer: MultiHeadAttention) -> dict:
+def _layer_config(layer: MultiHeadAttention) -> dict:
     """The configuration a snapshot records and a loading layer must match (`CONFIG_FIELDS`)."""
     return {field: getattr(layer, field) for field in CONFIG_FIELDS}
 
@@ -446,12 +459,14 @@ def _check_weights(saved: str, current: str) -> None:
         )
 
 
-def _check_pos(pos: np.ndarray, max_len: int) -> None:
-    bad = np.flatnonzero((pos < 0) | (pos > max_len))
+def _check_pos(pos: np.ndarray, max_len: int | None) -> None:
+    """`pos` counts tokens: at most `max_len`, or any count for a ring (`max_len` None)."""
+    past_capacity = pos > max_len if max_len is not None else np.zeros(pos.shape, np.bool_)
+    bad = np.flatnonzero((pos < 0) | past_capacity)
     if bad.size:
+        valid = "be >= 0" if max_len is None else f"lie in [0, max_len={max_len}]"
         raise SnapshotError(
-            f"corrupted snapshot: pos must lie in [0, max_len={max_len}], got {pos.reshape(-1)[bad].tolist()} "
-            f"at sequences {bad.tolist()}"
+            f"corrupted snapshot: pos must {valid}, got {pos.reshape(-1)[bad].tolist()} at sequences {bad.tolist()}"
         )
 
 
