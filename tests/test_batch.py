@@ -266,3 +266,26 @@ def test_random_ragged_batches_equal_reference(heads, data):
                 else:
                     np.testing.assert_array_equal(out[b], 0.0)
     np.testing.assert_array_equal(np.asarray(layer.pos[...]), [len(h) for h in histories])
+
+
+def test_fork_reorder_truncate_reset_run_under_jit():
+    eager, jitted = batched_layer(), batched_layer()
+    xs = stream((3, 4))
+    for layer in (eager, jitted):
+        layer.prefill(xs, jnp.array([4, 3, 1]))
+    order, keep, targets = jnp.array([1, 0, 0]), jnp.array([2, 3, 1]), jnp.array([False, False, True])
+
+    @nnx.jit
+    def shuffle(layer, order, keep, targets):
+        layer.fork(1, targets)
+        layer.reorder(order)
+        layer.truncate(keep)
+        layer.reset(jnp.array([False, True, False]))
+
+    shuffle(jitted, order, keep, targets)
+    eager.fork(1, targets)
+    eager.reorder(order)
+    eager.truncate(keep)
+    eager.reset([1])
+    assert_bits_equal(cache_bits(eager), cache_bits(jitted))
+    np.testing.assert_array_equal(np.asarray(jitted.pos[...]), [2, 0, 1])
