@@ -155,7 +155,7 @@ def test_ring_append_wraps_and_keeps_only_the_last_tokens():
 def test_append_after_a_result_is_exact_even_when_it_is_nan():
     cache = empty_cache(1, 3)._replace(pos=jnp.array([1]))
     new = jnp.ones((1, 1, 1, 1))
-    out = cache_ops.append(cache, new, new, jnp.array([1]), after=jnp.array([jnp.nan, -jnp.inf]))
+    out = cache_ops.append(cache, new, new, jnp.array([1]), after=jnp.array([[jnp.nan, -jnp.inf]]))
     np.testing.assert_array_equal(values_of(out), [[0, 1, 0]])
 
 

@@ -2,6 +2,7 @@
 
 from kvattn.attention import CacheOverflowError, MultiHeadAttention, attend
 from kvattn.decoding import Decoder, Generation, decode, generate
+from kvattn.sharding import make_mesh, shard
 from kvattn.snapshot import SnapshotError, SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 
 __all__ = [
@@ -15,7 +16,9 @@ __all__ = [
     "decode",
     "generate",
     "load_cache",
+    "make_mesh",
     "save_cache",
+    "shard",
     "snapshot_info",
     "weights_fingerprint",
 ]

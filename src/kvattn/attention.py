@@ -56,7 +56,7 @@ def causal_self_attention(weights: Weights, xs):
     return ops.project_out(ctx, weights.out_kernel, weights.out_bias)
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "layout", "buckets", "window"))
+@functools.partial(jax.jit, static_argnames=("max_len", "layout", "buckets", "window", "block_diagonal"))
 def extend(
     weights: Weights,
     cache: cache_ops.KVCache,
@@ -67,6 +67,7 @@ def extend(
     layout: str,
     buckets: tuple[int, ...],
     window: int | None = None,
+    block_diagonal: bool = True,
 ):
     """Appends tokens to a batch of caches and attends: step and prefill as one pure function.
 
@@ -84,7 +85,7 @@ def extend(
     q, k, v = _project_qkv(weights, xs)
     ctx = ops.bucketed_attention(
         q, k, v, lengths, cache.k, cache.v, cache.pos, layout, buckets,
-        k_scale=cache.k_scale, v_scale=cache.v_scale, window=window,
+        k_scale=cache.k_scale, v_scale=cache.v_scale, window=window, block_diagonal=block_diagonal,
     )
     ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
     real = jnp.arange(num_new)[None, :] < lengths[:, None]
@@ -278,7 +279,9 @@ class MultiHeadAttention(nnx.Module):
         """Flax sharding metadata for a variable, or nothing when no mesh axis is named."""
         if self.data_axis is None and self.model_axis is None:
             return {}
-        return {"out_sharding": tuple(axes)}
+        # Placed now only under a mesh (`jax.set_mesh`); otherwise later, by `kvattn.shard`.
+        eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
+        return {"out_sharding": tuple(axes), "eager_sharding": eager}
 
     @property
     def cache_bytes_per_token(self) -> int:
@@ -450,6 +453,8 @@ class MultiHeadAttention(nnx.Module):
             layout=self.layout,
             buckets=self.length_buckets,
             window=self.window,
+            # Merging the head axis of a slots-major cache would gather heads split over devices.
+            block_diagonal=self.model_axis is None,
         )
         self._set_cache(cache)
         return ys if self.batch_size is not None else ys[0]

@@ -86,35 +86,44 @@ def _write(
     ring: bool,
     after: Array | None,
 ) -> Array:
-    """Writes `new[b, :lengths[b]]` (`(B, T, K, ...)`) at positions `start[b] ..` of sequence b."""
-    batch, num_slots = buffer.shape[0], buffer.shape[layout.index("S")]
+    """Writes `new[b, :lengths[b]]` (`(B, T, K, ...)`) at positions `start[b] ..` of sequence b.
+
+    One sequence at a time under `vmap`, so a batch split over devices
+    writes where it lives, without gathering the new tokens.
+    """
+    slot_axis = layout.index("S") - 1  # within one sequence
+    num_slots, num_new = buffer.shape[slot_axis + 1], new.shape[1]
     if after is not None:
         start = start + _zero_after(after)
-    offsets = jnp.arange(new.shape[1])[None, :]
-    slots = start[:, None] + offsets
-    real = offsets < lengths[:, None]
-    if ring:
-        # Only the last S tokens of a chunk survive; the rest would share slots.
-        keep = real & (offsets >= lengths[:, None] - num_slots)
-        slots = slots % num_slots
-    else:
-        keep = real & (slots < num_slots)
-    slots = jnp.where(keep, slots, num_slots)
-    rows = jnp.arange(batch)[:, None]
-    # Either way the indexed view is (B, T, K, ...): with a slice between the
-    # two index arrays, NumPy indexing puts the indexed axes first.
-    index = (rows, slots) if layout.index("S") == 1 else (rows, slice(None), slots)
-    return buffer.at[index].set(new.astype(buffer.dtype), mode="drop")
+
+    def write_one(buffer, new, start, length):
+        offsets = jnp.arange(num_new)
+        slots = start + offsets
+        real = offsets < length
+        if ring:
+            # Only the last S tokens of a chunk survive; the rest would share slots.
+            keep = real & (offsets >= length - num_slots)
+            slots = slots % num_slots
+        else:
+            keep = real & (slots < num_slots)
+        slots = jnp.where(keep, slots, num_slots)  # out of range: dropped, never clamped
+        if slot_axis == 0:
+            return buffer.at[slots].set(new, mode="drop")
+        return buffer.at[:, slots].set(jnp.swapaxes(new, 0, 1), mode="drop")
+
+    return jax.vmap(write_one)(buffer, new.astype(buffer.dtype), start, lengths)
 
 
-def _zero_after(result: Array) -> Int[Array, ""]:
-    """An int32 zero that XLA must compute from `result` (exact, NaN-safe).
+def _zero_after(result: Array) -> Int[Array, " B"]:
+    """Per sequence, an int32 zero that XLA must compute from `result` (exact, NaN-safe).
 
     Writes use it to depend on the attention output. Without that data
     dependency XLA:CPU cannot prove the in-place write runs after the reads
-    of the old cache, and copies the whole donated buffer every step.
+    of the old cache, and copies the whole donated buffer every step. It is
+    reduced per sequence so a batch split over devices needs no collective.
     """
-    bits = jax.lax.bitcast_convert_type(jnp.sum(result).astype(jnp.float32), jnp.int32)
+    per_sequence = jnp.sum(result.reshape(result.shape[0], -1), axis=1).astype(jnp.float32)
+    bits = jax.lax.bitcast_convert_type(per_sequence, jnp.int32)
     return jnp.minimum(bits & 1, 0)
 
 

@@ -84,6 +84,7 @@ def attention(
     k_scale: Float[Array, "B ..."] | None = None,
     v_scale: Float[Array, "B ..."] | None = None,
     window: int | None = None,
+    block_diagonal: bool = True,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk of new tokens over the cache and over itself.
 
@@ -122,6 +123,9 @@ def attention(
         or heads-major `(B, K, S)`.
       v_scale: the same for values.
       window: attend to at most this many positions (a ring cache).
+      block_diagonal: allow the block-diagonal reading of a slots-major
+        cache for short chunks (fast on one CPU device; off when heads are
+        split over devices, where merging the head axis would gather them).
 
     Returns:
       The attended values of every query head.
@@ -142,7 +146,7 @@ def attention(
     visible = [see_new]
     if k_cache is not None:
         visible.insert(0, _cache_visibility(cache_len, k_cache.shape[layout.index("S")], query_t, window) & real)
-        cache_scores = _cache_scores(q, k_cache.astype(q.dtype), layout)
+        cache_scores = _cache_scores(q, k_cache.astype(q.dtype), layout, block_diagonal)
         if k_scale is not None:
             cache_scores = cache_scores * _scale_per_score(k_scale, layout)
         scores.insert(0, cache_scores)
@@ -158,7 +162,7 @@ def attention(
         cache_weights = weights[..., :-num_new]
         if v_scale is not None:
             cache_weights = cache_weights * _scale_per_score(v_scale, layout)
-        ctx = ctx + _cache_values(cache_weights, v_cache.astype(q.dtype), layout)
+        ctx = ctx + _cache_values(cache_weights, v_cache.astype(q.dtype), layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -185,7 +189,7 @@ def _scale_per_score(scale, layout):
     return scale[:, None, :, None, :]
 
 
-def _cache_scores(q, k_cache, layout):
+def _cache_scores(q, k_cache, layout, block_diagonal):
     """Scores `(B, T, K, G, S)` of scaled queries `(B, T, K, G, H)` against every slot."""
     batch, num_new, num_kv_heads, group, head_dim = q.shape
     if layout == HEADS_MAJOR:
@@ -195,14 +199,14 @@ def _cache_scores(q, k_cache, layout):
         scores = jnp.einsum("BKRH,BKSH->BKRS", rows, k_cache)
         scores = scores.reshape(batch, num_kv_heads, num_new, group, -1)
         return scores.transpose(0, 2, 1, 3, 4)
-    if num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
+    if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
         scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat)
         return scores.reshape(batch, num_new, num_kv_heads, group, -1)
     return jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
 
 
-def _cache_values(weights, v_cache, layout):
+def _cache_values(weights, v_cache, layout, block_diagonal):
     """Mixes cached values `(B, T, K, G, H)` with weights `(B, T, K, G, S)`."""
     batch, num_new, num_kv_heads, group, num_slots = weights.shape
     head_dim = v_cache.shape[-1]
@@ -211,7 +215,7 @@ def _cache_values(weights, v_cache, layout):
         mixed = jnp.einsum("BKRS,BKSH->BKRH", rows, v_cache)
         mixed = mixed.reshape(batch, num_kv_heads, num_new, group, head_dim)
         return mixed.transpose(0, 2, 1, 3, 4)
-    if num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
+    if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         v_flat = v_cache.reshape(batch, num_slots, num_kv_heads * head_dim)
         rows = weights.reshape(batch, num_new * num_kv_heads * group, num_slots)
         mixed = jnp.einsum("BRS,BSE->BRE", rows, v_flat)
@@ -277,6 +281,7 @@ def bucketed_attention(
     k_scale: Array | None = None,
     v_scale: Array | None = None,
     window: int | None = None,
+    block_diagonal: bool = True,
 ) -> Float[Array, "B T N H"]:
     """`attention` that reads only the smallest bucket prefix of the cache holding every filled slot.
 
@@ -290,7 +295,7 @@ def bucketed_attention(
     if len(buckets) == 1:
         return attention(
             q, k_new, v_new, new_len, k_cache, v_cache, cache_len, layout,
-            k_scale=k_scale, v_scale=v_scale, window=window,
+            k_scale=k_scale, v_scale=v_scale, window=window, block_diagonal=block_diagonal,
         )
 
     def branch(size):
@@ -301,6 +306,7 @@ def bucketed_attention(
                 k_scale=None if k_scale is None else prefix(k_scale, size, layout),
                 v_scale=None if v_scale is None else prefix(v_scale, size, layout),
                 window=window,
+                block_diagonal=block_diagonal,
             )
 
         return attend_prefix
