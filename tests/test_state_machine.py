@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvattn
 from kvattn.snapshot import load_cache, save_cache
+from tests.test_snapshot import assert_same_bits, cache_arrays
 
 BATCH, IN_FEATURES, NUM_HEADS, NUM_KV_HEADS, MAX_LEN = 3, 8, 4, 2, 12
 # One prefill width, so the layer compiles prefill once; lengths make it ragged.
@@ -95,15 +96,6 @@ def test_reference_agrees_with_the_uncached_forward():
 # ------------------------------------------------------------------ the machine
 
 
-def cache_arrays(layer) -> dict[str, np.ndarray]:
-    return {name[0]: np.array(variable[...]) for name, variable in nnx.to_flat_state(nnx.state(layer, nnx.Cache))}
-
-
-def assert_same_bits(got: dict, want: dict):
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert got[name].tobytes() == want[name].tobytes(), name
 
 
 SEQUENCES = st.lists(st.integers(0, BATCH - 1), max_size=BATCH)
