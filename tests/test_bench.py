@@ -1,0 +1,63 @@
+"""Smoke test of `kvattn bench`: the quick benchmark runs end to end and writes its files."""
+
+import json
+import math
+
+import pytest
+
+from kvattn import bench
+from kvattn.cli import main
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """The quick benchmark, run once through the CLI: its output directory and results."""
+    out_dir = tmp_path_factory.mktemp("bench")
+    assert main(["bench", "--quick", "--out-dir", str(out_dir)]) == 0
+    return out_dir, json.loads((out_dir / "results.json").read_text())
+
+
+def test_writes_json_and_plots(quick_run):
+    out_dir, _ = quick_run
+    for name in ("results.json", "per_token_time.png", "bandwidth_share.png"):
+        assert (out_dir / name).stat().st_size > 0
+    assert (out_dir / "per_token_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_have_every_figure(quick_run):
+    _, results = quick_run
+    config = results["config"]
+    assert config["max_len"] == bench.QUICK_SIZES["max_len"]
+    sections = {"config", "machine", "versions", "source", "method", "memory", "measurements", "generation", "targets"}
+    assert sections <= set(results)
+    assert {"jax", "flax"} <= set(results["versions"])
+    names = bench.contender_names(tuple(config["layouts"]))
+    measured = {(r["batch_size"], r["filled"], r["contender"]) for r in results["measurements"]}
+    expected = {(b, t, n) for b in config["batch_sizes"] for t in config["filled"] for n in names}
+    assert measured == expected
+    for row in results["measurements"] + results["generation"]:
+        assert math.isfinite(row["ms_per_token"]) and row["ms_per_token"] > 0
+    for row in results["measurements"]:
+        assert len(row["samples_ms_per_token"]) == config["repeats"]
+        assert row["bytes_per_s"] > 0 and row["calibration_share"] > 0
+    assert all(math.isfinite(t["value"]) for t in results["targets"])
+
+
+def test_contenders_agree_with_recompute(quick_run):
+    _, results = quick_run
+    diffs = [r["max_abs_diff_vs_recompute"] for r in results["measurements"] if r["contender"] != "calibration"]
+    assert max(diffs) < 1e-4
+
+
+def test_memory_column(quick_run):
+    _, results = quick_run
+    sizes = bench.QUICK_SIZES
+    per_token = 2 * sizes["in_features"] * 4  # keys and values of every head, float32
+    for row in results["memory"]:
+        assert row["cache_bytes_per_token_per_layer"] == per_token
+        assert row["cache_bytes_total"] == row["batch_size"] * sizes["max_len"] * per_token
+
+
+def test_rejects_unknown_dtype(tmp_path):
+    with pytest.raises(ValueError, match="dtype"):
+        bench.run(dtype="int8", quick=True, out_dir=tmp_path)
