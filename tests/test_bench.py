@@ -60,4 +60,13 @@ def test_memory_column(quick_run):
 
 def test_rejects_unknown_dtype(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
-        bench.run(dtype="int8", quick=True, out_dir=tmp_path)
+        bench.run(dtype="float16", quick=True, out_dir=tmp_path)
+
+
+def test_int8_cache_run_reports_its_memory_and_stays_close(tmp_path):
+    results = bench.run(dtype="int8", quick=True, out_dir=tmp_path, layouts=("heads_major",), batch_sizes=(1,))
+    sizes = bench.QUICK_SIZES
+    per_token = 2 * sizes["in_features"] * 1 + 2 * sizes["num_heads"] * 4  # int8 keys and values, float32 scales
+    assert results["memory"][0]["cache_bytes_per_token_per_layer"] == per_token
+    kvattn_rows = [r for r in results["measurements"] if r["contender"].startswith("kvattn")]
+    assert kvattn_rows and all(0 < r["max_abs_diff_vs_recompute"] < 0.1 for r in kvattn_rows)

@@ -113,9 +113,9 @@ def test_bucket_index_picks_the_smallest_bucket_that_fits():
 
 
 def test_length_buckets():
-    assert ops.length_buckets(2048) == (128, 256, 512, 1024, 2048)
+    assert ops.length_buckets(2048) == (128, 256, 512, 2048)
     assert ops.length_buckets(100) == (100,)
-    assert ops.length_buckets(8, smallest=2) == (2, 4, 8)
+    assert ops.length_buckets(16, smallest=2) == (2, 4, 16)
 
 
 # ------------------------------------------------------------------- cache.py

@@ -154,7 +154,7 @@ class MultiHeadAttention(nnx.Module):
         attention on XLA:CPU, whose batched dots want the head axis first.
       length_buckets: attend only over the smallest of these static prefix
         lengths that holds every filled slot, so a step costs about the filled
-        length rather than `max_len`. None picks doublings from 128; `()`
+        length rather than `max_len`. None picks `ops.length_buckets`; `()`
         always reads the whole buffer; buckets past `max_len` are ignored.
       data_axis, model_axis: names of mesh axes to shard over: sequences of
         the batch over `data_axis`, heads (projections and cache) over

@@ -45,11 +45,12 @@ from rich.table import Table
 from tqdm import tqdm
 
 import kvattn
+from kvattn import cache as cache_ops
 from kvattn import ops
 
 __all__ = ["BenchConfig", "run"]
 
-CACHE_DTYPES = {"float32": jnp.float32}
+CACHE_DTYPES = cache_ops.CACHE_DTYPES
 DEFAULT_LAYOUT = "slots_major"
 PREFILL_CHUNK = 128
 QUICK_SIZES = dict(
@@ -102,8 +103,9 @@ class BenchConfig:
 
     @property
     def cache_bytes_per_token(self) -> int:
-        """Bytes one token adds to the cache of one layer: keys and values of every kv head."""
-        return 2 * self.num_heads * self.head_dim * self.itemsize
+        """Bytes one token adds to the cache of one layer: keys and values of every kv head (+ int8 scales)."""
+        scales = 2 * self.num_heads * 4 if self.dtype == "int8" else 0
+        return 2 * self.num_heads * self.head_dim * self.itemsize + scales
 
     def kv_bytes(self, batch_size: int, filled: int) -> int:
         """Bytes of keys and values a step must read at `filled` slots."""
@@ -166,7 +168,8 @@ def run(
       batch_sizes: batch sizes to measure.
       filled: filled lengths T to measure.
       layouts: kvattn cache layouts to measure.
-      dtype: cache storage dtype; only "float32" exists today.
+      dtype: kvattn's cache storage dtype, "float32", "bfloat16" or "int8"
+        (the Flax baselines always store float32).
       repeats: timed bursts per figure (median reported).
       out_dir: directory for `results.json`, `per_token_time.png` and
         `bandwidth_share.png`; created if missing.
@@ -346,7 +349,7 @@ class BatchBench:
         self.config = config
         self.batch_size = batch_size
         self.layers = {layout: self._kvattn_layer(layout) for layout in config.layouts}
-        filler_layer = self._kvattn_layer(DEFAULT_LAYOUT)
+        filler_layer = self._kvattn_layer(DEFAULT_LAYOUT, "float32")  # states are saved in float32
         # Every contender runs the very same weights.
         self.params = nnx.state(self.layers[config.layouts[0]], nnx.Param)
         self.weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.params))
@@ -360,13 +363,14 @@ class BatchBench:
         self.stream = jax.random.normal(jax.random.key(1), (batch_size, stream_len, config.in_features))
         self.filler = CacheFiller(filler_layer, self.stream)
 
-    def _kvattn_layer(self, layout: str) -> kvattn.MultiHeadAttention:
+    def _kvattn_layer(self, layout: str, dtype: str | None = None) -> kvattn.MultiHeadAttention:
         return kvattn.MultiHeadAttention(
             self.config.num_heads,
             self.config.in_features,
             max_len=self.config.max_len,
             batch_size=self.batch_size,
             cache_layout=layout,
+            cache_dtype=dtype or self.config.dtype,
             rngs=nnx.Rngs(0),
         )
 
@@ -431,8 +435,16 @@ class BatchBench:
     def load_kvattn(self, layout: str, state: CacheState) -> kvattn.MultiHeadAttention:
         """The `layout` layer holding a fresh copy of `state`."""
         layer = self.layers[layout]
-        layer.k_cache.set_value(to_layout(state.keys, layout))
-        layer.v_cache.set_value(to_layout(state.values, layout))
+        # Encoding is per token and head, so encoding the whole float32 cache
+        # stores exactly what appending its tokens one by one would.
+        dtype = CACHE_DTYPES[self.config.dtype]
+        keys, key_scales = cache_ops.encode(to_layout(state.keys, layout), dtype)
+        values, value_scales = cache_ops.encode(to_layout(state.values, layout), dtype)
+        layer.k_cache.set_value(keys)
+        layer.v_cache.set_value(values)
+        if key_scales is not None:
+            layer.k_scale.set_value(key_scales)
+            layer.v_scale.set_value(value_scales)
         layer.pos.set_value(jnp.full((self.batch_size,), state.pos, jnp.int32))
         jax.block_until_ready(nnx.state(layer, nnx.Cache))
         return layer
