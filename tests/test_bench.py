@@ -19,7 +19,7 @@ def quick_run(tmp_path_factory):
 
 def test_writes_json_and_plots(quick_run):
     out_dir, _ = quick_run
-    for name in ("results.json", "per_token_time.png", "bandwidth_share.png"):
+    for name in ("results.json", "results.md", "per_token_time.png", "bandwidth_share.png"):
         assert (out_dir / name).stat().st_size > 0
     assert (out_dir / "per_token_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

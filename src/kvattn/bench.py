@@ -196,6 +196,7 @@ def run(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown_tables(results))
     plot_time(results, out / "per_token_time.png")
     plot_bandwidth(results, out / "bandwidth_share.png")
     print_tables(results)
@@ -671,6 +672,36 @@ def versions() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------ output
+
+
+def markdown_tables(results: dict[str, Any]) -> str:
+    """The run's per-token, generation-mean and target tables as Markdown, for BENCHMARKS.md."""
+    config = results["config"]
+    lines = []
+    for batch_size in config["batch_sizes"]:
+        lines += [
+            f"### B = {batch_size}, {config['dtype']} cache: ms per token (achieved GB/s, % of calibration)",
+            "",
+            "| contender | " + " | ".join(f"T={t}" for t in config["filled"]) + " | mean over generation |",
+            "|---|" + "---:|" * (len(config["filled"]) + 1),
+        ]
+        means = {g["contender"]: g["ms_per_token"] for g in results["generation"] if g["batch_size"] == batch_size}
+        rows = [r for r in results["measurements"] if r["batch_size"] == batch_size]
+        for name in dict.fromkeys(r["contender"] for r in rows):
+            cells = []
+            for filled in config["filled"]:
+                row = next(r for r in rows if r["contender"] == name and r["filled"] == filled)
+                share = "" if name == "calibration" else f", {row['calibration_share']:.0%}"
+                cells.append(f"{row['ms_per_token']:.3g} ({row['bytes_per_s'] / 1e9:.3g} GB/s{share})")
+            mean = f"{means[name]:.3g}" if name in means else "—"
+            lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {mean} |")
+        lines.append("")
+    lines += ["### Targets", "", "| B | ratio | value | target | verdict |", "|---:|---|---:|---:|---|"]
+    for target in results["targets"]:
+        goal = "report" if target["threshold"] is None else f"{target['compare']} {target['threshold']}"
+        verdict = "—" if target["met"] is None else ("met" if target["met"] else "**missed**")
+        lines.append(f"| {target['batch_size']} | {target['name']} | {target['value']:.3g} | {goal} | {verdict} |")
+    return "\n".join(lines) + "\n"
 
 
 def print_tables(results: dict[str, Any]) -> None:
