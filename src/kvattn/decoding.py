@@ -51,6 +51,9 @@ class Decoder:
 
     Capacity is tracked on the host, so an overflowing call raises
     `CacheOverflowError` before anything runs, exactly like an eager step.
+    The decoder keeps the weights the layer had when it was made: after
+    changing them, make a new decoder (its cached keys and values are stale
+    anyway).
 
     Example:
       >>> import jax.numpy as jnp
