@@ -4,6 +4,8 @@ Shape annotations on kvattn's functions are checked at run time (jaxtyping +
 beartype), and implicit rank promotion raises instead of broadcasting.
 """
 
+import os
+
 import jax
 from hypothesis import HealthCheck, settings
 from jaxtyping import install_import_hook
@@ -20,4 +22,6 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     derandomize=True,
 )
-settings.load_profile("kvattn")
+# A longer random search for local bug hunting: HYPOTHESIS_PROFILE=wide make test
+settings.register_profile("wide", parent=settings.get_profile("kvattn"), derandomize=False, max_examples=60)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvattn"))
