@@ -33,7 +33,8 @@ import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
