@@ -31,9 +31,9 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
