@@ -179,8 +179,9 @@ def check_in_place(hlo: str, num_buffers: int, shard_type: str):
 
 
 def check_reductions(case: Case, found: list[Collective]):
-    """Nothing crosses devices over data; over heads, one all-reduce of `out`'s partial sums `(B/data, 1, D)`."""
-    expected = [("all-reduce", ((case.batch_size // case.data, 1, IN_FEATURES),))] if case.model > 1 else []
+    """Nothing crosses devices over data; over heads, one all-reduce of `out`'s partial sums `(B/data * T, D)`."""
+    # The out projection is one matmul over the flattened (B*T, N*H) heads; a step has T = 1.
+    expected = [("all-reduce", ((case.batch_size // case.data, IN_FEATURES),))] if case.model > 1 else []
     got = [(c.op, c.shapes) for c in found]
     if got != expected:
         raise AssertionError(f"expected collectives {expected} (out's partial sums), got {got}")

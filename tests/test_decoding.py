@@ -81,19 +81,35 @@ def full_cache_copies(hlo: str, shape: str) -> list[str]:
     return [line for line in hlo.splitlines() if re.search(rf"= {re.escape(shape)}\S* copy\(", line)]
 
 
+def relayouts_of_size(hlo: str, size: int) -> list[str]:
+    """Copies and transposes whose result has `size` elements."""
+    found = []
+    for line in hlo.splitlines():
+        match = re.search(r"= f32\[([\d,]*)\]\S* (copy|transpose)\(", line)
+        if match and np.prod([int(d) for d in match.group(1).split(",") if d]) == size:
+            found.append(line.strip())
+    return found
+
+
 @pytest.mark.parametrize("layout", ["slots_major", "heads_major"])
 @pytest.mark.parametrize("batch_size", [None, 2])
 def test_compiled_step_updates_the_cache_in_place(layout, batch_size):
     """The donated step aliases its cache outputs to its inputs and never copies a whole buffer."""
-    layer = make_layer(max_len=256, batch_size=batch_size, cache_layout=layout)
+    # D=40, head width 10: a kernel's 400 elements match no other array of the step.
+    layer = kvattn.MultiHeadAttention(
+        4, 40, max_len=256, batch_size=batch_size, cache_layout=layout, length_buckets=(8,), rngs=nnx.Rngs(0)
+    )
     decoder = kvattn.Decoder(layer)
-    x = stream(() if batch_size is None else (batch_size,))
+    x = jax.random.normal(jax.random.key(1), (*(() if batch_size is None else (batch_size,)), 40))
     compiled = decoder._programs["step"].lower(decoder._rest, decoder._cache, (x, None)).compile()
     hlo = compiled.as_text()
     header = hlo.splitlines()[0]
     assert header.count("-alias)") == 3  # k_cache, v_cache and pos reuse their input buffers
     cache_shape = "f32[" + ",".join(str(d) for d in layer.k_cache[...].shape) + "]"
     assert full_cache_copies(hlo, cache_shape) == []
+    # Nor does it re-lay-out a weight kernel every step.
+    kernel_size = layer.in_features * layer.num_heads * layer.head_dim
+    assert relayouts_of_size(hlo, kernel_size) == []
 
 
 @pytest.mark.parametrize("batch_size", [None, 2])

@@ -67,7 +67,12 @@ def project_out(
     bias: Float[Array, " D"] | None,
 ) -> Float[Array, "B T D"]:
     """Merges the heads back to model width (the `out` projection)."""
-    y = jnp.einsum("BTNH,NHD->BTD", ctx, kernel)
+    batch, num_new, num_heads, head_dim = ctx.shape
+    # One plain matmul over the flattened heads: the kernel reshape is free,
+    # whereas the 3-D contraction made XLA:CPU re-lay-out the whole kernel
+    # every step to match the attention output's layout.
+    flat = ctx.reshape(batch * num_new, num_heads * head_dim)
+    y = (flat @ kernel.reshape(num_heads * head_dim, -1)).reshape(batch, num_new, -1)
     return y if bias is None else y + bias[None, None]
 
 
@@ -266,7 +271,8 @@ def length_buckets(max_len: int, smallest: int = 128) -> tuple[int, ...]:
 
 def bucket_index(buckets: tuple[int, ...], needed: Int[Array, ""]) -> Int[Array, ""]:
     """Index of the smallest bucket holding `needed` slots (the last if none does)."""
-    index = jnp.searchsorted(jnp.asarray(buckets, jnp.int32), needed.astype(jnp.int32), side="left")
+    # A count, not `searchsorted`, which lowers to a while loop on XLA:CPU.
+    index = jnp.sum(jnp.asarray(buckets, jnp.int32) < needed.astype(jnp.int32))
     return jnp.minimum(index, len(buckets) - 1)
 
 
