@@ -217,11 +217,15 @@ def test_batched_attend_with_padded_histories():
     [
         (lambda layer: layer.step(jnp.ones((2, 8))), r"batch_size=3 rows, got shape \(2, 8\)"),
         (lambda layer: layer.step(jnp.ones((3, 8)), jnp.ones(3)), r"active must be bool \(3,\)"),
-        (lambda layer: layer.prefill(jnp.ones((3, 2, 8)), jnp.array([1, 3, 0])), r"lengths must lie in \[0, T=2\]"),
+        (
+            lambda layer: layer.prefill(jnp.ones((3, 2, 8)), jnp.array([1, 3, 0])),
+            r"lengths must lie in \[0, 2\], got \[1, 3, 0\]",
+        ),
         (lambda layer: layer.prefill(jnp.ones((3, 2, 8)), jnp.array([1.0, 1, 1])), "lengths must be int"),
         (lambda layer: layer.reset([3]), r"which indices must lie in \[0, 3\)"),
         (lambda layer: layer.fork(5, [0]), r"source must lie in \[0, 3\)"),
         (lambda layer: layer.reorder(jnp.array([0, 1])), r"order must be int \(3,\)"),
+        (lambda layer: layer.reorder(jnp.array([0, 1, 3])), r"order must lie in \[0, 2\], got \[0, 1, 3\]"),
     ],
 )
 def test_bad_batched_input_is_named_and_changes_nothing(call, message):

@@ -286,9 +286,7 @@ class MultiHeadAttention(nnx.Module):
     @property
     def cache_bytes_per_token(self) -> int:
         """Bytes of cache one token takes in one sequence (keys, values and int8 scales)."""
-        itemsize = jnp.dtype(cache_ops.CACHE_DTYPES[self.cache_dtype]).itemsize
-        scales = 2 * self.num_kv_heads * 4 if self.cache_dtype == "int8" else 0
-        return 2 * self.num_kv_heads * self.head_dim * itemsize + scales
+        return cache_ops.bytes_per_token(self.num_kv_heads, self.head_dim, self.cache_dtype)
 
     # ------------------------------------------------------------------ public
 
@@ -424,14 +422,7 @@ class MultiHeadAttention(nnx.Module):
         Args:
           order: int `(B,)` of source indices; repeats allowed.
         """
-        self._require_batched("reorder")
-        order = jnp.asarray(order)
-        if not jnp.issubdtype(order.dtype, jnp.integer) or order.shape != (self.batch_size,):
-            raise ValueError(f"order must be int ({self.batch_size},), got {order.dtype} {order.shape}")
-        if not _is_traced(order):
-            host = np.asarray(order)
-            if host.min() < 0 or host.max() >= self.batch_size:
-                raise ValueError(f"order indices must lie in [0, {self.batch_size}), got {host.tolist()}")
+        order = self._check_per_sequence_ints(order, "order", upper=self.batch_size - 1)
         self._set_cache(cache_ops.reorder(self.cache, order))
 
     # ---------------------------------------------------------------- internal
@@ -541,15 +532,19 @@ class MultiHeadAttention(nnx.Module):
         return mask
 
     def _check_lengths(self, lengths, num_new):
-        self._require_batched("lengths")
-        lengths = jnp.asarray(lengths)
-        if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape != (self.batch_size,):
-            raise ValueError(f"lengths must be int ({self.batch_size},), got {lengths.dtype} {lengths.shape}")
-        if not _is_traced(lengths):
-            host = np.asarray(lengths)
-            if host.min() < 0 or host.max() > num_new:
-                raise ValueError(f"lengths must lie in [0, T={num_new}], got {host.tolist()}")
-        return lengths.astype(jnp.int32)
+        return self._check_per_sequence_ints(lengths, "lengths", upper=num_new)
+
+    def _check_per_sequence_ints(self, values, name, upper):
+        """Int `(B,)` values, each (when not traced) in `[0, upper]`, as int32."""
+        self._require_batched(name)
+        values = jnp.asarray(values)
+        if not jnp.issubdtype(values.dtype, jnp.integer) or values.shape != (self.batch_size,):
+            raise ValueError(f"{name} must be int ({self.batch_size},), got {values.dtype} {values.shape}")
+        if not _is_traced(values):
+            host = np.asarray(values)
+            if host.min() < 0 or host.max() > upper:
+                raise ValueError(f"{name} must lie in [0, {upper}], got {host.tolist()}")
+        return values.astype(jnp.int32)
 
     def _which(self, which):
         """Bool mask `(B,)` of sequences to act on; all of them when `which` is None."""

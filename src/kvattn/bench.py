@@ -48,6 +48,7 @@ from tqdm import tqdm
 import kvattn
 from kvattn import cache as cache_ops
 from kvattn import ops
+from kvattn.demo import flax_twin
 
 __all__ = ["BenchConfig", "run"]
 
@@ -99,14 +100,9 @@ class BenchConfig:
         return self.in_features // self.num_heads
 
     @property
-    def itemsize(self) -> int:
-        return jnp.dtype(CACHE_DTYPES[self.dtype]).itemsize
-
-    @property
     def cache_bytes_per_token(self) -> int:
         """Bytes one token adds to the cache of one layer: keys and values of every kv head (+ int8 scales)."""
-        scales = 2 * self.num_heads * 4 if self.dtype == "int8" else 0
-        return 2 * self.num_heads * self.head_dim * self.itemsize + scales
+        return cache_ops.bytes_per_token(self.num_heads, self.head_dim, self.dtype)
 
     def kv_bytes(self, batch_size: int, filled: int) -> int:
         """Bytes of keys and values a step must read at `filled` slots."""
@@ -357,9 +353,7 @@ class BatchBench:
         self.weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.params))
         for layer in [*self.layers.values(), filler_layer]:
             nnx.update(layer, self.params)
-        self.flax_layer = nnx.MultiHeadAttention(config.num_heads, config.in_features, decode=True, rngs=nnx.Rngs(0))
-        nnx.update(self.flax_layer, self.params)
-        self.flax_layer.init_cache((batch_size, config.max_len, config.in_features))
+        self.flax_layer = flax_twin(filler_layer, batch_size)
         # Past max_len by one chunk, so the filler's prefill chunks are all full.
         stream_len = config.max_len + min(PREFILL_CHUNK, config.max_len)
         self.stream = jax.random.normal(jax.random.key(1), (batch_size, stream_len, config.in_features))

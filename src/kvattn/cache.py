@@ -29,6 +29,7 @@ __all__ = [
     "CACHE_DTYPES",
     "KVCache",
     "append",
+    "bytes_per_token",
     "capacity_ok",
     "clear",
     "decode_values",
@@ -39,6 +40,13 @@ __all__ = [
 ]
 
 CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+
+
+def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Cache bytes one token takes in one sequence: keys, values and, for int8, their scales."""
+    itemsize = jnp.dtype(CACHE_DTYPES[dtype]).itemsize
+    scales = 2 * num_kv_heads * 4 if dtype == "int8" else 0
+    return 2 * num_kv_heads * head_dim * itemsize + scales
 
 
 class KVCache(NamedTuple):

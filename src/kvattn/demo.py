@@ -15,7 +15,7 @@ from rich.table import Table
 from kvattn.attention import MultiHeadAttention
 from kvattn.decoding import Decoder
 
-__all__ = ["run_demo"]
+__all__ = ["flax_twin", "run_demo"]
 
 
 def _timed(fn, *args):
@@ -24,9 +24,9 @@ def _timed(fn, *args):
     return time.perf_counter() - start
 
 
-def _flax_step_time(layer: MultiHeadAttention, xs, num_steps: int) -> float:
-    """Median seconds per token of Flax's decode layer with the same weights, stepped by `nnx.jit`."""
-    flax_layer = nnx.MultiHeadAttention(
+def flax_twin(layer: MultiHeadAttention, batch_size: int) -> nnx.MultiHeadAttention:
+    """Flax's `nnx.MultiHeadAttention(decode=True)` holding `layer`'s weights, its cache ready for `batch_size`."""
+    twin = nnx.MultiHeadAttention(
         layer.num_heads,
         layer.in_features,
         qkv_features=layer.num_heads * layer.head_dim,
@@ -35,9 +35,14 @@ def _flax_step_time(layer: MultiHeadAttention, xs, num_steps: int) -> float:
         decode=True,
         rngs=nnx.Rngs(0),
     )
-    nnx.update(flax_layer, nnx.state(layer, nnx.Param))
-    batch = xs.shape[0]
-    flax_layer.init_cache((batch, layer.max_len, layer.in_features))
+    nnx.update(twin, nnx.state(layer, nnx.Param))
+    twin.init_cache((batch_size, layer.max_len, layer.in_features))
+    return twin
+
+
+def _flax_step_time(layer: MultiHeadAttention, xs, num_steps: int) -> float:
+    """Median seconds per token of Flax's decode layer with the same weights, stepped by `nnx.jit`."""
+    flax_layer = flax_twin(layer, xs.shape[0])
     step = nnx.jit(lambda module, x: module(x))
     step(flax_layer, xs[:, :1])  # compile
     return statistics.median(_timed(step, flax_layer, xs[:, t : t + 1]) for t in range(1, num_steps + 1))
