@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -91,25 +92,65 @@ def relayouts_of_size(hlo: str, size: int) -> list[str]:
     return found
 
 
+def assert_in_place(hlo: str, cache_shape: tuple[int, ...], kernel_sizes: list[int]):
+    """No cache-sized copy, and no copy or transpose of a weight kernel, anywhere in `hlo`."""
+    assert full_cache_copies(hlo, "f32[" + ",".join(map(str, cache_shape)) + "]") == []
+    for size in kernel_sizes:
+        assert relayouts_of_size(hlo, size) == []
+
+
+def in_place_layer(layout, batch_size):
+    # D=40, head width 10: a kernel's 400 or 1200 elements match no other array of the step.
+    return kvattn.MultiHeadAttention(
+        4, 40, max_len=256, batch_size=batch_size, cache_layout=layout, length_buckets=(8,), rngs=nnx.Rngs(0)
+    )
+
+
+KERNEL_SIZES = [40 * 4 * 10, 40 * 12 * 10]  # one projection, the fused query-key-value kernel
+
+
 @pytest.mark.parametrize("layout", ["slots_major", "heads_major"])
 @pytest.mark.parametrize("batch_size", [None, 2])
 def test_compiled_step_updates_the_cache_in_place(layout, batch_size):
-    """The donated step aliases its cache outputs to its inputs and never copies a whole buffer."""
-    # D=40, head width 10: a kernel's 400 elements match no other array of the step.
-    layer = kvattn.MultiHeadAttention(
-        4, 40, max_len=256, batch_size=batch_size, cache_layout=layout, length_buckets=(8,), rngs=nnx.Rngs(0)
-    )
+    """The donated Decoder step aliases its cache outputs to its inputs and never copies a whole buffer."""
+    layer = in_place_layer(layout, batch_size)
     decoder = kvattn.Decoder(layer)
     x = jax.random.normal(jax.random.key(1), (*(() if batch_size is None else (batch_size,)), 40))
-    compiled = decoder._programs["step"].lower(decoder._rest, decoder._cache, (x, None)).compile()
-    hlo = compiled.as_text()
-    header = hlo.splitlines()[0]
-    assert header.count("-alias)") == 3  # k_cache, v_cache and pos reuse their input buffers
-    cache_shape = "f32[" + ",".join(str(d) for d in layer.k_cache[...].shape) + "]"
-    assert full_cache_copies(hlo, cache_shape) == []
-    # Nor does it re-lay-out a weight kernel every step.
-    kernel_size = layer.in_features * layer.num_heads * layer.head_dim
-    assert relayouts_of_size(hlo, kernel_size) == []
+    hlo = decoder._programs["step"].lower(decoder._weights, decoder._cache, x, None).compile().as_text()
+    assert hlo.splitlines()[0].count("-alias)") == 3  # k, v and pos reuse their input buffers
+    assert_in_place(hlo, decoder._cache.k.shape, KERNEL_SIZES)
+
+
+@pytest.mark.parametrize("batch_size", [None, 2])
+def test_layer_step_under_donated_jit_updates_the_cache_in_place(batch_size):
+    """`layer.step` itself, jitted with its cache donated as a user would, copies no buffer either."""
+    layer = in_place_layer("slots_major", batch_size)
+    graphdef, cache, rest = nnx.split(layer, nnx.Cache, ...)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def step(rest, cache, x):
+        model = nnx.merge(graphdef, cache, rest)
+        return model.step(x), nnx.state(model, nnx.Cache)
+
+    x = jax.random.normal(jax.random.key(1), (*(() if batch_size is None else (batch_size,)), 40))
+    hlo = step.lower(rest, cache, x).compile().as_text()
+    assert hlo.splitlines()[0].count("-alias)") == 3
+    assert_in_place(hlo, layer.k_cache[...].shape, KERNEL_SIZES)
+    assert_in_place(hlo, (1, *layer.k_cache[...].shape), KERNEL_SIZES)
+
+
+@pytest.mark.parametrize("layout", ["slots_major", "heads_major"])
+def test_decode_loop_body_copies_no_buffer(layout):
+    """Inside `decode`'s loop nothing cache-sized is copied; a slots-major cache is transposed only outside it."""
+    layer = in_place_layer(layout, None)
+    plan = decoding._Plan.of(layer)
+    xs = jnp.ones((1, 5, 40))
+    hlo = decoding._decode.lower(plan, layer.weights, decoding._stored_cache(layer), xs).compile().as_text()
+    loop_bodies = [c for c in re.split(r"\n(?=\S)", hlo) if "wide.region" in c.split("\n")[0]]
+    assert loop_bodies
+    for body in loop_bodies:
+        assert_in_place(body, (1, 4, 256, 10), KERNEL_SIZES)
+        assert_in_place(body, (4, 256, 10), KERNEL_SIZES)
 
 
 @pytest.mark.parametrize("batch_size", [None, 2])

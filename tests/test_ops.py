@@ -90,20 +90,81 @@ def test_unfilled_slots_get_zero_weight_whatever_they_hold():
         np.testing.assert_array_equal(out, 1.0)
 
 
+@settings(max_examples=10)
+@given(
+    shape=st.sampled_from([(1, 1, 1, 2), (2, 4, 2, 3), (3, 2, 1, 4)]),  # B, N, K, H
+    num_new=st.sampled_from([1, 3, 11]),
+    layout=st.sampled_from([ops.SLOTS_MAJOR, ops.HEADS_MAJOR]),
+    data=st.data(),
+)
+def test_cached_attention_over_written_chunk_equals_reference(shape, num_new, layout, data):
+    """Write first, then read: a chunk already in the cache attends exactly as `attention` would."""
+    batch, num_heads, num_kv_heads, head_dim = shape
+    num_slots = 14
+    cache_len = np.array(data.draw(st.lists(st.integers(0, num_slots - num_new), min_size=batch, max_size=batch)))
+    new_len = np.array(data.draw(st.lists(st.integers(0, num_new), min_size=batch, max_size=batch)))
+    keys = jax.random.split(jax.random.key(data.draw(st.integers(0, 999))), 3)
+    q = jax.random.normal(keys[0], (batch, num_new, num_heads, head_dim))
+    # Slots past each sequence's written tokens hold garbage that must not matter.
+    k_cache = jax.random.normal(keys[1], (batch, num_slots, num_kv_heads, head_dim))
+    v_cache = jax.random.normal(keys[2], (batch, num_slots, num_kv_heads, head_dim))
+
+    out = jax.jit(ops.cached_attention, static_argnames="layout")(
+        q, jnp.asarray(new_len), to_layout(k_cache, layout), to_layout(v_cache, layout),
+        jnp.asarray(cache_len), layout=layout,
+    )
+    for b in range(batch):
+        filled, real = cache_len[b], new_len[b]
+        if real:
+            positions = filled + np.arange(real)
+            expected = reference_attention(q[b, :real], k_cache[b, : filled + real], v_cache[b, : filled + real], positions)
+            np.testing.assert_allclose(out[b, :real], expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[b, real:], 0.0)
+
+
 @pytest.mark.parametrize("layout", [ops.SLOTS_MAJOR, ops.HEADS_MAJOR])
 def test_bucketed_attention_equals_full_at_every_fill_and_boundary(layout):
+    """Both attention orders read only a bucket prefix, from nothing filled to the whole buffer."""
     buckets = (2, 4, 8)
     q = jax.random.normal(jax.random.key(0), (2, 1, 2, 3))
     k_new, v_new = (jax.random.normal(jax.random.key(i), (2, 1, 1, 3)) for i in (1, 2))
     k_cache, v_cache = (jax.random.normal(jax.random.key(i), (2, 8, 1, 3)) for i in (3, 4))
     k_cache, v_cache = to_layout(k_cache, layout), to_layout(v_cache, layout)
-    bucketed = jax.jit(ops.bucketed_attention, static_argnames=("layout", "buckets"))
     one = jnp.ones(2, jnp.int32)
-    for filled in range(9):  # crosses 2, 4 and 8 from both sides
+
+    @jax.jit
+    def both(cache_len, needed_before, needed_after):
+        def read_first(k, v, *_):
+            return ops.attention(q, k_new, v_new, one, k, v, cache_len, layout)
+
+        def write_first(k, v, *_):
+            return ops.cached_attention(q, one, k, v, cache_len, layout)
+
+        caches = (k_cache, v_cache, None, None)
+        return (
+            ops.bucketed(read_first, caches, needed_before, buckets, layout),
+            ops.bucketed(write_first, caches, needed_after, buckets, layout),
+        )
+
+    for filled in range(8):  # crosses 2, 4 and 8 from both sides, from nothing filled
         cache_len = jnp.array([filled, max(filled - 3, 0)])
-        full = ops.attention(q, k_new, v_new, one, k_cache, v_cache, cache_len, layout)
-        got = bucketed(q, k_new, v_new, one, k_cache, v_cache, cache_len, layout=layout, buckets=buckets)
-        np.testing.assert_allclose(got, full, rtol=1e-6, atol=1e-6)
+        read_full = ops.attention(q, k_new, v_new, one, k_cache, v_cache, cache_len, layout)
+        write_full = ops.cached_attention(q, one, k_cache, v_cache, cache_len, layout)
+        read_got, write_got = both(cache_len, jnp.max(cache_len), jnp.max(cache_len) + 1)
+        np.testing.assert_allclose(read_got, read_full, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(write_got, write_full, rtol=1e-6, atol=1e-6)
+
+
+def test_bucketed_reads_nothing_when_nothing_is_filled():
+    calls = []
+
+    def attend(k, v, *_):
+        calls.append(k.shape)
+        return jnp.zeros((1,)) + k.shape[1]
+
+    k = v = jnp.ones((1, 8, 1, 1))
+    got = [float(ops.bucketed(attend, (k, v), jnp.int32(n), (4, 8), ops.SLOTS_MAJOR)[0]) for n in (0, 3, 5)]
+    assert got == [0.0, 4.0, 8.0]
 
 
 def test_bucket_index_picks_the_smallest_bucket_that_fits():
@@ -113,9 +174,10 @@ def test_bucket_index_picks_the_smallest_bucket_that_fits():
 
 
 def test_length_buckets():
-    assert ops.length_buckets(2048) == (128, 256, 512, 2048)
+    assert ops.length_buckets(2048) == (128, 256, 2048)
+    assert ops.length_buckets(8192) == (128, 256, 512, 1024, 8192)
     assert ops.length_buckets(100) == (100,)
-    assert ops.length_buckets(16, smallest=2) == (2, 4, 16)
+    assert ops.length_buckets(32, smallest=2) == (2, 4, 32)
 
 
 # ------------------------------------------------------------------- cache.py

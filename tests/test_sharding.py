@@ -72,14 +72,15 @@ def test_model_placement_reduces_once_after_out(report, case):
     """Tensor parallel, either layout: one all-reduce of out's partial sums `(B/data * T, D)`; no cache moves."""
     summary = outcome(report, str(case))
     assert "cache stays put" in summary
-    assert collectives_of(summary) == [f"all-reduce [{case.batch_size // case.data},{IN_FEATURES}]"]
+    partial_sums = f"all-reduce [{case.batch_size // case.data},{IN_FEATURES}]"
+    assert sorted(collectives_of(summary)) == sorted([partial_sums] + (["all-reduce []"] if case.data > 1 else []))
 
 
 @pytest.mark.parametrize("case", [c for c in cases(LAYOUTS) if c.model == 1], ids=str)
-def test_data_placement_is_communication_free(report, case):
-    """Batch over 8 devices: each device steps its own sequences' caches; nothing crosses devices."""
+def test_data_placement_communicates_one_scalar(report, case):
+    """Batch over 8 devices: each device steps its own sequences' caches; only the batch's longest fill crosses."""
     summary = outcome(report, str(case))
-    assert "cache stays put" in summary and summary.endswith("collectives: none")
+    assert "cache stays put" in summary and summary.endswith("collectives: all-reduce []")
 
 
 def test_indivisible_heads_are_refused_before_anything_moves(report):

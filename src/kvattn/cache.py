@@ -35,6 +35,7 @@ __all__ = [
     "decode_values",
     "encode",
     "fork",
+    "relayout",
     "reorder",
     "truncate",
 ]
@@ -164,6 +165,14 @@ def append(
         k_scale=None if k_scale is None else put(cache.k_scale, k_scale),
         v_scale=None if v_scale is None else put(cache.v_scale, v_scale),
     )
+
+
+def relayout(cache: KVCache, layout: str, target: str) -> KVCache:
+    """The same cache with its buffers (and scales) in the `target` layout instead of `layout`."""
+    if layout == target:
+        return cache
+    k_scale, v_scale = (None if s is None else jnp.swapaxes(s, 1, 2) for s in (cache.k_scale, cache.v_scale))
+    return KVCache(jnp.swapaxes(cache.k, 1, 2), jnp.swapaxes(cache.v, 1, 2), cache.pos, k_scale, v_scale)
 
 
 def _map(fn, cache: KVCache) -> KVCache:

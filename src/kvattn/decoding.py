@@ -1,10 +1,18 @@
 """Fast decoding drivers: a compiled, donated step for Python loops, and on-device loops.
 
 Graph-mode `nnx.jit` re-walks the module graph on every call, which costs
-hundreds of microseconds per token. These drivers split the layer once into a
-static graph definition, its weights and its cache, and run plain `jax.jit`
-programs whose cache argument is donated, so XLA updates the buffers in place
-instead of copying `max_len` slots per step.
+hundreds of microseconds per token. These drivers read the layer once into
+plain arrays and run `jax.jit` programs of the pure step (`attention.extend`)
+whose cache argument is donated, so XLA updates the buffers in place instead
+of copying `max_len` slots per step.
+
+They also pick the working form that XLA:CPU runs fastest, whatever the
+layer stores: the query, key and value kernels fused into one matmul, and
+the cache in the heads-major layout, whose attention dots read the buffers
+in place (a slots-major cache makes every step either transpose the cache or
+do K times the flops). A slots-major layer's cache is transposed once on the
+way in and once on the way out; what `nnx.state(layer, nnx.Cache)` shows is
+unchanged.
 """
 
 from __future__ import annotations
@@ -16,38 +24,123 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from kvattn.attention import CacheOverflowError, MultiHeadAttention
+from kvattn import cache as cache_ops
+from kvattn import ops
+from kvattn.attention import CacheOverflowError, FusedWeights, MultiHeadAttention, Weights, extend
 
 __all__ = ["Decoder", "Generation", "decode", "generate"]
 
+WORKING_LAYOUT = ops.HEADS_MAJOR
+
+
+class _Plan(NamedTuple):
+    """The static facts about a layer that its compiled decoding programs depend on."""
+
+    layout: str
+    batched: bool
+    max_len: int | None
+    buckets: tuple[int, ...]
+    window: int | None
+    heads_split: bool
+
+    @classmethod
+    def of(cls, layer: MultiHeadAttention) -> _Plan:
+        return cls(
+            layout=layer.layout,
+            batched=layer.batch_size is not None,
+            max_len=layer.max_len,
+            buckets=layer.length_buckets,
+            window=layer.window,
+            heads_split=layer.model_axis is not None,
+        )
+
+    def extend(self, weights, cache: cache_ops.KVCache, xs, lengths):
+        """`attention.extend` on a working-layout cache."""
+        return extend(
+            weights, cache, xs, lengths,
+            max_len=self.max_len, layout=WORKING_LAYOUT, buckets=self.buckets,
+            window=self.window, heads_split=self.heads_split, write_first=True,
+        )
+
+    def working(self, weights: Weights, stored: cache_ops.KVCache) -> tuple[Weights | FusedWeights, cache_ops.KVCache]:
+        """Weights and cache as the layer stores them (`[B,] ...`) -> their working form (batched, heads-major)."""
+        batch = (lambda a: a) if self.batched else (lambda a: a[None])
+        cache = cache_ops.KVCache(*(None if a is None else batch(a) for a in stored))
+        # Heads split over devices keep their projections apart (see `extend`).
+        fused = weights if self.heads_split else weights.fused()
+        return fused, cache_ops.relayout(cache, self.layout, WORKING_LAYOUT)
+
+    def stored(self, cache: cache_ops.KVCache) -> cache_ops.KVCache:
+        """The inverse of `working` for the cache."""
+        cache = cache_ops.relayout(cache, WORKING_LAYOUT, self.layout)
+        unbatch = (lambda a: a) if self.batched else (lambda a: a[0])
+        return cache_ops.KVCache(*(None if a is None else unbatch(a) for a in cache))
+
+
+def _stored_cache(layer: MultiHeadAttention) -> cache_ops.KVCache:
+    """The layer's cache arrays exactly as stored (no batch axis added, nothing copied)."""
+    int8 = layer.cache_dtype == "int8"
+    return cache_ops.KVCache(
+        layer.k_cache[...],
+        layer.v_cache[...],
+        layer.pos[...],
+        layer.k_scale[...] if int8 else None,
+        layer.v_scale[...] if int8 else None,
+    )
+
+
+def _write_back(layer: MultiHeadAttention, stored: cache_ops.KVCache) -> None:
+    """Puts new cache arrays into the layer; `set_value` never reads the old (maybe donated) ones."""
+    layer.k_cache.set_value(stored.k)
+    layer.v_cache.set_value(stored.v)
+    layer.pos.set_value(stored.pos)
+    if stored.k_scale is not None:
+        layer.k_scale.set_value(stored.k_scale)
+        layer.v_scale.set_value(stored.v_scale)
+
+
+@functools.partial(jax.jit, static_argnames="plan")
+def _enter(plan: _Plan, weights: Weights, stored: cache_ops.KVCache):
+    """`plan.working` into fresh buffers, which the decoder may donate without touching the layer's."""
+    weights, cache = plan.working(weights, stored)
+    return weights, jax.tree.map(jnp.copy, cache)
+
+
+@functools.partial(jax.jit, static_argnames="plan")
+def _leave(plan: _Plan, cache: cache_ops.KVCache):
+    """`plan.stored` into fresh buffers, so the decoder's next donation leaves the layer's alone."""
+    return jax.tree.map(jnp.copy, plan.stored(cache))
+
 
 @functools.lru_cache(maxsize=64)
-def _compiled_method(graphdef, cache_def, rest_def, method):
-    """One `jax.jit` program per layer structure and method, cache donated.
+def _program(plan: _Plan, method: str):
+    """The donated `jax.jit` program of `Decoder.step` or `Decoder.prefill` for one layer structure."""
 
-    Works on flat leaf lists with the tree structures closed over, so a call
-    pays neither for hashing the graph definition nor for walking `nnx.State`.
-    """
+    def step(weights, cache, x, active):
+        xs = x[:, None] if plan.batched else x[None, None]
+        lengths = jnp.ones(xs.shape[:1], jnp.int32) if active is None else active.astype(jnp.int32)
+        ys, cache = plan.extend(weights, cache, xs, lengths)
+        return (ys[:, 0] if plan.batched else ys[0, 0]), cache
 
-    def run(rest_leaves, cache_leaves, args):
-        cache = jax.tree.unflatten(cache_def, cache_leaves)
-        rest = jax.tree.unflatten(rest_def, rest_leaves)
-        layer = nnx.merge(graphdef, cache, rest)
-        out = getattr(layer, method)(*args)
-        return out, jax.tree.leaves(nnx.state(layer, nnx.Cache))
+    def prefill(weights, cache, xs, lengths):
+        xs = xs if plan.batched else xs[None]
+        if lengths is None:
+            lengths = jnp.full(xs.shape[:1], xs.shape[1], jnp.int32)
+        ys, cache = plan.extend(weights, cache, xs, lengths)
+        return (ys if plan.batched else ys[0]), cache
 
-    return jax.jit(run, donate_argnums=1)
+    return jax.jit({"step": step, "prefill": prefill}[method], donate_argnums=1)
 
 
 class Decoder:
     """The fast way to decode from Python: one compiled, donated program per method.
 
-    The decoder takes a copy of the layer's cache and advances it with
-    `jax.jit`-compiled `step` and `prefill` calls whose cache is donated, so
-    each call updates the buffers in place. The layer itself is untouched
-    until `sync()` writes the decoder's cache back into it.
+    The decoder takes a copy of the layer's cache, in its working form (see
+    the module docstring), and advances it with `jax.jit`-compiled `step`
+    and `prefill` calls whose cache is donated, so each call updates the
+    buffers in place. The layer itself is untouched until `sync()` writes
+    the decoder's cache back into it.
 
     Capacity is tracked on the host, so an overflowing call raises
     `CacheOverflowError` before anything runs, exactly like an eager step.
@@ -69,13 +162,9 @@ class Decoder:
 
     def __init__(self, layer: MultiHeadAttention):
         self.layer = layer
-        graphdef, cache, rest = nnx.split(layer, nnx.Cache, ...)
-        cache_leaves, self._cache_def = jax.tree.flatten(cache)
-        self._rest, rest_def = jax.tree.flatten(rest)
-        self._cache = [jnp.copy(leaf) for leaf in cache_leaves]
-        self._programs = {
-            method: _compiled_method(graphdef, self._cache_def, rest_def, method) for method in ("step", "prefill")
-        }
+        self._plan = _Plan.of(layer)
+        self._weights, self._cache = _enter(self._plan, layer.weights, _stored_cache(layer))
+        self._programs = {method: _program(self._plan, method) for method in ("step", "prefill")}
         self._host_pos = np.array(layer._batched(layer.pos[...]))
 
     @property
@@ -110,9 +199,8 @@ class Decoder:
         return self._advance("prefill", (xs, lengths), host_lengths)
 
     def sync(self) -> MultiHeadAttention:
-        """Writes the decoder's cache into the layer and returns the layer."""
-        cache = jax.tree.unflatten(self._cache_def, [jnp.copy(leaf) for leaf in self._cache])
-        nnx.update(self.layer, cache)
+        """Writes (a copy of) the decoder's cache into the layer, in the layer's layout, and returns the layer."""
+        _write_back(self.layer, _leave(self._plan, self._cache))
         return self.layer
 
     def _advance(self, method, args, lengths):
@@ -125,20 +213,22 @@ class Decoder:
                 f"{np.asarray(lengths)[over].tolist()} new tokens exceeds max_len={self.layer.max_len}; "
                 "nothing was written. Start a new Decoder on a reset layer or use a larger max_len."
             )
-        out, self._cache = self._programs[method](self._rest, self._cache, args)
+        out, self._cache = self._programs[method](self._weights, self._cache, *args)
         self._host_pos = needed
         return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def _decode(graphdef, rest, cache, xs):
-    def body(cache, x):
-        layer = nnx.merge(graphdef, cache, rest)
-        y = layer.step(x)
-        return nnx.state(layer, nnx.Cache), y
+@functools.partial(jax.jit, static_argnames="plan", donate_argnames="stored")
+def _decode(plan: _Plan, weights: Weights, stored: cache_ops.KVCache, xs):
+    weights, cache = plan.working(weights, stored)
+    ones = jnp.ones(xs.shape[:1], jnp.int32)
 
-    cache, ys = jax.lax.scan(body, cache, xs)
-    return ys, cache
+    def body(cache, x):
+        ys, cache = plan.extend(weights, cache, x[:, None], ones)
+        return cache, ys[:, 0]
+
+    cache, ys = jax.lax.scan(body, cache, jnp.swapaxes(xs, 0, 1))
+    return jnp.swapaxes(ys, 0, 1), plan.stored(cache)
 
 
 def decode(layer: MultiHeadAttention, xs):
@@ -146,7 +236,9 @@ def decode(layer: MultiHeadAttention, xs):
 
     Equal to a Python loop of `layer.step` over the tokens, without its
     per-call overhead; the cache is donated and updated in place, and the
-    layer holds the advanced cache afterwards.
+    layer holds the advanced cache afterwards. The loop runs on the working
+    form of the module docstring: a slots-major cache is transposed once
+    each way, which needs a second cache-sized buffer during the call.
 
     Args:
       layer: the attention layer.
@@ -162,11 +254,9 @@ def decode(layer: MultiHeadAttention, xs):
     xs = layer._check_tokens(xs, "xs", ranks=(3 if batched else 2,))
     pos = layer._batched(layer.pos[...])
     layer._check_capacity(pos, jnp.full(pos.shape, xs.shape[-2], jnp.int32))
-    graphdef, cache, rest = nnx.split(layer, nnx.Cache, ...)
-    stream = jnp.swapaxes(xs, 0, 1) if batched else xs
-    ys, cache = _decode(graphdef, rest, cache, stream)
-    nnx.update(layer, cache)
-    return jnp.swapaxes(ys, 0, 1) if batched else ys
+    ys, stored = _decode(_Plan.of(layer), layer.weights, _stored_cache(layer), xs if batched else xs[None])
+    _write_back(layer, stored)
+    return ys if batched else ys[0]
 
 
 class Generation(NamedTuple):
@@ -178,13 +268,14 @@ class Generation(NamedTuple):
     """How many steps ran before every sequence was full (int32 scalar)."""
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "next_input"), donate_argnames=("cache",))
-def _generate(graphdef, rest, cache, x0, num_steps, next_input):
-    max_len = nnx.merge(graphdef, cache, rest).max_len
+@functools.partial(jax.jit, static_argnames=("plan", "num_steps", "next_input"), donate_argnames="stored")
+def _generate(plan: _Plan, weights: Weights, stored: cache_ops.KVCache, x0, num_steps, next_input):
+    weights, cache = plan.working(weights, stored)
     outputs = jnp.full((num_steps, *x0.shape), jnp.nan, x0.dtype)
+    ones = jnp.ones(cache.pos.shape, jnp.int32)
 
     def room(cache):
-        return True if max_len is None else jnp.any(cache["pos"][...] < max_len)
+        return True if plan.max_len is None else jnp.any(cache.pos < plan.max_len)
 
     def cond(carry):
         i, cache, _, _ = carry
@@ -192,13 +283,13 @@ def _generate(graphdef, rest, cache, x0, num_steps, next_input):
 
     def body(carry):
         i, cache, x, outputs = carry
-        layer = nnx.merge(graphdef, cache, rest)
-        y = layer.step(x)
-        return i + 1, nnx.state(layer, nnx.Cache), next_input(y).astype(x.dtype), outputs.at[i].set(y)
+        ys, cache = plan.extend(weights, cache, (x if plan.batched else x[None])[:, None], ones)
+        y = ys[:, 0] if plan.batched else ys[0, 0]
+        return i + 1, cache, next_input(y).astype(x.dtype), outputs.at[i].set(y)
 
     carry = (jnp.int32(0), cache, x0, outputs)
     length, cache, _, outputs = jax.lax.while_loop(cond, body, carry)
-    return Generation(outputs, length), cache
+    return Generation(outputs, length), plan.stored(cache)
 
 
 def generate(layer: MultiHeadAttention, x0, num_steps: int, next_input: Callable[[jax.Array], jax.Array]):
@@ -227,9 +318,8 @@ def generate(layer: MultiHeadAttention, x0, num_steps: int, next_input: Callable
         raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
     batched = layer.batch_size is not None
     x0 = layer._check_tokens(x0, "x0", ranks=(2 if batched else 1,))
-    graphdef, cache, rest = nnx.split(layer, nnx.Cache, ...)
-    result, cache = _generate(graphdef, rest, cache, x0, num_steps, next_input)
-    nnx.update(layer, cache)
+    result, stored = _generate(_Plan.of(layer), layer.weights, _stored_cache(layer), x0, num_steps, next_input)
+    _write_back(layer, stored)
     if batched:
         return Generation(jnp.swapaxes(result.outputs, 0, 1), result.length)
     return result
