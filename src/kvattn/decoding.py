@@ -181,7 +181,7 @@ class Decoder:
             active = layer._check_mask(active, "active")
             lengths = np.asarray(active).astype(np.int32)
         else:
-            lengths = np.ones_like(self._host_pos)
+            lengths = 1
         return self._advance("step", (x, active), lengths)
 
     def prefill(self, xs, lengths=None):
@@ -206,8 +206,9 @@ class Decoder:
     def _advance(self, method, args, lengths):
         needed = self._host_pos + lengths
         capacity = self.layer.max_len
-        over = np.flatnonzero(needed > capacity) if capacity is not None else np.empty(0, int)
-        if over.size:
+        if capacity is not None and needed.max() > capacity:
+            over = np.flatnonzero(needed > capacity)
+            lengths = np.broadcast_to(lengths, needed.shape)
             raise CacheOverflowError(
                 f"cache overflow for sequences {over.tolist()}: pos {self._host_pos[over].tolist()} + "
                 f"{np.asarray(lengths)[over].tolist()} new tokens exceeds max_len={self.layer.max_len}; "
@@ -221,6 +222,7 @@ class Decoder:
 @functools.partial(jax.jit, static_argnames="plan", donate_argnames="stored")
 def _decode(plan: _Plan, weights: Weights, stored: cache_ops.KVCache, xs):
     weights, cache = plan.working(weights, stored)
+    xs = xs if plan.batched else xs[None]
     ones = jnp.ones(xs.shape[:1], jnp.int32)
 
     def body(cache, x):
@@ -228,7 +230,8 @@ def _decode(plan: _Plan, weights: Weights, stored: cache_ops.KVCache, xs):
         return cache, ys[:, 0]
 
     cache, ys = jax.lax.scan(body, cache, jnp.swapaxes(xs, 0, 1))
-    return jnp.swapaxes(ys, 0, 1), plan.stored(cache)
+    ys = jnp.swapaxes(ys, 0, 1)
+    return (ys if plan.batched else ys[0]), plan.stored(cache)
 
 
 def decode(layer: MultiHeadAttention, xs):
@@ -250,13 +253,12 @@ def decode(layer: MultiHeadAttention, xs):
     Raises:
       CacheOverflowError: before anything runs, if the stream does not fit.
     """
-    batched = layer.batch_size is not None
-    xs = layer._check_tokens(xs, "xs", ranks=(3 if batched else 2,))
-    pos = layer._batched(layer.pos[...])
-    layer._check_capacity(pos, jnp.full(pos.shape, xs.shape[-2], jnp.int32))
-    ys, stored = _decode(_Plan.of(layer), layer.weights, _stored_cache(layer), xs if batched else xs[None])
+    xs = layer._check_tokens(xs, "xs", ranks=(3 if layer.batch_size is not None else 2,))
+    pos = np.asarray(layer.pos[...]).reshape(-1)
+    layer._check_capacity(pos, np.full(pos.shape, xs.shape[-2]))
+    ys, stored = _decode(_Plan.of(layer), layer.weights, _stored_cache(layer), xs)
     _write_back(layer, stored)
-    return ys if batched else ys[0]
+    return ys
 
 
 class Generation(NamedTuple):
