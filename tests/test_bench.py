@@ -70,3 +70,31 @@ def test_int8_cache_run_reports_its_memory_and_stays_close(tmp_path):
     assert results["memory"][0]["cache_bytes_per_token_per_layer"] == per_token
     kvattn_rows = [r for r in results["measurements"] if r["contender"].startswith("kvattn")]
     assert kvattn_rows and all(0 < r["max_abs_diff_vs_recompute"] < 0.1 for r in kvattn_rows)
+
+
+def test_whole_generations_are_timed_at_the_smallest_batch(quick_run):
+    _, results = quick_run
+    config = results["config"]
+    smallest = min(config["batch_sizes"])
+    timed = {(w["batch_size"], w["contender"]) for w in results["whole_generation"]}
+    assert timed == {(smallest, name) for name in bench.generation_contenders(tuple(config["layouts"]))}
+    for row in results["whole_generation"]:
+        assert len(row["samples_ms_per_token"]) == config["generation_repeats"]
+    for row in results["generation"]:
+        whole = (row["batch_size"], row["contender"]) in timed
+        assert row["method"] == ("whole generation" if whole else "interpolated")
+
+
+def test_generation_mean_interpolates_unless_a_whole_generation_was_timed():
+    config = bench.BenchConfig(
+        in_features=8, num_heads=2, max_len=4, batch_sizes=(1,), filled=(2, 4), layouts=("heads_major",),
+        dtype="float32", repeats=1, generation_repeats=1,
+    )
+    names = bench.contender_names(config.layouts)[:-1]
+    rows = [{"batch_size": 1, "filled": t, "contender": n, "ms_per_token": float(t)} for t in (2, 4) for n in names]
+    whole = [{"batch_size": 1, "contender": "flax_scan", "ms_per_token": 10.0}]
+    means = {g["contender"]: g for g in bench.generation_means(config, rows, whole)}
+    # Curve 2, 2, 3, 4 over filled lengths 1..4 (constant below T=2, linear between).
+    assert means["recompute"]["ms_per_token"] == pytest.approx(2.75)
+    assert means["flax_scan"]["ms_per_token"] == 10.0
+    assert means["flax_scan"]["interpolated_ms_per_token"] == pytest.approx(2.75)

@@ -64,6 +64,7 @@ QUICK_SIZES = dict(
     repeats=2,
     burst_tokens=4,
     slow_burst_tokens=2,
+    generation_repeats=1,
 )
 
 
@@ -80,6 +81,8 @@ class BenchConfig:
       layouts: kvattn cache layouts to measure.
       dtype: cache storage dtype name.
       repeats: timed bursts per figure; the median is reported.
+      generation_repeats: timed whole `max_len`-token generations per
+        contender, at the smallest batch size (0: interpolate only).
       burst_tokens: tokens per timed burst of the fast contenders.
       slow_burst_tokens: tokens per timed burst of Flax under `nnx.jit`.
     """
@@ -92,7 +95,8 @@ class BenchConfig:
     layouts: tuple[str, ...]
     dtype: str
     repeats: int
-    burst_tokens: int = 16
+    generation_repeats: int
+    burst_tokens: int = 32
     slow_burst_tokens: int = 4
 
     @property
@@ -151,10 +155,11 @@ def run(
     num_heads: int = 8,
     max_len: int = 2048,
     batch_sizes: tuple[int, ...] = (1, 8),
-    filled: tuple[int, ...] = (128, 512, 1024, 2048),
+    filled: tuple[int, ...] = (128, 256, 512, 1024, 1536, 2048),
     layouts: tuple[str, ...] = ("slots_major", "heads_major"),
     dtype: str = "float32",
     repeats: int = 5,
+    generation_repeats: int = 3,
     out_dir: str | os.PathLike = "bench-results",
     quick: bool = False,
 ) -> dict[str, Any]:
@@ -168,6 +173,8 @@ def run(
       dtype: kvattn's cache storage dtype, "float32", "bfloat16" or "int8"
         (the Flax baselines always store float32).
       repeats: timed bursts per figure (median reported).
+      generation_repeats: timed whole `max_len`-token generations per
+        contender at the smallest batch size (median reported; 0: none).
       out_dir: directory for `results.json`, `per_token_time.png` and
         `bandwidth_share.png`; created if missing.
       quick: replace the sizes by tiny ones (a smoke test in seconds).
@@ -182,6 +189,7 @@ def run(
         batch_sizes=tuple(batch_sizes),
         filled=tuple(sorted(set(filled))),
         repeats=repeats,
+        generation_repeats=generation_repeats,
     )
     if quick:
         sizes.update(QUICK_SIZES)
@@ -209,13 +217,17 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     """
     names = contender_names(config.layouts)
     load_before = _load_average()
-    rows = []
-    with tqdm(total=len(config.batch_sizes) * len(config.filled) * len(names), desc="kvattn bench") as progress:
+    rows, whole = [], []
+    steps = len(config.batch_sizes) * len(config.filled) * len(names)
+    steps += len(generation_contenders(config.layouts)) if config.generation_repeats else 0
+    with tqdm(total=steps, desc="kvattn bench") as progress:
         for batch_size in config.batch_sizes:
             bench = BatchBench(config, batch_size)
             for filled in config.filled:
                 rows.extend(bench.measure_filled(filled, progress))
-    generation = generation_means(config, rows)
+            if config.generation_repeats and batch_size == min(config.batch_sizes):
+                whole.extend(bench.measure_generation(progress))
+    generation = generation_means(config, rows, whole)
     return {
         "config": dataclasses.asdict(config),
         "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": _load_average()},
@@ -224,8 +236,10 @@ def measure(config: BenchConfig) -> dict[str, Any]:
         "method": {
             "per_token": "median over repeats of (burst time / tokens), burst ending with T slots filled",
             "burst_tokens": {name: tokens_timed(config, name) for name in names},
-            "generation_mean": "mean over filled lengths 1..max_len of the per-token curve, "
-            "linearly interpolated between measured T, constant outside them",
+            "generation_mean": "at the smallest batch size: median over generation_repeats of one whole "
+            "max_len-token generation from an empty cache / max_len (recompute: interpolated); other batch "
+            "sizes: mean over filled lengths 1..max_len of the per-token curve, linearly interpolated "
+            "between measured T, constant outside them",
             "bytes_per_step": "weight bytes + filled K/V bytes (B * T * 2 * K * H * itemsize)",
         },
         "memory": [
@@ -237,6 +251,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
             for batch_size in config.batch_sizes
         ],
         "measurements": rows,
+        "whole_generation": whole,
         "generation": generation,
         "targets": targets(config, rows, generation),
     }
@@ -247,6 +262,11 @@ def contender_names(layouts: tuple[str, ...]) -> list[str]:
     kvattn_names = [f"kvattn_step/{layout}" for layout in layouts]
     kvattn_names += [f"kvattn_decode/{layout}" for layout in layouts]
     return ["recompute", *kvattn_names, "flax_nnx_jit", "flax_scan", "calibration"]
+
+
+def generation_contenders(layouts: tuple[str, ...]) -> list[str]:
+    """The contenders timed over a whole generation: all but recompute (minutes per token) and calibration."""
+    return contender_names(layouts)[1:-1]
 
 
 def tokens_timed(config: BenchConfig, name: str) -> int:
@@ -401,6 +421,32 @@ class BatchBench:
             for name, timing in timings.items()
         ]
 
+    def measure_generation(self, progress: tqdm) -> list[dict[str, Any]]:
+        """Each fast contender timed over one whole `max_len`-token generation from an empty cache."""
+        config = self.config
+        count = config.max_len
+        zeros = jnp.zeros((self.batch_size, count, config.num_heads, config.head_dim), jnp.float32)
+        empty = CacheState(zeros, zeros, 0)
+        warm_up = self.stream[:, -1]  # not among the generation's max_len tokens
+        timers = {
+            **{f"kvattn_step/{layout}": functools.partial(self.time_kvattn_step, layout) for layout in config.layouts},
+            **{f"kvattn_decode/{layout}": functools.partial(self.time_kvattn_decode, layout) for layout in config.layouts},
+            "flax_nnx_jit": self.time_flax_jit,
+            "flax_scan": self.time_flax_scan,
+        }
+        rows = []
+        for name, timer in timers.items():
+            progress.set_postfix_str(f"B={self.batch_size} whole generation {name}")
+            timing = timer(empty, count, repeats=config.generation_repeats, warm_up=warm_up)
+            rows.append({
+                "batch_size": self.batch_size,
+                "contender": name,
+                "ms_per_token": float(np.median(timing.ms_per_token)),
+                "samples_ms_per_token": [float(t) for t in timing.ms_per_token],
+            })
+            progress.update()
+        return rows
+
     def _row(self, name, filled, timing, step_bytes, calibration, reference) -> dict[str, Any]:
         """One contender's figures at one filled length, and its output's distance to `reference`."""
         ms = float(np.median(timing.ms_per_token))
@@ -465,13 +511,33 @@ class BatchBench:
         timing = time_bursts(lambda: history, layer, self.config.repeats, 1)
         return timing._replace(last_output=timing.last_output[:, -1])
 
-    def time_kvattn_step(self, layout: str, state: CacheState, count: int) -> Timing:
-        """`Decoder.step` in a Python loop, after one untimed lead-in step."""
-        lead_in, *tokens = self.tokens(state.pos, state.pos + 1 + count)
+    def _loop_tokens(self, state: CacheState, count: int, warm_up: jax.Array | None):
+        """A Python loop's untimed lead-in token and its `count` timed tokens, each `(B, D)`.
+
+        By default the lead-in is the first token after `state`, stepped on the
+        timed layer (the state is saved one token early), so restoring the
+        cache is never timed. With `warm_up` (a whole generation) the lead-in
+        is that token, stepped on a throw-away copy, and the timed tokens
+        start right at `state`.
+        """
+        if warm_up is None:
+            lead_in, *tokens = self.tokens(state.pos, state.pos + 1 + count)
+            return lead_in, tokens
+        return warm_up, self.tokens(state.pos, state.pos + count)
+
+    def time_kvattn_step(
+        self, layout: str, state: CacheState, count: int, repeats: int | None = None, warm_up: jax.Array | None = None
+    ) -> Timing:
+        """`Decoder.step` in a Python loop, after one untimed lead-in step (see `_loop_tokens`)."""
+        lead_in, tokens = self._loop_tokens(state, count, warm_up)
 
         def prepare():
-            decoder = kvattn.Decoder(self.load_kvattn(layout, state))
+            layer = self.load_kvattn(layout, state)
+            decoder = kvattn.Decoder(layer)
             jax.block_until_ready(decoder.step(lead_in))
+            if warm_up is not None:
+                decoder = kvattn.Decoder(layer)  # the warmed one is thrown away
+            jax.block_until_ready(decoder._cache)
             return decoder
 
         def burst(decoder):
@@ -479,36 +545,43 @@ class BatchBench:
                 y = decoder.step(x)
             return y
 
-        return time_bursts(prepare, burst, self.config.repeats, count)
+        return time_bursts(prepare, burst, repeats or self.config.repeats, count)
 
-    def time_kvattn_decode(self, layout: str, state: CacheState, count: int) -> Timing:
+    def time_kvattn_decode(
+        self, layout: str, state: CacheState, count: int, repeats: int | None = None, warm_up: jax.Array | None = None
+    ) -> Timing:
         """`kvattn.decode` over `count` tokens in one call."""
         chunk = jax.block_until_ready(self.stream[:, state.pos : state.pos + count])
         timing = time_bursts(
             lambda: self.load_kvattn(layout, state),
             lambda layer: kvattn.decode(layer, chunk),
-            self.config.repeats,
+            repeats or self.config.repeats,
             count,
         )
         return timing._replace(last_output=timing.last_output[:, -1])
 
-    def time_flax_jit(self, state: CacheState, count: int) -> Timing:
-        """Flax's decode step under `nnx.jit` in a Python loop, after one untimed lead-in step."""
-        lead_in, *tokens = jax.block_until_ready([x[:, None, :] for x in self.tokens(state.pos, state.pos + 1 + count)])
+    def time_flax_jit(
+        self, state: CacheState, count: int, repeats: int | None = None, warm_up: jax.Array | None = None
+    ) -> Timing:
+        """Flax's decode step under `nnx.jit` in a Python loop, after one untimed lead-in step (see `_loop_tokens`)."""
+        lead_in, tokens = self._loop_tokens(state, count, warm_up)
+        lead_in, *tokens = jax.block_until_ready([x[:, None, :] for x in [lead_in, *tokens]])
 
         def prepare():
             layer = self.load_flax(state)
             jax.block_until_ready(flax_step(layer, lead_in))
-            return layer
+            return layer if warm_up is None else self.load_flax(state)
 
         def burst(layer):
             for x in tokens:
                 y = flax_step(layer, x)
             return y
 
-        return time_bursts(prepare, burst, self.config.repeats, count)
+        return time_bursts(prepare, burst, repeats or self.config.repeats, count)
 
-    def time_flax_scan(self, state: CacheState, count: int) -> Timing:
+    def time_flax_scan(
+        self, state: CacheState, count: int, repeats: int | None = None, warm_up: jax.Array | None = None
+    ) -> Timing:
         """Flax's decode step over `count` tokens inside one donated `lax.scan`."""
         chunk = self.stream[:, state.pos : state.pos + count]
         xs = jax.block_until_ready(jnp.swapaxes(chunk, 0, 1)[:, :, None, :])
@@ -521,7 +594,7 @@ class BatchBench:
             ys, _ = flax_scan(graphdef, params, cache, rest, xs)
             return ys
 
-        timing = time_bursts(prepare, burst, self.config.repeats, count)
+        timing = time_bursts(prepare, burst, repeats or self.config.repeats, count)
         return timing._replace(last_output=timing.last_output[-1])
 
     def time_calibration(self, step_bytes: int) -> Timing:
@@ -543,20 +616,34 @@ class BatchBench:
 # ------------------------------------------------------------------ summaries
 
 
-def generation_means(config: BenchConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def generation_means(
+    config: BenchConfig, rows: list[dict[str, Any]], whole: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Each contender's mean per-token time over a whole `max_len`-token generation.
+
+    Where a whole generation was timed (`whole`), that figure is the mean;
+    elsewhere it is the mean of the per-token curve over filled lengths
+    1..max_len, linearly interpolated between the measured T. Both are kept.
 
     Returns:
       One row per batch size and contender (calibration excluded).
     """
     lengths = np.arange(1, config.max_len + 1)
+    timed = {(w["batch_size"], w["contender"]): w["ms_per_token"] for w in whole}
     means = []
     for batch_size in config.batch_sizes:
         for name in contender_names(config.layouts)[:-1]:
             curve = sorted((r["filled"], r["ms_per_token"]) for r in rows if _matches(r, batch_size, name))
             filled, ms = zip(*curve, strict=True)
-            mean = float(np.mean(np.interp(lengths, filled, ms)))
-            means.append({"batch_size": batch_size, "contender": name, "ms_per_token": mean})
+            interpolated = float(np.mean(np.interp(lengths, filled, ms)))
+            measured = timed.get((batch_size, name))
+            means.append({
+                "batch_size": batch_size,
+                "contender": name,
+                "ms_per_token": interpolated if measured is None else measured,
+                "method": "interpolated" if measured is None else "whole generation",
+                "interpolated_ms_per_token": interpolated,
+            })
     return means
 
 
@@ -680,7 +767,11 @@ def markdown_tables(results: dict[str, Any]) -> str:
             "| contender | " + " | ".join(f"T={t}" for t in config["filled"]) + " | mean over generation |",
             "|---|" + "---:|" * (len(config["filled"]) + 1),
         ]
-        means = {g["contender"]: g["ms_per_token"] for g in results["generation"] if g["batch_size"] == batch_size}
+        means = {
+            g["contender"]: f"{g['ms_per_token']:.3g}" + (" (whole)" if g["method"] == "whole generation" else "")
+            for g in results["generation"]
+            if g["batch_size"] == batch_size
+        }
         rows = [r for r in results["measurements"] if r["batch_size"] == batch_size]
         for name in dict.fromkeys(r["contender"] for r in rows):
             cells = []
@@ -688,9 +779,14 @@ def markdown_tables(results: dict[str, Any]) -> str:
                 row = next(r for r in rows if r["contender"] == name and r["filled"] == filled)
                 share = "" if name == "calibration" else f", {row['calibration_share']:.0%}"
                 cells.append(f"{row['ms_per_token']:.3g} ({row['bytes_per_s'] / 1e9:.3g} GB/s{share})")
-            mean = f"{means[name]:.3g}" if name in means else "—"
+            mean = means.get(name, "—")
             lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {mean} |")
         lines.append("")
+    if results.get("whole_generation"):
+        lines += [
+            "(whole): timed over one whole generation from an empty cache; other means interpolate the columns.",
+            "",
+        ]
     lines += ["### Targets", "", "| B | ratio | value | target | verdict |", "|---:|---|---:|---:|---|"]
     for target in results["targets"]:
         goal = "report" if target["threshold"] is None else f"{target['compare']} {target['threshold']}"
@@ -719,10 +815,16 @@ def print_tables(results: dict[str, Any]) -> None:
     console.print(table)
 
     generation = Table(title=f"Mean per-token time over a {results['config']['max_len']}-token generation")
-    for column in ("B", "contender", "ms/token"):
-        generation.add_column(column, justify="left" if column == "contender" else "right", no_wrap=True)
+    for column in ("B", "contender", "ms/token", "from", "interpolated"):
+        generation.add_column(column, justify="left" if column in ("contender", "from") else "right", no_wrap=True)
     for row in results["generation"]:
-        generation.add_row(str(row["batch_size"]), row["contender"], f"{row['ms_per_token']:.4g}")
+        generation.add_row(
+            str(row["batch_size"]),
+            row["contender"],
+            f"{row['ms_per_token']:.4g}",
+            row["method"],
+            f"{row['interpolated_ms_per_token']:.4g}",
+        )
     console.print(generation)
 
     memory = Table(title="Cache memory")

@@ -21,16 +21,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--tolerance", type=float, default=1e-4, help="max abs error allowed against full attention")
 
-    bench = commands.add_parser("bench", help="benchmark decoding against Flax and recompute baselines")
-    bench.add_argument("--in-features", type=int, default=512)
-    bench.add_argument("--num-heads", type=int, default=8)
-    bench.add_argument("--max-len", type=int, default=2048)
-    bench.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    bench.add_argument("--filled", type=int, nargs="+", default=[128, 512, 1024, 2048], help="filled lengths T")
-    bench.add_argument("--layouts", nargs="+", default=["slots_major", "heads_major"])
-    bench.add_argument("--dtype", default="float32", help="cache storage dtype")
-    bench.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (median reported)")
-    bench.add_argument("--out-dir", default="bench-results", help="where the JSON and PNG files go")
+    bench = commands.add_parser(
+        "bench", help="benchmark decoding against Flax and recompute baselines (defaults: kvattn.bench.run's)"
+    )
+    bench.add_argument("--in-features", type=int)
+    bench.add_argument("--num-heads", type=int)
+    bench.add_argument("--max-len", type=int)
+    bench.add_argument("--batch-sizes", type=int, nargs="+")
+    bench.add_argument("--filled", type=int, nargs="+", help="filled lengths T")
+    bench.add_argument("--layouts", nargs="+")
+    bench.add_argument("--dtype", help="cache storage dtype: float32, bfloat16 or int8")
+    bench.add_argument("--repeats", type=int, help="timed repeats per figure (median reported)")
+    bench.add_argument(
+        "--generation-repeats", type=int, help="timed whole generations per contender at the smallest batch (0: none)"
+    )
+    bench.add_argument("--out-dir", help="where the JSON, Markdown and PNG files go")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
     return parser
 
@@ -54,18 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report["passed"] else 1
     from kvattn.bench import run
 
-    run(
-        in_features=args.in_features,
-        num_heads=args.num_heads,
-        max_len=args.max_len,
-        batch_sizes=tuple(args.batch_sizes),
-        filled=tuple(args.filled),
-        layouts=tuple(args.layouts),
-        dtype=args.dtype,
-        repeats=args.repeats,
-        out_dir=args.out_dir,
-        quick=args.quick,
-    )
+    options = {name: value for name, value in vars(args).items() if name != "command" and value is not None}
+    for name in ("batch_sizes", "filled", "layouts"):
+        if name in options:
+            options[name] = tuple(options[name])
+    run(**options)
     return 0
 
 

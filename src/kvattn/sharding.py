@@ -6,12 +6,12 @@ metadata). Two placements, alone or combined:
 
 - **data**: the batch of sequences is split, so each device holds the whole
   caches of its own sequences and a full copy of the weights; no cache or
-  weight crosses devices.
+  weight crosses devices, only one scalar per step (the batch's longest
+  filled length, which picks the length bucket).
 - **model** (tensor parallel): heads are split, so each device holds its
   heads' query/key/value projections, its rows of `out` and its kv heads'
   slices of every cache; a step ends with one all-reduce of the `out`
-  projection's partial sums. Use `cache_layout="heads_major"` here: the
-  slots-major step all-gathers the key cache over the model axis.
+  projection's partial sums.
 
 `shard` applies the annotations to an existing layer; a layer built under
 `with jax.set_mesh(mesh):` is placed as it is built. Compiled steps then run
