@@ -16,10 +16,16 @@ prefilled (untimed) to just below T, and a burst of steps that ends with T
 slots filled is timed, after warm-up, with `jax.block_until_ready`; the
 figure is the median over `repeats` bursts, each starting from the same saved
 cache. Python-loop contenders run one untimed lead-in step per burst, so the
-copy of the restored cache is never timed. The per-token time of a whole
-`max_len`-token generation is the mean over filled lengths 1..max_len of the
-measured curve, interpolated linearly between the measured T (and held
-constant outside them).
+copy of the restored cache is never timed.
+
+"Per-token time over a whole generation" is measured directly at the
+smallest batch size: every contender but recompute and the calibration runs
+one whole `max_len`-token generation from an empty cache (after an untimed
+warm-up), as a user would, and the median over `generation_repeats` runs is
+divided by `max_len`. Elsewhere (recompute, larger batches) it is the mean
+over filled lengths 1..max_len of the measured curve, interpolated linearly
+between the measured T (and held constant outside them); the interpolated
+figure is kept beside the measured one in the JSON.
 """
 
 from __future__ import annotations
