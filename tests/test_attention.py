@@ -362,3 +362,11 @@ def test_weights_copied_from_flax_give_flax_outputs(num_kv_heads):
     other = make_layer(4, 16, seed=8, num_kv_heads=num_kv_heads)
     nnx.update(flax_layer, nnx.state(other, nnx.Param))
     np.testing.assert_allclose(flax_layer(xs[None], mask=causal, decode=False)[0], other(xs), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_buckets_follow_the_batch_cache_size():
+    def buckets(batch_size):
+        return kvattn.MultiHeadAttention(8, 512, max_len=2048, batch_size=batch_size, rngs=nnx.Rngs(0)).length_buckets
+
+    assert buckets(None) == (128, 256, 2048)  # 8 MiB of caches
+    assert buckets(8) == (128, 256, 512, 2048)  # 64 MiB

@@ -178,6 +178,9 @@ def test_length_buckets():
     assert ops.length_buckets(8192) == (128, 256, 512, 1024, 8192)
     assert ops.length_buckets(100) == (100,)
     assert ops.length_buckets(32, smallest=2) == (2, 4, 32)
+    # Caches past the last-level cache: a prefix copy pays up to a quarter.
+    assert ops.length_buckets(2048, cache_bytes=64 * 2**20) == (128, 256, 512, 2048)
+
 
 
 # ------------------------------------------------------------------- cache.py

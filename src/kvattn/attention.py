@@ -307,7 +307,8 @@ class MultiHeadAttention(nnx.Module):
         if cache_dtype not in cache_ops.CACHE_DTYPES:
             raise ValueError(f"cache_dtype must be one of {sorted(cache_ops.CACHE_DTYPES)}, got {cache_dtype!r}")
         if length_buckets is None:
-            length_buckets = ops.length_buckets(num_slots)
+            cache_bytes = (batch_size or 1) * num_slots * cache_ops.bytes_per_token(num_kv_heads, head_dim, cache_dtype)
+            length_buckets = ops.length_buckets(num_slots, cache_bytes=cache_bytes)
         else:
             if length_buckets and min(length_buckets) < 1:
                 raise ValueError(f"length_buckets must be positive slot counts, got {length_buckets}")
