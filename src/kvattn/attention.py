@@ -138,7 +138,8 @@ def extend(
     q, k, v = _project_qkv(weights, xs, heads_split)
     ring = window is not None
     options = dict(layout=layout, window=window, block_diagonal=not heads_split)
-    if write_first and (not ring or num_new == 1):
+    write_first = write_first and (not ring or num_new == 1)
+    if write_first:
         old_pos = cache.pos
         cache = cache_ops.append(cache, k, v, written, layout=layout, ring=ring)
 
@@ -146,9 +147,6 @@ def extend(
             return ops.cached_attention(
                 q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
             )
-
-        ctx = ops.bucketed(attend, _arrays(cache), _filled(cache.pos, window), buckets, layout)
-        ys = _finish(weights, ctx, lengths, fits)
     else:
 
         def attend(k_cache, v_cache, k_scale, v_scale):
@@ -156,30 +154,23 @@ def extend(
                 q, k, v, lengths, k_cache, v_cache, cache.pos, k_scale=k_scale, v_scale=v_scale, **options
             )
 
-        ctx = ops.bucketed(attend, _arrays(cache), _filled(cache.pos, window), buckets, layout)
-        ys = _finish(weights, ctx, lengths, fits)
+    arrays = (cache.k, cache.v, cache.k_scale, cache.v_scale)
+    ctx = ops.bucketed(attend, arrays, _filled(cache.pos, window), buckets, layout)
+    ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
+    real = jnp.arange(num_new)[None, :] < lengths[:, None]
+    ys = jnp.where(real[:, :, None], ys, 0.0)  # padding tokens
+    ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
+    if not write_first:
         # Stored after attention has read the old slots (`after`), so XLA can
         # update the donated buffers in place.
         cache = cache_ops.append(cache, k, v, written, layout=layout, ring=ring, after=ys)
     return ys, cache
 
 
-def _arrays(cache: cache_ops.KVCache):
-    return cache.k, cache.v, cache.k_scale, cache.v_scale
-
-
 def _filled(pos, window):
     """Slots a batch has filled: the longest sequence's, at most the ring size."""
     filled = jnp.max(pos)
     return filled if window is None else jnp.minimum(filled, window)
-
-
-def _finish(weights, ctx, lengths, fits):
-    """The out projection; zeros for padding tokens, NaN for sequences that overflowed."""
-    ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
-    real = jnp.arange(ys.shape[1])[None, :] < lengths[:, None]
-    ys = jnp.where(real[:, :, None], ys, 0.0)
-    return jnp.where(fits[:, None, None], ys, jnp.nan)
 
 
 class CacheOverflowError(ValueError):
