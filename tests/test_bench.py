@@ -41,6 +41,8 @@ def test_results_have_every_figure(quick_run):
         assert len(row["samples_ms_per_token"]) == config["repeats"]
         assert row["bytes_per_s"] > 0 and row["calibration_share"] > 0
     assert all(math.isfinite(t["value"]) for t in results["targets"])
+    names = [t["name"] for t in results["targets"]]
+    assert any(name.startswith("calibration time at T=") for name in names)  # the bandwidth-bound reference
 
 
 def test_contenders_agree_with_recompute(quick_run):
