@@ -147,7 +147,7 @@ def test_decode_loop_body_copies_no_buffer(layout):
     layer = in_place_layer(layout, None)
     plan = decoding._Plan.of(layer)
     xs = jnp.ones((5, 40))
-    hlo = decoding._decode.lower(plan, layer.weights, decoding._stored_cache(layer), xs).compile().as_text()
+    hlo = decoding._decode.lower(plan, layer.weights, layer.stored_cache, xs).compile().as_text()
     loop_bodies = [c for c in re.split(r"\n(?=\S)", hlo) if "wide.region" in c.split("\n")[0]]
     assert loop_bodies
     for body in loop_bodies:

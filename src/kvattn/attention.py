@@ -546,13 +546,18 @@ class MultiHeadAttention(nnx.Module):
     @property
     def cache(self) -> cache_ops.KVCache:
         """The decoding state as plain arrays, always with a leading batch axis."""
+        return cache_ops.KVCache(*(None if a is None else self._batched(a) for a in self.stored_cache))
+
+    @property
+    def stored_cache(self) -> cache_ops.KVCache:
+        """The decoding state exactly as the `nnx.Cache` variables hold it (no batch axis added)."""
         int8 = self.cache_dtype == "int8"
         return cache_ops.KVCache(
-            k=self._batched(self.k_cache[...]),
-            v=self._batched(self.v_cache[...]),
-            pos=self._batched(self.pos[...]),
-            k_scale=self._batched(self.k_scale[...]) if int8 else None,
-            v_scale=self._batched(self.v_scale[...]) if int8 else None,
+            k=self.k_cache[...],
+            v=self.v_cache[...],
+            pos=self.pos[...],
+            k_scale=self.k_scale[...] if int8 else None,
+            v_scale=self.v_scale[...] if int8 else None,
         )
 
     def _set_cache(self, cache: cache_ops.KVCache):

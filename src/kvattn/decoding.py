@@ -78,18 +78,6 @@ class _Plan(NamedTuple):
         return cache_ops.KVCache(*(None if a is None else unbatch(a) for a in cache))
 
 
-def _stored_cache(layer: MultiHeadAttention) -> cache_ops.KVCache:
-    """The layer's cache arrays exactly as stored (no batch axis added, nothing copied)."""
-    int8 = layer.cache_dtype == "int8"
-    return cache_ops.KVCache(
-        layer.k_cache[...],
-        layer.v_cache[...],
-        layer.pos[...],
-        layer.k_scale[...] if int8 else None,
-        layer.v_scale[...] if int8 else None,
-    )
-
-
 def _write_back(layer: MultiHeadAttention, stored: cache_ops.KVCache) -> None:
     """Puts new cache arrays into the layer; `set_value` never reads the old (maybe donated) ones."""
     layer.k_cache.set_value(stored.k)
@@ -163,7 +151,7 @@ class Decoder:
     def __init__(self, layer: MultiHeadAttention):
         self.layer = layer
         self._plan = _Plan.of(layer)
-        self._weights, self._cache = _enter(self._plan, layer.weights, _stored_cache(layer))
+        self._weights, self._cache = _enter(self._plan, layer.weights, layer.stored_cache)
         self._programs = {method: _program(self._plan, method) for method in ("step", "prefill")}
         self._host_pos = np.array(layer._batched(layer.pos[...]))
 
@@ -256,7 +244,7 @@ def decode(layer: MultiHeadAttention, xs):
     xs = layer._check_tokens(xs, "xs", ranks=(3 if layer.batch_size is not None else 2,))
     pos = np.asarray(layer.pos[...]).reshape(-1)
     layer._check_capacity(pos, np.full(pos.shape, xs.shape[-2]))
-    ys, stored = _decode(_Plan.of(layer), layer.weights, _stored_cache(layer), xs)
+    ys, stored = _decode(_Plan.of(layer), layer.weights, layer.stored_cache, xs)
     _write_back(layer, stored)
     return ys
 
@@ -320,7 +308,7 @@ def generate(layer: MultiHeadAttention, x0, num_steps: int, next_input: Callable
         raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
     batched = layer.batch_size is not None
     x0 = layer._check_tokens(x0, "x0", ranks=(2 if batched else 1,))
-    result, stored = _generate(_Plan.of(layer), layer.weights, _stored_cache(layer), x0, num_steps, next_input)
+    result, stored = _generate(_Plan.of(layer), layer.weights, layer.stored_cache, x0, num_steps, next_input)
     _write_back(layer, stored)
     if batched:
         return Generation(jnp.swapaxes(result.outputs, 0, 1), result.length)
