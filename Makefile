@@ -3,25 +3,36 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# A second environment with nothing but a plain `pip install .`, as a user gets it.
+PLAIN := .venv-plain
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench setup plain-install clean
 
 setup: $(STAMP)
 
 # Exact versions come from constraints.txt, so every clone installs the same thing.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvattn demo
 
-test: $(STAMP)
+# The plain install first: a missing run-time dependency fails fast.
+test: plain-install $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Built afresh every time, from a non-editable install: the README Quickstart
+# must run with only the declared run-time dependencies.
+plain-install:
+	rm -rf $(PLAIN)
+	$(PYTHON) -m venv $(PLAIN)
+	$(PLAIN)/bin/python -m pip install --quiet -c constraints.txt .
+	cd tools && ../$(PLAIN)/bin/python check_quickstart.py ../README.md
 
 bench: $(STAMP)
 	$(BIN)/kvattn bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis bench-results
+	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build
