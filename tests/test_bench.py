@@ -2,10 +2,14 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
 from kvattn import bench
+from kvattn.bench.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders
+from kvattn.bench.summary import generation_means
 from kvattn.cli import main
 
 
@@ -27,11 +31,11 @@ def test_writes_json_and_plots(quick_run):
 def test_results_have_every_figure(quick_run):
     _, results = quick_run
     config = results["config"]
-    assert config["max_len"] == bench.QUICK_SIZES["max_len"]
+    assert config["max_len"] == QUICK_SIZES["max_len"]
     sections = {"config", "machine", "versions", "source", "method", "memory", "measurements", "generation", "targets"}
     assert sections <= set(results)
     assert {"jax", "flax"} <= set(results["versions"])
-    names = bench.contender_names(tuple(config["layouts"]))
+    names = contender_names(tuple(config["layouts"]))
     measured = {(r["batch_size"], r["filled"], r["contender"]) for r in results["measurements"]}
     expected = {(b, t, n) for b in config["batch_sizes"] for t in config["filled"] for n in names}
     assert measured == expected
@@ -53,7 +57,7 @@ def test_contenders_agree_with_recompute(quick_run):
 
 def test_memory_column(quick_run):
     _, results = quick_run
-    sizes = bench.QUICK_SIZES
+    sizes = QUICK_SIZES
     per_token = 2 * sizes["in_features"] * 4  # keys and values of every head, float32
     for row in results["memory"]:
         assert row["cache_bytes_per_token_per_layer"] == per_token
@@ -67,7 +71,7 @@ def test_rejects_unknown_dtype(tmp_path):
 
 def test_int8_cache_run_reports_its_memory_and_stays_close(tmp_path):
     results = bench.run(dtype="int8", quick=True, out_dir=tmp_path, layouts=("heads_major",), batch_sizes=(1,))
-    sizes = bench.QUICK_SIZES
+    sizes = QUICK_SIZES
     per_token = 2 * sizes["in_features"] * 1 + 2 * sizes["num_heads"] * 4  # int8 keys and values, float32 scales
     assert results["memory"][0]["cache_bytes_per_token_per_layer"] == per_token
     kvattn_rows = [r for r in results["measurements"] if r["contender"].startswith("kvattn")]
@@ -79,7 +83,7 @@ def test_whole_generations_are_timed_at_the_smallest_batch(quick_run):
     config = results["config"]
     smallest = min(config["batch_sizes"])
     timed = {(w["batch_size"], w["contender"]) for w in results["whole_generation"]}
-    assert timed == {(smallest, name) for name in bench.generation_contenders(tuple(config["layouts"]))}
+    assert timed == {(smallest, name) for name in generation_contenders(tuple(config["layouts"]))}
     for row in results["whole_generation"]:
         assert len(row["samples_ms_per_token"]) == config["generation_repeats"]
     for row in results["generation"]:
@@ -88,15 +92,38 @@ def test_whole_generations_are_timed_at_the_smallest_batch(quick_run):
 
 
 def test_generation_mean_interpolates_unless_a_whole_generation_was_timed():
-    config = bench.BenchConfig(
+    config = BenchConfig(
         in_features=8, num_heads=2, max_len=4, batch_sizes=(1,), filled=(2, 4), layouts=("heads_major",),
         dtype="float32", repeats=1, generation_repeats=1,
     )
-    names = bench.contender_names(config.layouts)[:-1]
+    names = contender_names(config.layouts)[:-1]
     rows = [{"batch_size": 1, "filled": t, "contender": n, "ms_per_token": float(t)} for t in (2, 4) for n in names]
     whole = [{"batch_size": 1, "contender": "flax_scan", "ms_per_token": 10.0}]
-    means = {g["contender"]: g for g in bench.generation_means(config, rows, whole)}
+    means = {g["contender"]: g for g in generation_means(config, rows, whole)}
     # Curve 2, 2, 3, 4 over filled lengths 1..4 (constant below T=2, linear between).
     assert means["recompute"]["ms_per_token"] == pytest.approx(2.75)
     assert means["flax_scan"]["ms_per_token"] == 10.0
     assert means["flax_scan"]["interpolated_ms_per_token"] == pytest.approx(2.75)
+
+
+def test_import_kvattn_loads_no_bench_dependencies():
+    # A fresh interpreter: the other tests have long since imported the bench and its extra here.
+    script = (
+        "import sys, kvattn\n"
+        "loaded = lambda roots: sorted(m for m in sys.modules if m.split('.')[0] in roots)\n"
+        "print(loaded({'matplotlib', 'tqdm'}), sorted(m for m in sys.modules if m.startswith('kvattn.bench')))\n"
+        "import kvattn.bench\n"
+        "print(loaded({'matplotlib', 'tqdm'}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["[] []", "[]"]
+
+
+def test_a_missing_extra_fails_before_measuring_and_names_the_install(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` raise ImportError
+    out_dir = tmp_path / "out"
+    assert main(["bench", "--quick", "--out-dir", str(out_dir)]) == 2
+    assert "kvattn bench and kvattn demo need the bench extra, which provides tqdm: pip install 'kvattn[bench]'" in (
+        capsys.readouterr().err
+    )
+    assert not out_dir.exists()

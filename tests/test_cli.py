@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from kvattn import cli
@@ -31,3 +33,11 @@ def test_demo_exits_non_zero_when_the_check_fails(capsys):
 def test_demo_rejects_a_stream_longer_than_the_cache():
     with pytest.raises(ValueError, match="num_tokens"):
         cli.main(["demo", *TINY, "--tokens", "40"])
+
+
+def test_demo_without_the_bench_extra_names_the_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # makes `import rich.console` raise ImportError
+    assert cli.main(["demo", *TINY]) == 2
+    captured = capsys.readouterr()
+    assert "need the bench extra, which provides rich: pip install 'kvattn[bench]'" in captured.err
+    assert captured.out == ""

@@ -42,8 +42,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from kvattn.bench import extra
+
+    try:
+        return _run(args)
+    except extra.MissingExtraError as error:
+        print(f"kvattn: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        from kvattn.demo import run_demo
+        from kvattn.bench import run_demo
 
         report = run_demo(
             in_features=args.in_features,

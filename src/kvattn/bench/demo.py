@@ -1,21 +1,21 @@
-"""The main job: decode a seeded stream through the cache, check it, and time it against baselines."""
+"""`kvattn demo`: decode a seeded stream through the cache, check it, and time it against baselines."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from rich.console import Console
-from rich.table import Table
 
-from kvattn.attention import MultiHeadAttention
-from kvattn.decoding import Decoder
+import kvattn
+from kvattn.bench.baselines import flax_twin
+from kvattn.bench.extra import require
 
-__all__ = ["flax_twin", "run_demo"]
+__all__ = ["run_demo"]
 
 
 def _timed(fn, *args):
@@ -24,23 +24,7 @@ def _timed(fn, *args):
     return time.perf_counter() - start
 
 
-def flax_twin(layer: MultiHeadAttention, batch_size: int) -> nnx.MultiHeadAttention:
-    """Flax's `nnx.MultiHeadAttention(decode=True)` holding `layer`'s weights, its cache ready for `batch_size`."""
-    twin = nnx.MultiHeadAttention(
-        layer.num_heads,
-        layer.in_features,
-        qkv_features=layer.num_heads * layer.head_dim,
-        num_kv_heads=layer.num_kv_heads,
-        use_bias=layer.use_bias,
-        decode=True,
-        rngs=nnx.Rngs(0),
-    )
-    nnx.update(twin, nnx.state(layer, nnx.Param))
-    twin.init_cache((batch_size, layer.max_len, layer.in_features))
-    return twin
-
-
-def _flax_step_time(layer: MultiHeadAttention, xs, num_steps: int) -> float:
+def _flax_step_time(layer: kvattn.MultiHeadAttention, xs, num_steps: int) -> float:
     """Median seconds per token of Flax's decode layer with the same weights, stepped by `nnx.jit`."""
     flax_layer = flax_twin(layer, xs.shape[0])
     step = nnx.jit(lambda module, x: module(x))
@@ -48,7 +32,7 @@ def _flax_step_time(layer: MultiHeadAttention, xs, num_steps: int) -> float:
     return statistics.median(_timed(step, flax_layer, xs[:, t : t + 1]) for t in range(1, num_steps + 1))
 
 
-def _recompute_time(layer: MultiHeadAttention, xs, num_lengths: int = 6) -> float:
+def _recompute_time(layer: kvattn.MultiHeadAttention, xs, num_lengths: int = 6) -> float:
     """Seconds per token to recompute full attention over the history, averaged over the stream."""
     forward = nnx.jit(lambda module, history: module(history)[..., -1, :])
     lengths = np.linspace(1, xs.shape[1], num_lengths).round().astype(int)
@@ -71,7 +55,7 @@ def run_demo(
     cache_layout: str = "slots_major",
     seed: int = 0,
     tolerance: float = 1e-4,
-    console: Console | None = None,
+    console: Any = None,
 ) -> dict:
     """Decodes a seeded random stream one step at a time, checks it, times it, prints a report.
 
@@ -86,7 +70,7 @@ def run_demo(
       num_tokens: length of the decoded stream (at most `max_len`).
       seed: seeds the weights and the stream.
       tolerance: largest max-abs error that passes.
-      console: where to print (a fresh rich console by default).
+      console: the rich `Console` to print to (a fresh one by default).
 
     Returns:
       The report: `max_abs_error`, `passed`, and seconds per token for
@@ -94,8 +78,8 @@ def run_demo(
     """
     if num_tokens > max_len:
         raise ValueError(f"num_tokens ({num_tokens}) must not exceed max_len ({max_len})")
-    console = console or Console()
-    layer = MultiHeadAttention(
+    console = console or require("rich.console").Console()
+    layer = kvattn.MultiHeadAttention(
         num_heads,
         in_features,
         max_len=max_len,
@@ -108,7 +92,7 @@ def run_demo(
     xs = jax.random.normal(jax.random.key(seed + 1), (batch, num_tokens, in_features))
     stream = xs if batch_size else xs[0]
 
-    decoder = Decoder(layer)
+    decoder = kvattn.Decoder(layer)
     outputs, step_times = [], []
     for t in range(num_tokens):
         token = stream[..., t, :]
@@ -136,7 +120,7 @@ def run_demo(
     return report
 
 
-def _print_report(console: Console, report: dict, layer: MultiHeadAttention, num_tokens: int) -> None:
+def _print_report(console: Any, report: dict, layer: kvattn.MultiHeadAttention, num_tokens: int) -> None:
     shape = f"D={layer.in_features} H={layer.num_heads} K={layer.num_kv_heads} Dh={layer.head_dim}"
     batch = f" batch={layer.batch_size}" if layer.batch_size else ""
     console.print(f"[bold]kvattn demo[/]: {shape} max_len={layer.max_len}{batch} layout={layer.cache_layout}")
@@ -145,6 +129,7 @@ def _print_report(console: Console, report: dict, layer: MultiHeadAttention, num
         f"decoded {num_tokens} tokens one step at a time; max |cached - full causal attention| = "
         f"{report['max_abs_error']:.2e}  {verdict}"
     )
+    Table = require("rich.table").Table
     table = Table(title="per-token time (median, compile excluded)")
     table.add_column("path")
     table.add_column("ms / token", justify="right")

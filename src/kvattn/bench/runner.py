@@ -1,0 +1,132 @@
+"""`kvattn.bench.run`: measure every contender, then write the JSON, Markdown and plots and print the tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kvattn.bench import extra
+from kvattn.bench.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders, tokens_timed
+from kvattn.bench.contenders import BatchBench
+from kvattn.bench.plots import plot_bandwidth, plot_time
+from kvattn.bench.provenance import load_average, machine_info, source_revision, versions
+from kvattn.bench.report import markdown_tables, print_tables
+from kvattn.bench.summary import generation_means, targets
+
+__all__ = ["measure", "run"]
+
+
+def run(
+    *,
+    in_features: int = 512,
+    num_heads: int = 8,
+    max_len: int = 2048,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    filled: tuple[int, ...] = (128, 256, 512, 1024, 1536, 2048),
+    layouts: tuple[str, ...] = ("slots_major", "heads_major"),
+    dtype: str = "float32",
+    repeats: int = 5,
+    generation_repeats: int = 3,
+    out_dir: str | os.PathLike = "bench-results",
+    quick: bool = False,
+) -> dict[str, Any]:
+    """Runs the benchmark, prints its tables and writes `results.json` and PNG plots.
+
+    Args:
+      in_features, num_heads, max_len: layer sizes.
+      batch_sizes: batch sizes to measure.
+      filled: filled lengths T to measure.
+      layouts: kvattn cache layouts to measure.
+      dtype: kvattn's cache storage dtype, "float32", "bfloat16" or "int8"
+        (the Flax baselines always store float32).
+      repeats: timed bursts per figure (median reported).
+      generation_repeats: timed whole `max_len`-token generations per
+        contender at the smallest batch size (median reported; 0: none).
+      out_dir: directory for `results.json`, `per_token_time.png` and
+        `bandwidth_share.png`; created if missing.
+      quick: replace the sizes by tiny ones (a smoke test).
+
+    Returns:
+      The results, as written to `results.json`.
+    """
+    for module in extra.MODULES:
+        extra.require(module)  # a missing extra fails before the measuring, not after it
+    sizes = dict(
+        in_features=in_features,
+        num_heads=num_heads,
+        max_len=max_len,
+        batch_sizes=tuple(batch_sizes),
+        filled=tuple(sorted(set(filled))),
+        repeats=repeats,
+        generation_repeats=generation_repeats,
+    )
+    if quick:
+        sizes.update(QUICK_SIZES)
+    config = BenchConfig(layouts=tuple(layouts), dtype=dtype, **sizes)
+    config.validate()
+    started = time.perf_counter()
+    results = measure(config)
+    results["elapsed_s"] = time.perf_counter() - started
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown_tables(results))
+    plot_time(results, out / "per_token_time.png")
+    plot_bandwidth(results, out / "bandwidth_share.png")
+    print_tables(results)
+    return results
+
+
+def measure(config: BenchConfig) -> dict[str, Any]:
+    """Measures every contender at every batch size and filled length.
+
+    Returns:
+      The results dict (config, machine, versions, memory, measurements,
+      generation means and target ratios).
+    """
+    names = contender_names(config.layouts)
+    load_before = load_average()
+    rows, whole = [], []
+    steps = len(config.batch_sizes) * len(config.filled) * len(names)
+    steps += len(generation_contenders(config.layouts)) if config.generation_repeats else 0
+    tqdm = extra.require("tqdm").tqdm
+    with tqdm(total=steps, desc="kvattn bench") as progress:
+        for batch_size in config.batch_sizes:
+            bench = BatchBench(config, batch_size)
+            for filled in config.filled:
+                rows.extend(bench.measure_filled(filled, progress))
+            if config.generation_repeats and batch_size == min(config.batch_sizes):
+                whole.extend(bench.measure_generation(progress))
+    generation = generation_means(config, rows, whole)
+    return {
+        "config": dataclasses.asdict(config),
+        "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_average()},
+        "versions": versions(),
+        "source": source_revision(),
+        "method": {
+            "per_token": "median over repeats of (burst time / tokens), burst ending with T slots filled",
+            "burst_tokens": {name: tokens_timed(config, name) for name in names},
+            "generation_mean": "at the smallest batch size: median over generation_repeats of one whole "
+            "max_len-token generation from an empty cache / max_len (recompute: interpolated); other batch "
+            "sizes: mean over filled lengths 1..max_len of the per-token curve, linearly interpolated "
+            "between measured T, constant outside them",
+            "bytes_per_step": "weight bytes + filled K/V bytes (B * T * 2 * K * H * itemsize)",
+        },
+        "memory": [
+            {
+                "batch_size": batch_size,
+                "cache_bytes_per_token_per_layer": config.cache_bytes_per_token,
+                "cache_bytes_total": batch_size * config.max_len * config.cache_bytes_per_token,
+            }
+            for batch_size in config.batch_sizes
+        ],
+        "measurements": rows,
+        "whole_generation": whole,
+        "generation": generation,
+        "targets": targets(config, rows, generation),
+    }
+
