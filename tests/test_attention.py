@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,25 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
+from tests.helpers import assert_caches_close, assert_same_bits, cache_arrays, stream
 from tests.reference import assert_close, causal_attention, weights_of
 
 
 def make_layer(num_heads=2, in_features=8, max_len=16, seed=0, **kwargs):
     return kvattn.MultiHeadAttention(num_heads, in_features, max_len=max_len, rngs=nnx.Rngs(seed), **kwargs)
-
-
-def tokens(count, in_features=8, seed=1):
-    return jax.random.normal(jax.random.key(seed), (count, in_features))
-
-
-def cache_bits(layer):
-    return [np.asarray(leaf).copy() for leaf in jax.tree.leaves(nnx.state(layer, nnx.Cache))]
-
-
-def assert_bits_equal(before, after):
-    assert len(before) == len(after)
-    for a, b in zip(before, after):
-        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------- the seed's case
@@ -81,7 +67,7 @@ def test_cache_and_params_are_separate_state():
 def test_head_dim_override():
     layer = make_layer(num_heads=2, in_features=8, head_dim=3)
     assert layer.k_cache[...].shape == (16, 2, 3)
-    xs = tokens(5)
+    xs = stream((5,))
     assert_close(layer.prefill(xs), causal_attention(weights_of(layer), xs))
 
 
@@ -113,7 +99,7 @@ def test_mixed_steps_and_prefills_equal_reference(heads, chunks, use_bias, layou
         length_buckets=(4, 8),
         rngs=nnx.Rngs(seed),
     )
-    xs = tokens(sum(chunks), seed=seed + 1)
+    xs = stream((sum(chunks),), seed=seed + 1)
     outputs, start = [], 0
     for size in chunks:
         chunk = xs[start : start + size]
@@ -126,20 +112,19 @@ def test_mixed_steps_and_prefills_equal_reference(heads, chunks, use_bias, layou
 
 
 def test_prefill_equals_steps_bit_for_bit_state():
-    xs = tokens(7)
+    xs = stream((7,))
     stepped, filled = make_layer(), make_layer()
     stepped_out = jnp.stack([stepped.step(x) for x in xs])
     filled.prefill(xs[:2])
     filled_out = jnp.concatenate([filled.prefill(xs[2:])])
     np.testing.assert_allclose(stepped_out[2:], filled_out, rtol=1e-5, atol=1e-6)
-    for a, b in zip(cache_bits(stepped), cache_bits(filled)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert_caches_close(cache_arrays(stepped), cache_arrays(filled), rtol=1e-6, atol=1e-6)
     assert int(filled.pos[...]) == 7
 
 
 def test_cached_and_uncached_do_not_drift_over_a_long_stream():
     layer = make_layer(max_len=200, length_buckets=(16, 64))
-    xs = tokens(200)
+    xs = stream((200,))
     ys = kvattn.decode(layer, xs)
     assert_close(ys, causal_attention(weights_of(layer), xs))
 
@@ -166,34 +151,34 @@ def test_minus_inf_masking_survives_huge_negative_scores():
 
 def test_eager_overflow_raises_before_any_change():
     layer = make_layer(max_len=4)
-    layer.prefill(tokens(3))
-    before = cache_bits(layer)
+    layer.prefill(stream((3,)))
+    before = cache_arrays(layer)
     with pytest.raises(kvattn.CacheOverflowError, match="max_len=4"):
-        layer.prefill(tokens(2))
-    assert_bits_equal(before, cache_bits(layer))
-    layer.step(tokens(1)[0])
-    before = cache_bits(layer)
+        layer.prefill(stream((2,)))
+    assert_same_bits(before, cache_arrays(layer))
+    layer.step(stream((1,))[0])
+    before = cache_arrays(layer)
     with pytest.raises(kvattn.CacheOverflowError):
-        layer.step(tokens(1)[0])
-    assert_bits_equal(before, cache_bits(layer))
+        layer.step(stream((1,))[0])
+    assert_same_bits(before, cache_arrays(layer))
 
 
 def test_jitted_overflow_writes_nothing_and_returns_nan():
     layer = make_layer(max_len=3)
     step = nnx.jit(lambda layer, x: layer.step(x))
     prefill = nnx.jit(lambda layer, xs: layer.prefill(xs))
-    for x in tokens(3):
+    for x in stream((3,)):
         assert np.isfinite(np.asarray(step(layer, x))).all()
-    before = cache_bits(layer)
-    y = step(layer, tokens(1, seed=9)[0])
+    before = cache_arrays(layer)
+    y = step(layer, stream((1,), seed=9)[0])
     assert np.isnan(np.asarray(y)).all()
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
     layer.reset()
-    prefill(layer, tokens(2))
-    before = cache_bits(layer)
-    ys = prefill(layer, tokens(2, seed=5))
+    prefill(layer, stream((2,)))
+    before = cache_arrays(layer)
+    ys = prefill(layer, stream((2,), seed=5))
     assert np.isnan(np.asarray(ys)).all()
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
 
 
 # -------------------------------------------------- reset and independence
@@ -201,16 +186,16 @@ def test_jitted_overflow_writes_nothing_and_returns_nan():
 
 def test_reset_returns_to_fresh_state():
     layer, fresh = make_layer(), make_layer()
-    layer.prefill(tokens(5))
+    layer.prefill(stream((5,)))
     layer.reset()
-    assert_bits_equal(cache_bits(fresh), cache_bits(layer))
-    xs = tokens(4, seed=3)
+    assert_same_bits(cache_arrays(fresh), cache_arrays(layer))
+    xs = stream((4,), seed=3)
     assert_close(layer.prefill(xs), causal_attention(weights_of(layer), xs))
 
 
 def test_two_layers_do_not_interfere():
     first, second = make_layer(seed=0), make_layer(seed=0)
-    a, b = tokens(6, seed=1), tokens(6, seed=2)
+    a, b = stream((6,), seed=1), stream((6,), seed=2)
     for x_a, x_b in zip(a, b):
         first.step(x_a)
         second.step(x_b)
@@ -224,7 +209,7 @@ def test_two_layers_do_not_interfere():
 @pytest.mark.parametrize("history_len", [0, 1, 6])
 def test_attend_equals_last_row_of_full_forward(history_len):
     layer = make_layer()
-    xs = tokens(history_len + 1)
+    xs = stream((history_len + 1,))
     y = kvattn.attend(layer, xs[:history_len], xs[history_len])
     assert_close(y, causal_attention(weights_of(layer), xs)[-1])
     np.testing.assert_allclose(y, layer(xs)[-1], rtol=1e-5, atol=1e-6)
@@ -233,8 +218,8 @@ def test_attend_equals_last_row_of_full_forward(history_len):
 
 def test_attend_rebuilds_on_every_call_and_decoding_continues():
     layer = make_layer()
-    xs = tokens(6)
-    kvattn.attend(layer, tokens(9, seed=7), xs[0])  # unrelated earlier history
+    xs = stream((6,))
+    kvattn.attend(layer, stream((9,), seed=7), xs[0])  # unrelated earlier history
     y = kvattn.attend(layer, xs[:4], xs[4])
     assert_close(y, causal_attention(weights_of(layer), xs[:5])[-1])
     assert_close(layer.step(xs[5]), causal_attention(weights_of(layer), xs)[-1])
@@ -242,16 +227,16 @@ def test_attend_rebuilds_on_every_call_and_decoding_continues():
 
 def test_attend_too_long_history_raises_before_change():
     layer = make_layer(max_len=4)
-    layer.prefill(tokens(2))
-    before = cache_bits(layer)
+    layer.prefill(stream((2,)))
+    before = cache_arrays(layer)
     with pytest.raises(kvattn.CacheOverflowError):
-        kvattn.attend(layer, tokens(4), tokens(1)[0])
-    assert_bits_equal(before, cache_bits(layer))
+        kvattn.attend(layer, stream((4,)), stream((1,))[0])
+    assert_same_bits(before, cache_arrays(layer))
 
 
 def test_attend_under_nnx_jit():
     layer = make_layer()
-    xs = tokens(5)
+    xs = stream((5,))
     y = nnx.jit(kvattn.attend)(layer, xs[:4], xs[4])
     assert_close(y, causal_attention(weights_of(layer), xs)[-1])
     assert int(layer.pos[...]) == 5
@@ -269,7 +254,7 @@ def test_jitted_step_compiles_once_for_every_position():
         traces.append(None)
         return layer.step(x)
 
-    xs = tokens(20)
+    xs = stream((20,))
     ys = [step(layer, x) for x in xs]
     assert len(traces) == 1
     assert_close(jnp.stack(ys), causal_attention(weights_of(layer), xs))
@@ -318,24 +303,24 @@ def test_non_integer_size_is_a_type_error():
 )
 def test_bad_input_is_named_and_changes_nothing(call, error, message):
     layer = make_layer()
-    layer.prefill(tokens(2))
-    before = cache_bits(layer)
+    layer.prefill(stream((2,)))
+    before = cache_arrays(layer)
     with pytest.raises(error, match=message):
         call(layer)
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
 
 
 # ------------------------------------------------------------------ rollback
 
 
 def test_truncate_equals_never_having_decoded():
-    xs, draft = tokens(6), tokens(3, seed=4)
+    xs, draft = stream((6,)), stream((3,), seed=4)
     layer, clean = make_layer(), make_layer()
     layer.prefill(xs[:4])
     layer.prefill(draft)
     layer.truncate(4)
     clean.prefill(xs[:4])
-    assert_bits_equal(cache_bits(clean), cache_bits(layer))
+    assert_same_bits(cache_arrays(clean), cache_arrays(layer))
     assert_close(layer.prefill(xs[4:]), causal_attention(weights_of(layer), xs)[4:])
 
 
@@ -349,7 +334,7 @@ def test_weights_copied_from_flax_give_flax_outputs(num_kv_heads):
     )
     layer = kvattn.MultiHeadAttention(4, 16, num_kv_heads=num_kv_heads, max_len=12, rngs=nnx.Rngs(0))
     nnx.update(layer, nnx.state(flax_layer, nnx.Param))
-    xs = tokens(9, in_features=16)
+    xs = stream((9,), in_features=16)
     causal = nnx.make_causal_mask(jnp.ones((1, 9)))
     expected = flax_layer(xs[None], mask=causal)[0]
     np.testing.assert_allclose(layer(xs), expected, rtol=1e-5, atol=1e-5)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
+from tests.helpers import assert_same_bits, cache_arrays, stream
 from tests.reference import assert_close, causal_attention, weights_of
-from tests.test_attention import assert_bits_equal, cache_bits
 
 
 def batched_layer(batch_size=3, num_heads=4, num_kv_heads=None, max_len=16, seed=0, **kwargs):
@@ -29,10 +29,6 @@ def single_like(layer, max_len=None):
     )
     nnx.update(single, nnx.state(layer, nnx.Param))
     return single
-
-
-def stream(shape, seed=1):
-    return jax.random.normal(jax.random.key(seed), (*shape, 8))
 
 
 def test_batched_state_shapes():
@@ -89,16 +85,16 @@ def test_padding_never_enters_the_cache():
     np.testing.assert_array_equal(k_cache[1, 2:], 0.0)
     clean = batched_layer(batch_size=2)
     clean.prefill(prompts, jnp.array([4, 2]))
-    assert_bits_equal(cache_bits(clean), cache_bits(layer))
+    assert_same_bits(cache_arrays(clean), cache_arrays(layer))
 
 
 def test_reset_which_leaves_others_bit_identical_and_slot_is_reusable():
     layer = batched_layer()
     layer.prefill(stream((3, 4)))
-    before = cache_bits(layer)
+    before = cache_arrays(layer)
     layer.reset([1])
-    after = cache_bits(layer)
-    k_before, k_after = before[0], after[0]
+    after = cache_arrays(layer)
+    k_before, k_after = before["k_cache"], after["k_cache"]
     np.testing.assert_array_equal(k_after[[0, 2]], k_before[[0, 2]])
     np.testing.assert_array_equal(k_after[1], 0.0)
     np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 0, 4])
@@ -117,10 +113,10 @@ def test_reset_which_leaves_others_bit_identical_and_slot_is_reusable():
 def test_per_sequence_overflow_eager_raises_before_any_change():
     layer = batched_layer(batch_size=2, max_len=4)
     layer.prefill(stream((2, 4)), jnp.array([4, 1]))
-    before = cache_bits(layer)
+    before = cache_arrays(layer)
     with pytest.raises(kvattn.CacheOverflowError, match=r"sequences \[0\]"):
         layer.step(stream((2,))[:, :])
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
     # With the full sequence inactive, the others proceed.
     layer.step(stream((2,)), jnp.array([False, True]))
     np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 2])
@@ -129,14 +125,13 @@ def test_per_sequence_overflow_eager_raises_before_any_change():
 def test_per_sequence_overflow_under_jit_touches_only_that_sequence():
     layer = batched_layer(batch_size=2, max_len=4)
     layer.prefill(stream((2, 4)), jnp.array([4, 1]))
-    before = cache_bits(layer)
+    before = cache_arrays(layer)
     x = stream((2,), seed=3)
     y = nnx.jit(lambda layer, x: layer.step(x))(layer, x)
     assert np.isnan(np.asarray(y[0])).all()
     assert np.isfinite(np.asarray(y[1])).all()
-    after = cache_bits(layer)
-    k_index = 0  # leaves sort as k_cache, pos, v_cache
-    np.testing.assert_array_equal(after[k_index][0], before[k_index][0])
+    after = cache_arrays(layer)
+    np.testing.assert_array_equal(after["k_cache"][0], before["k_cache"][0])
     np.testing.assert_array_equal(np.asarray(layer.pos[...]), [4, 2])
     history = jnp.concatenate([stream((2, 4))[1, :1], x[1][None]])
     assert_close(y[1], causal_attention(weights_of(layer), history)[-1])
@@ -231,10 +226,10 @@ def test_batched_attend_with_padded_histories():
 def test_bad_batched_input_is_named_and_changes_nothing(call, message):
     layer = batched_layer()
     layer.prefill(stream((3, 2)))
-    before = cache_bits(layer)
+    before = cache_arrays(layer)
     with pytest.raises(ValueError, match=message):
         call(layer)
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
 
 
 @settings(max_examples=10)
@@ -291,5 +286,5 @@ def test_fork_reorder_truncate_reset_run_under_jit():
     eager.reorder(order)
     eager.truncate(keep)
     eager.reset([1])
-    assert_bits_equal(cache_bits(eager), cache_bits(jitted))
+    assert_same_bits(cache_arrays(eager), cache_arrays(jitted))
     np.testing.assert_array_equal(np.asarray(jitted.pos[...]), [2, 0, 1])

@@ -15,18 +15,14 @@ from hypothesis import strategies as st
 
 import kvattn
 from kvattn import decoding
+from tests.helpers import assert_caches_close, assert_same_bits, cache_arrays, stream
 from tests.reference import assert_close, causal_attention, weights_of
-from tests.test_attention import assert_bits_equal, cache_bits
 
 
 def make_layer(max_len=24, batch_size=None, **kwargs):
     return kvattn.MultiHeadAttention(
         4, 8, max_len=max_len, batch_size=batch_size, length_buckets=(8,), rngs=nnx.Rngs(0), **kwargs
     )
-
-
-def stream(shape, seed=1):
-    return jax.random.normal(jax.random.key(seed), (*shape, 8))
 
 
 @pytest.mark.parametrize("layout", ["slots_major", "heads_major"])
@@ -117,10 +113,10 @@ def test_compiled_step_updates_the_cache_in_place(layout, batch_size):
     """The donated Decoder step aliases its cache outputs to its inputs and never copies a whole buffer."""
     layer = in_place_layer(layout, batch_size)
     decoder = kvattn.Decoder(layer)
-    x = jax.random.normal(jax.random.key(1), (*(() if batch_size is None else (batch_size,)), 40))
+    x = stream(() if batch_size is None else (batch_size,), in_features=40)
     hlo = decoder._programs["step"].lower(decoder._weights, decoder._cache, x, None).compile().as_text()
     assert hlo.splitlines()[0].count("-alias)") == 3  # k, v and pos reuse their input buffers
-    assert_in_place(hlo, decoder._cache.k.shape, KERNEL_SIZES)
+    assert_in_place(hlo, decoder._cache.k.values.shape, KERNEL_SIZES)
 
 
 @pytest.mark.parametrize("batch_size", [None, 2])
@@ -134,7 +130,7 @@ def test_layer_step_under_donated_jit_updates_the_cache_in_place(batch_size):
         model = nnx.merge(graphdef, cache, rest)
         return model.step(x), nnx.state(model, nnx.Cache)
 
-    x = jax.random.normal(jax.random.key(1), (*(() if batch_size is None else (batch_size,)), 40))
+    x = stream(() if batch_size is None else (batch_size,), in_features=40)
     hlo = step.lower(rest, cache, x).compile().as_text()
     assert hlo.splitlines()[0].count("-alias)") == 3
     assert_in_place(hlo, layer.k_cache[...].shape, KERNEL_SIZES)
@@ -145,9 +141,9 @@ def test_layer_step_under_donated_jit_updates_the_cache_in_place(batch_size):
 def test_decode_loop_body_copies_no_buffer(layout):
     """Inside `decode`'s loop nothing cache-sized is copied; a slots-major cache is transposed only outside it."""
     layer = in_place_layer(layout, None)
-    plan = decoding._Plan.of(layer)
     xs = jnp.ones((5, 40))
-    hlo = decoding._decode.lower(plan, layer.weights, layer.stored_cache, xs).compile().as_text()
+    program = decoding._compiled(decoding._decode, False, ("config",))
+    hlo = program.lower(layer.config, layer.weights, layer.stored_cache, xs).compile().as_text()
     loop_bodies = [c for c in re.split(r"\n(?=\S)", hlo) if "wide.region" in c.split("\n")[0]]
     assert loop_bodies
     for body in loop_bodies:
@@ -165,8 +161,7 @@ def test_decode_equals_step_loop_and_reference(batch_size):
     expected = jnp.stack([looped.step(xs[..., t, :]) for t in range(3, 10)], axis=-2)
     got = kvattn.decode(compiled, xs[..., 3:, :])
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
-    for a, b in zip(cache_bits(looped), cache_bits(compiled)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert_caches_close(cache_arrays(looped), cache_arrays(compiled), rtol=1e-6, atol=1e-6)
     weights = weights_of(compiled)
     for b in range(batch_size or 1):
         seq = xs[b] if batch_size else xs
@@ -177,10 +172,10 @@ def test_decode_equals_step_loop_and_reference(batch_size):
 def test_decode_raises_before_running_when_stream_does_not_fit():
     layer = make_layer(max_len=6)
     layer.prefill(stream((3,)))
-    before = cache_bits(layer)
+    before = cache_arrays(layer)
     with pytest.raises(kvattn.CacheOverflowError):
         kvattn.decode(layer, stream((4,)))
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
 
 
 def feedback(y):
@@ -237,10 +232,11 @@ def test_generate_rejects_bad_step_count():
 def test_generate_program_is_reused_for_the_same_next_input():
     layer = make_layer()
     kvattn.generate(layer, stream(()), 3, feedback)
-    before = decoding._generate._cache_size()
+    program = decoding._compiled(decoding._generate, False, ("config", "num_steps", "next_input"))
+    before = program._cache_size()
     layer.reset()
     kvattn.generate(layer, stream((), seed=2), 3, feedback)
-    assert decoding._generate._cache_size() == before
+    assert program._cache_size() == before
 
 
 @settings(max_examples=12, deadline=None)
@@ -279,8 +275,7 @@ def test_drivers_equal_the_layer_and_the_reference(layout, heads, use_bias, wind
     got = [decoder.prefill(xs[:, :chunk], lengths)]
     got += [decoder.step(xs[:, chunk + t], active[t])[:, None] for t in range(3)]
     np.testing.assert_allclose(jnp.concatenate(got, 1), jnp.concatenate(expected, 1), rtol=1e-5, atol=1e-5)
-    for a, b in zip(cache_bits(decoder.sync()), cache_bits(eager), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert_caches_close(cache_arrays(decoder.sync()), cache_arrays(eager), rtol=1e-5, atol=1e-5)
 
     tail = xs[:, chunk + 3 :]
     decoded = kvattn.decode(driven, tail)

@@ -11,19 +11,7 @@ from hypothesis import strategies as st
 
 from kvattn import cache as cache_ops
 from kvattn import ops
-
-
-def reference_attention(q, k, v, positions):
-    """float64 attention of queries at `positions` over keys `0..position` (one sequence)."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(q.shape[-1])
-    visible = np.arange(len(k))[None, :] <= np.asarray(positions)[:, None]
-    scores = np.where(visible, scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("nts,snh->tnh", probs, v)
+from tests.reference import attention as reference_attention
 
 
 def to_layout(cache, layout):

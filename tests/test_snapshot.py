@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import kvattn
 from kvattn import snapshot
 from kvattn.snapshot import SnapshotError, load_cache, save_cache, snapshot_info, weights_fingerprint
+from tests.helpers import assert_same_bits, cache_arrays
 
 CONFIG = dict(num_heads=4, in_features=8, max_len=12, num_kv_heads=2, batch_size=3)
 # What a snapshot of `make_layer()` records.
@@ -52,17 +53,6 @@ def fill(layer, seed=1):
     layer.prefill(chunk, lengths)
     layer.step(jnp.asarray(rng.standard_normal((*lead, layer.in_features)), jnp.float32))
     return layer
-
-
-def cache_arrays(layer) -> dict[str, np.ndarray]:
-    return {name[0]: np.array(variable[...]) for name, variable in nnx.to_flat_state(nnx.state(layer, nnx.Cache))}
-
-
-def assert_same_bits(got: dict, want: dict):
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
-        assert got[name].tobytes() == want[name].tobytes(), name
 
 
 def read_snapshot(path) -> tuple[dict, dict]:
@@ -376,12 +366,14 @@ def test_a_windowed_layer_accepts_any_non_negative_pos(tmp_path):
     path = tmp_path / "cache.safetensors"
     save_cache(layer, path)
     tensors, metadata = read_snapshot(path)
-    tensors["pos"] = np.array([0, 2, 1000], np.int32)
+    # Sequence 2 fills its whole ring, so any later position fits its slots.
+    assert np.asarray(tensors["pos"]).tolist() == [1, 2, 3]
+    tensors["pos"] = np.array([1, 2, 1000], np.int32)
     write_snapshot(path, tensors, metadata)
     target = make_layer(max_len=None, window=2)
     load_cache(target, path)
-    assert np.asarray(target.pos[...]).tolist() == [0, 2, 1000]
-    tensors["pos"] = np.array([0, -2, 1000], np.int32)
+    assert np.asarray(target.pos[...]).tolist() == [1, 2, 1000]
+    tensors["pos"] = np.array([1, -2, 1000], np.int32)
     write_snapshot(path, tensors, metadata)
     assert_refused(target, path, r"pos must be >= 0, got \[-2\] at sequences \[1\]")
 

@@ -1,10 +1,11 @@
 """Random programs of cache operations, every output checked against a float64 NumPy reference.
 
-The model of a batched layer is, per sequence, the list of tokens it holds
-(its history). Every rule applies one cache operation to the layer and to the
-model; every output of step and prefill must equal the last row of causal
-attention over the sequence's history (its last `window` tokens for a ring),
-recomputed in float64 from the layer's weights. Rules act only where capacity
+The model of a batched layer is `tests.reference.ReferenceCache`: per
+sequence, the list of tokens it holds (its history). Every rule applies one
+cache operation to the layer and to the model; every output of step and
+prefill must equal the model's, the last row of causal attention over the
+sequence's history (its last `window` tokens for a ring), recomputed in
+float64 from the layer's weights. Rules act only where capacity
 allows, except the overflow rules, which check that an overflowing call
 raises and leaves the state bit-identical.
 """
@@ -25,12 +26,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvattn
 from kvattn.snapshot import load_cache, save_cache
-from tests.test_snapshot import assert_same_bits, cache_arrays
+from tests.helpers import assert_same_bits, cache_arrays
+from tests.reference import ReferenceCache, assert_close, causal_attention, weights_of
 
 BATCH, IN_FEATURES, NUM_HEADS, NUM_KV_HEADS, MAX_LEN = 3, 8, 4, 2, 12
 # One prefill width, so the layer compiles prefill once; lengths make it ragged.
 CHUNK = 3
-TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
 @functools.cache
@@ -53,49 +54,14 @@ def make_layer(seed: int, cache_layout: str, window: int | None = None) -> kvatt
     )
 
 
-# ---------------------------------------------------------------- the reference
-
-
-def float64_weights(layer: kvattn.MultiHeadAttention) -> dict[str, np.ndarray | None]:
-    return {
-        name: None if array is None else np.asarray(array, np.float64)
-        for name, array in layer.weights._asdict().items()
-    }
-
-
-def causal_attention(weights: dict, tokens: np.ndarray) -> np.ndarray:
-    """Causal multi-head attention of tokens `(T, D)` in float64: outputs `(T, D)`."""
-
-    def project(kernel, bias):
-        projected = np.einsum("td,dnh->tnh", tokens, kernel)
-        return projected if bias is None else projected + bias
-
-    q = project(weights["query_kernel"], weights["query_bias"])
-    k = project(weights["key_kernel"], weights["key_bias"])
-    v = project(weights["value_kernel"], weights["value_bias"])
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # query head n reads kv head n // group
-    scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(q.shape[-1])
-    num_tokens = tokens.shape[0]
-    future = np.triu(np.ones((num_tokens, num_tokens), bool), k=1)
-    scores = np.where(future, -np.inf, scores)
-    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    context = np.einsum("nts,snh->tnh", probs, v)
-    out = np.einsum("tnh,nhd->td", context, weights["out_kernel"])
-    return out if weights["out_bias"] is None else out + weights["out_bias"]
-
-
 def test_reference_agrees_with_the_uncached_forward():
     layer = make_layer(0, "slots_major")
     tokens = np.random.default_rng(0).standard_normal((BATCH, 5, IN_FEATURES)).astype(np.float32)
-    expected = np.stack([causal_attention(float64_weights(layer), tokens[b].astype(np.float64)) for b in range(BATCH)])
-    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(tokens))), expected, **TOLERANCE)
+    expected = np.stack([causal_attention(weights_of(layer), tokens[b]) for b in range(BATCH)])
+    assert_close(layer(jnp.asarray(tokens)), expected)
 
 
 # ------------------------------------------------------------------ the machine
-
-
 
 
 SEQUENCES = st.lists(st.integers(0, BATCH - 1), max_size=BATCH)
@@ -120,7 +86,7 @@ def chosen(which) -> list[int]:
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Drives a batched layer; `histories[b]` are the float32 tokens sequence b holds."""
+    """Drives a batched layer and its float64 model side by side."""
 
     cache_layout = "slots_major"
     window = None
@@ -129,7 +95,7 @@ class CacheMachine(RuleBasedStateMachine):
         super().__init__()
         self.directory = tempfile.TemporaryDirectory()
         self.layer = None
-        self.histories: list[list[np.ndarray]] = [[] for _ in range(BATCH)]
+        self.model = None
 
     @initialize(seed=st.integers(0, 2))
     def build(self, seed):
@@ -138,7 +104,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.layer, self.twin = layer_pair(seed, self.cache_layout, self.window)
         self.layer.reset()
         self.twin.reset()
-        self.weights = float64_weights(self.layer)
+        self.model = ReferenceCache(weights_of(self.layer), BATCH, self.window)
         self.rng = np.random.default_rng(seed)
 
     def teardown(self):
@@ -151,13 +117,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def room(self, sequence: int) -> float:
         """How many more tokens the sequence takes (a ring never fills)."""
-        return np.inf if self.window is not None else MAX_LEN - len(self.histories[sequence])
-
-    def check_output(self, output, sequence: int):
-        """`output` is the feature vector of the last token of `sequence`'s history."""
-        visible = self.histories[sequence][-self.window :] if self.window else self.histories[sequence]
-        expected = causal_attention(self.weights, np.stack(visible).astype(np.float64))[-1]
-        np.testing.assert_allclose(output, expected, **TOLERANCE)
+        return np.inf if self.window is not None else MAX_LEN - self.model.lengths[sequence]
 
     # ----------------------------------------------------------- decoding
 
@@ -169,8 +129,7 @@ class CacheMachine(RuleBasedStateMachine):
         ys = np.asarray(self.layer.step(jnp.asarray(x), mask))
         for b in range(BATCH):
             if active[b]:
-                self.histories[b].append(x[b])
-                self.check_output(ys[b], b)
+                assert_close(ys[b], self.model.append(b, x[b]))
             else:
                 assert not ys[b].any(), "an inactive sequence must return zeros"
 
@@ -193,8 +152,7 @@ class CacheMachine(RuleBasedStateMachine):
         ys = np.asarray(self.layer.prefill(jnp.asarray(xs), argument))
         for b, length in enumerate(lengths):
             for t in range(length):
-                self.histories[b].append(xs[b, t])
-                self.check_output(ys[b, t], b)
+                assert_close(ys[b, t], self.model.append(b, xs[b, t]))
             assert not ys[b, length:].any(), "padding outputs must be zeros"
 
     # ------------------------------------------------------- cache editing
@@ -202,32 +160,30 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(which=st.none() | SEQUENCES | MASKS)
     def reset(self, which):
         self.layer.reset(which_argument(which))
-        for b in chosen(which):
-            self.histories[b] = []
+        self.model.reset(chosen(which))
 
     @precondition(lambda self: self.window is None)  # a ring cannot roll back
     @rule(wanted=st.lists(st.integers(0, MAX_LEN), min_size=BATCH, max_size=BATCH), one_count=st.booleans())
     def truncate(self, wanted, one_count):
         if one_count:
-            keep = min([wanted[0]] + [len(history) for history in self.histories])
+            keep = min([wanted[0]] + self.model.lengths)
             self.layer.truncate(keep)
             keeps = [keep] * BATCH
         else:
-            keeps = [min(want, len(history)) for want, history in zip(wanted, self.histories)]
+            keeps = [min(want, length) for want, length in zip(wanted, self.model.lengths)]
             self.layer.truncate(np.asarray(keeps, np.int32))
-        self.histories = [history[:keep] for history, keep in zip(self.histories, keeps)]
+        self.model.truncate(keeps)
 
     # (`targets` is a keyword of `rule` itself, hence `copies`.)
     @rule(source=st.integers(0, BATCH - 1), copies=SEQUENCES | MASKS)
     def fork(self, source, copies):
         self.layer.fork(source, which_argument(copies))
-        for b in chosen(copies):
-            self.histories[b] = list(self.histories[source])
+        self.model.fork(source, chosen(copies))
 
     @rule(order=st.lists(st.integers(0, BATCH - 1), min_size=BATCH, max_size=BATCH))
     def reorder(self, order):
         self.layer.reorder(np.asarray(order, np.int32))
-        self.histories = [list(self.histories[source]) for source in order]
+        self.model.reorder(order)
 
     @rule()
     def save_and_load_into_the_twin(self):
@@ -262,7 +218,7 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def pos_counts_the_history(self):
         if self.layer is not None:
-            assert np.asarray(self.layer.pos[...]).tolist() == [len(history) for history in self.histories]
+            assert np.asarray(self.layer.pos[...]).tolist() == self.model.lengths
 
     @invariant()
     def slots_past_pos_are_zero(self):
@@ -271,9 +227,9 @@ class CacheMachine(RuleBasedStateMachine):
         slot_axis = 1 if self.cache_layout == "slots_major" else 2
         for name in ("k_cache", "v_cache"):
             cache = np.moveaxis(np.asarray(getattr(self.layer, name)[...]), slot_axis, 1)
-            for b, history in enumerate(self.histories):
+            for b, length in enumerate(self.model.lengths):
                 # A ring fills slots 0, 1, ... and then wraps, so this holds for it too.
-                assert not cache[b, len(history) :].any(), f"{name} of sequence {b} holds data past pos"
+                assert not cache[b, length:].any(), f"{name} of sequence {b} holds data past pos"
 
 
 class HeadsMajorCacheMachine(CacheMachine):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,16 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
+from tests.helpers import assert_same_bits, cache_arrays, stream
 from tests.reference import assert_close, causal_attention, weights_of
-from tests.test_attention import assert_bits_equal, cache_bits
 
 # Relative L2 error of each output token against the float32 cache, on
 # standard-normal inputs (README "Scaling out" lists the measured values).
 DTYPE_TOLERANCE = {"bfloat16": 1e-2, "int8": 3e-2}
-
-
-def stream(shape, seed=1, in_features=8):
-    return jax.random.normal(jax.random.key(seed), (*shape, in_features))
 
 
 def windowed(window=4, batch_size=None, **kwargs):
@@ -84,10 +79,10 @@ def test_window_configuration_errors():
         kvattn.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0))
     layer = windowed()
     layer.prefill(stream((3,)))
-    before = cache_bits(layer)
+    before = cache_arrays(layer)
     with pytest.raises(ValueError, match="truncate is not supported on a windowed layer"):
         layer.truncate(1)
-    assert_bits_equal(before, cache_bits(layer))
+    assert_same_bits(before, cache_arrays(layer))
 
 
 # ------------------------------------------------------------ compact dtypes
