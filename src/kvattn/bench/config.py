@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvattn import cache as cache_ops
-from kvattn import ops
+import kvattn
+from kvattn.config import CACHE_DTYPES, LAYOUTS
 
 __all__ = [
     "DEFAULT_LAYOUT",
@@ -68,7 +68,8 @@ class BenchConfig:
     @property
     def cache_bytes_per_token(self) -> int:
         """Bytes one token adds to the cache of one layer: keys and values of every kv head (+ int8 scales)."""
-        return cache_ops.bytes_per_token(self.num_heads, self.head_dim, self.dtype)
+        layer = kvattn.AttentionConfig(self.num_heads, self.in_features, max_len=self.max_len, cache_dtype=self.dtype)
+        return layer.cache_bytes_per_token
 
     def kv_bytes(self, batch_size: int, filled: int) -> int:
         """Bytes of keys and values a step must read at `filled` slots."""
@@ -76,14 +77,13 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raises ValueError, naming the fix, for settings the benchmark cannot run."""
-        if self.dtype not in cache_ops.CACHE_DTYPES:
+        if self.dtype not in CACHE_DTYPES:
             raise ValueError(
-                f"dtype must be one of {sorted(cache_ops.CACHE_DTYPES)}, the cache dtypes kvattn stores, "
-                f"got {self.dtype!r}"
+                f"dtype must be one of {sorted(CACHE_DTYPES)}, the cache dtypes kvattn stores, got {self.dtype!r}"
             )
-        unknown = [layout for layout in self.layouts if layout not in ops.LAYOUTS]
+        unknown = [layout for layout in self.layouts if layout not in LAYOUTS]
         if unknown or not self.layouts:
-            raise ValueError(f"layouts must be a non-empty subset of {sorted(ops.LAYOUTS)}, got {self.layouts}")
+            raise ValueError(f"layouts must be a non-empty subset of {sorted(LAYOUTS)}, got {self.layouts}")
         if self.in_features % self.num_heads:
             raise ValueError(f"in_features ({self.in_features}) must be divisible by num_heads ({self.num_heads})")
         if self.repeats < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:

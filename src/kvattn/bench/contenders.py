@@ -146,14 +146,14 @@ class BatchBench:
         layer = self.layers[layout]
         # Encoding is per token and head, so encoding the whole float32 cache
         # stores exactly what appending its tokens one by one would.
-        dtype = cache_ops.CACHE_DTYPES[self.config.dtype]
-        keys, key_scales = cache_ops.encode(to_layout(state.keys, layout), dtype)
-        values, value_scales = cache_ops.encode(to_layout(state.values, layout), dtype)
-        layer.k_cache.set_value(keys)
-        layer.v_cache.set_value(values)
-        if key_scales is not None:
-            layer.k_scale.set_value(key_scales)
-            layer.v_scale.set_value(value_scales)
+        dtype = jnp.dtype(self.config.dtype)
+        keys = cache_ops.encode(to_layout(state.keys, layout), dtype)
+        values = cache_ops.encode(to_layout(state.values, layout), dtype)
+        layer.k_cache.set_value(keys.values)
+        layer.v_cache.set_value(values.values)
+        if keys.scale is not None:
+            layer.k_scale.set_value(keys.scale)
+            layer.v_scale.set_value(values.scale)
         layer.pos.set_value(jnp.full((self.batch_size,), state.pos, jnp.int32))
         jax.block_until_ready(nnx.state(layer, nnx.Cache))
         return layer

@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvattn
-from kvattn import ops
 
 __all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "time_bursts", "to_layout"]
 
@@ -58,7 +57,7 @@ def time_bursts(prepare: Callable[[], Any], burst: Callable[[Any], jax.Array], r
 
 def to_layout(cache: jax.Array, layout: str) -> jax.Array:
     """A fresh copy of a slots-major cache `(B, S, K, H)` in `layout`."""
-    if ops.LAYOUTS[layout] == ops.SLOTS_MAJOR:
+    if layout == "slots_major":
         return jnp.copy(cache)
     return jnp.swapaxes(cache, 1, 2)
 
