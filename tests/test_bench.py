@@ -49,6 +49,29 @@ def test_results_have_every_figure(quick_run):
     assert any(name.startswith("calibration time at T=") for name in names)  # the bandwidth-bound reference
 
 
+def test_decode_is_timed_safe_and_donated_side_by_side(quick_run):
+    out_dir, results = quick_run
+    config = results["config"]
+    smallest = min(config["batch_sizes"])
+    pairs = [(f"kvattn_decode/{layout}", f"kvattn_decode_donated/{layout}") for layout in config["layouts"]]
+    measured = {(r["batch_size"], r["filled"], r["contender"]) for r in results["measurements"]}
+    timed_whole = {w["contender"] for w in results["whole_generation"]}
+    markdown = (out_dir / "results.md").read_text()
+    for safe, donated in pairs:
+        for b in config["batch_sizes"]:
+            for t in config["filled"]:
+                assert {(b, t, safe), (b, t, donated)} <= measured
+        assert {safe, donated} <= timed_whole
+        assert f"| `{donated}` |" in markdown
+    mean = {g["contender"]: g["ms_per_token"] for g in results["generation"] if g["batch_size"] == smallest}
+    ratios = {t["name"]: t for t in results["targets"] if "(safe default)" in t["name"]}
+    assert set(ratios) == {f"{safe} (safe default) / {donated} time" for safe, donated in pairs}
+    for safe, donated in pairs:
+        ratio = ratios[f"{safe} (safe default) / {donated} time"]
+        assert ratio["value"] == pytest.approx(mean[safe] / mean[donated])
+        assert ratio["threshold"] is None and ratio["met"] is None and ratio["batch_size"] == smallest
+
+
 def test_contenders_agree_with_recompute(quick_run):
     _, results = quick_run
     diffs = [r["max_abs_diff_vs_recompute"] for r in results["measurements"] if r["contender"] != "calibration"]

@@ -4,7 +4,10 @@ Every figure is measured in one run, on one random stream and one set of
 weights shared by all contenders:
 
   kvattn_step/<layout>    `Decoder.step` in a Python loop (the fast path)
-  kvattn_decode/<layout>  `kvattn.decode`, the whole burst in one `lax.scan`
+  kvattn_decode/<layout>  `kvattn.decode`, the whole burst in one `lax.scan`;
+                          the default `donate=False`, so the caller's cache survives
+  kvattn_decode_donated/<layout>
+                          the same with `donate=True`: the layer's cache updated in place
   flax_nnx_jit            `nnx.MultiHeadAttention(decode=True)` stepped by `nnx.jit`
   flax_scan               the same Flax layer stepped inside one donated `lax.scan`
   recompute               `layer(history)[:, -1]`: a full causal forward per token

@@ -101,6 +101,7 @@ def contender_names(layouts: tuple[str, ...]) -> list[str]:
     """Every contender's name, in the order they are measured and shown."""
     kvattn_names = [f"kvattn_step/{layout}" for layout in layouts]
     kvattn_names += [f"kvattn_decode/{layout}" for layout in layouts]
+    kvattn_names += [f"kvattn_decode_donated/{layout}" for layout in layouts]
     return ["recompute", *kvattn_names, "flax_nnx_jit", "flax_scan", "calibration"]
 
 

@@ -70,10 +70,11 @@ class BatchBench:
             plan[f"kvattn_step/{layout}"] = functools.partial(
                 self.time_kvattn_step, layout, states[filled - fast - 1], fast
             )
-        for layout in config.layouts:
-            plan[f"kvattn_decode/{layout}"] = functools.partial(
-                self.time_kvattn_decode, layout, states[filled - fast], fast
-            )
+        for donate, loop in ((False, "kvattn_decode"), (True, "kvattn_decode_donated")):
+            for layout in config.layouts:
+                plan[f"{loop}/{layout}"] = functools.partial(
+                    self.time_kvattn_decode, layout, states[filled - fast], fast, donate=donate
+                )
         plan["flax_nnx_jit"] = functools.partial(self.time_flax_jit, states[filled - slow - 1], slow)
         plan["flax_scan"] = functools.partial(self.time_flax_scan, states[filled - fast], fast)
         plan["calibration"] = functools.partial(self.time_calibration, step_bytes)
@@ -98,6 +99,10 @@ class BatchBench:
         timers = {
             **{f"kvattn_step/{layout}": functools.partial(self.time_kvattn_step, layout) for layout in config.layouts},
             **{f"kvattn_decode/{layout}": functools.partial(self.time_kvattn_decode, layout) for layout in config.layouts},
+            **{
+                f"kvattn_decode_donated/{layout}": functools.partial(self.time_kvattn_decode, layout, donate=True)
+                for layout in config.layouts
+            },
             "flax_nnx_jit": self.time_flax_jit,
             "flax_scan": self.time_flax_scan,
         }
@@ -215,13 +220,24 @@ class BatchBench:
         return time_bursts(prepare, burst, repeats or self.config.repeats, count)
 
     def time_kvattn_decode(
-        self, layout: str, state: CacheState, count: int, repeats: int | None = None, warm_up: jax.Array | None = None
+        self,
+        layout: str,
+        state: CacheState,
+        count: int,
+        repeats: int | None = None,
+        warm_up: jax.Array | None = None,
+        *,
+        donate: bool = False,
     ) -> Timing:
-        """`kvattn.decode` over `count` tokens in one call."""
+        """`kvattn.decode` over `count` tokens in one call, with `donate` as given.
+
+        Every burst starts from a freshly loaded cache, so a donated burst
+        only ever hands over arrays it was given for that purpose.
+        """
         chunk = jax.block_until_ready(self.stream[:, state.pos : state.pos + count])
         timing = time_bursts(
             lambda: self.load_kvattn(layout, state),
-            lambda layer: kvattn.decode(layer, chunk),
+            lambda layer: kvattn.decode(layer, chunk, donate=donate),
             repeats or self.config.repeats,
             count,
         )

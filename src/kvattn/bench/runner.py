@@ -115,6 +115,8 @@ def measure(config: BenchConfig) -> dict[str, Any]:
             "sizes: mean over filled lengths 1..max_len of the per-token curve, linearly interpolated "
             "between measured T, constant outside them",
             "bytes_per_step": "weight bytes + filled K/V bytes (B * T * 2 * K * H * itemsize)",
+            "donation": "kvattn_decode: decode(layer, xs), the default donate=False, which leaves the caller's "
+            "cache arrays alive; kvattn_decode_donated: decode(layer, xs, donate=True), the cache updated in place",
         },
         "memory": [
             {
