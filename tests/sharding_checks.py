@@ -160,7 +160,7 @@ def check_compiled_step(case: Case, layer, decoder, x) -> str:
     would make XLA all-gather the key cache over the model axis.
     """
     hlo = decoder._programs["step"].lower(decoder._weights, decoder._cache, x, None).compile().as_text()
-    cache = decoder._cache.k
+    cache = decoder._cache.k.values
     local = cache.sharding.shard_shape(cache.shape)
     found = collectives(hlo)
     # Anything as large as one device's cache shard is the cache itself moving.

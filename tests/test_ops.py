@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvattn import cache as cache_ops
 from kvattn import ops
+from kvattn.config import default_length_buckets
 from tests.reference import attention as reference_attention
 
 
@@ -122,13 +123,15 @@ def test_bucketed_attention_equals_full_at_every_fill_and_boundary(layout):
 
     @jax.jit
     def both(cache_len, needed_before, needed_after):
-        def read_first(k, v, *_):
+        def read_first(caches):
+            k, v = caches
             return ops.attention(q, k_new, v_new, one, k, v, cache_len, layout)
 
-        def write_first(k, v, *_):
+        def write_first(caches):
+            k, v = caches
             return ops.cached_attention(q, one, k, v, cache_len, layout)
 
-        caches = (k_cache, v_cache, None, None)
+        caches = (k_cache, v_cache)
         return (
             ops.bucketed(read_first, caches, needed_before, buckets, layout),
             ops.bucketed(write_first, caches, needed_after, buckets, layout),
@@ -146,7 +149,8 @@ def test_bucketed_attention_equals_full_at_every_fill_and_boundary(layout):
 def test_bucketed_reads_nothing_when_nothing_is_filled():
     calls = []
 
-    def attend(k, v, *_):
+    def attend(caches):
+        k, _ = caches
         calls.append(k.shape)
         return jnp.zeros((1,)) + k.shape[1]
 
@@ -162,12 +166,12 @@ def test_bucket_index_picks_the_smallest_bucket_that_fits():
 
 
 def test_length_buckets():
-    assert ops.length_buckets(2048) == (128, 256, 2048)
-    assert ops.length_buckets(8192) == (128, 256, 512, 1024, 8192)
-    assert ops.length_buckets(100) == (100,)
-    assert ops.length_buckets(32, smallest=2) == (2, 4, 32)
+    assert default_length_buckets(2048) == (128, 256, 2048)
+    assert default_length_buckets(8192) == (128, 256, 512, 1024, 8192)
+    assert default_length_buckets(100) == (100,)
+    assert default_length_buckets(32, smallest=2) == (2, 4, 32)
     # Caches past the last-level cache: a prefix copy pays up to a quarter.
-    assert ops.length_buckets(2048, cache_bytes=64 * 2**20) == (128, 256, 512, 2048)
+    assert default_length_buckets(2048, cache_bytes=64 * 2**20) == (128, 256, 512, 2048)
 
 
 
@@ -176,29 +180,29 @@ def test_length_buckets():
 
 def values_of(cache, layout=ops.SLOTS_MAJOR):
     """`(B, S)` view of a cache with K = H = 1."""
-    k = cache.k if layout == ops.SLOTS_MAJOR else jnp.swapaxes(cache.k, 1, 2)
+    k = cache.k.values if layout == ops.SLOTS_MAJOR else jnp.swapaxes(cache.k.values, 1, 2)
     return np.asarray(k)[..., 0, 0]
 
 
-def empty_cache(batch, slots, layout=ops.SLOTS_MAJOR, dtype=jnp.float32):
-    k = to_layout(jnp.zeros((batch, slots, 1, 1), dtype), layout)
-    return cache_ops.KVCache(k, k, jnp.zeros(batch, jnp.int32))
+def empty_cache(batch, slots, layout=ops.SLOTS_MAJOR, dtype=jnp.float32, window=None):
+    k = cache_ops.Stored(to_layout(jnp.zeros((batch, slots, 1, 1), dtype), layout))
+    return cache_ops.KVCache(k, k, jnp.zeros(batch, jnp.int32), layout=layout, window=window)
 
 
 @pytest.mark.parametrize("layout", [ops.SLOTS_MAJOR, ops.HEADS_MAJOR])
 def test_append_puts_each_token_at_its_slot_and_drops_the_rest(layout):
-    cache = empty_cache(2, 4, layout)._replace(pos=jnp.array([1, 2]))
+    cache = empty_cache(2, 4, layout).replace(pos=jnp.array([1, 2]))
     new = jnp.arange(1.0, 7.0).reshape(2, 3, 1, 1)
-    out = cache_ops.append(cache, new, new, jnp.array([2, 3]), layout=layout)
+    out = cache_ops.append(cache, new, new, jnp.array([2, 3]))
     # Sequence 1 has room for 2 of its 3 tokens: the third is dropped, not wrapped or clamped.
     np.testing.assert_array_equal(values_of(out, layout), [[0, 1, 2, 0], [0, 0, 4, 5]])
     np.testing.assert_array_equal(out.pos, [3, 5])
 
 
 def test_ring_append_wraps_and_keeps_only_the_last_tokens():
-    cache = empty_cache(2, 3)._replace(pos=jnp.array([2, 0]))
+    cache = empty_cache(2, 3, window=3).replace(pos=jnp.array([2, 0]))
     new = jnp.arange(1.0, 11.0).reshape(2, 5, 1, 1)
-    out = cache_ops.append(cache, new, new, jnp.array([2, 5]), ring=True)
+    out = cache_ops.append(cache, new, new, jnp.array([2, 5]))
     # Sequence 0: positions 2, 3 -> slots 2, 0. Sequence 1: five tokens in
     # three slots, only positions 2, 3, 4 (values 8, 9, 10) survive.
     np.testing.assert_array_equal(values_of(out), [[2, 0, 1], [9, 10, 8]])
@@ -206,7 +210,7 @@ def test_ring_append_wraps_and_keeps_only_the_last_tokens():
 
 
 def test_append_after_a_result_is_exact_even_when_it_is_nan():
-    cache = empty_cache(1, 3)._replace(pos=jnp.array([1]))
+    cache = empty_cache(1, 3).replace(pos=jnp.array([1]))
     new = jnp.ones((1, 1, 1, 1))
     out = cache_ops.append(cache, new, new, jnp.array([1]), after=jnp.array([[jnp.nan, -jnp.inf]]))
     np.testing.assert_array_equal(values_of(out), [[0, 1, 0]])
@@ -215,32 +219,48 @@ def test_append_after_a_result_is_exact_even_when_it_is_nan():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
 def test_encode_round_trips_within_the_storage_precision(dtype):
     x = jax.random.normal(jax.random.key(0), (2, 3, 4, 16))
-    stored, scale = cache_ops.encode(x, dtype)
-    assert stored.dtype == dtype
-    back = cache_ops.decode_values(stored, scale)
+    stored = cache_ops.encode(x, dtype)
+    assert stored.values.dtype == dtype
+    assert (stored.scale is None) == (dtype != jnp.int8)
+    back = cache_ops.decode_values(stored)
     bound = 2.0**-8 if dtype == jnp.bfloat16 else 0.5 / 127  # half a step, relative to max|x|
     peak = np.abs(np.asarray(x)).max(axis=-1, keepdims=True)
     assert (np.abs(np.asarray(back - x)) <= bound * peak + 1e-7).all()
-    zeros, zero_scale = cache_ops.encode(jnp.zeros((1, 1, 1, 4)), dtype)
-    np.testing.assert_array_equal(cache_ops.decode_values(zeros, zero_scale), 0.0)
+    zeros = cache_ops.encode(jnp.zeros((1, 1, 1, 4)), dtype)
+    np.testing.assert_array_equal(cache_ops.decode_values(zeros), 0.0)
 
 
 def test_clear_truncate_fork_reorder():
     k = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
-    cache = cache_ops.KVCache(k, k, jnp.array([4, 4, 4]))
+    cache = cache_ops.KVCache(cache_ops.Stored(k), cache_ops.Stored(k), jnp.array([4, 4, 4]))
     cleared = cache_ops.clear(cache, jnp.array([False, True, False]))
     np.testing.assert_array_equal(values_of(cleared), [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
     np.testing.assert_array_equal(cleared.pos, [4, 0, 4])
     kept = cache_ops.truncate(cache, jnp.array([0, 2, 4]))
     np.testing.assert_array_equal(values_of(kept), [[0, 0, 0, 0], [5, 6, 0, 0], [9, 10, 11, 12]])
     np.testing.assert_array_equal(kept.pos, [0, 2, 4])
-    heads_major = cache_ops.KVCache(jnp.swapaxes(k, 1, 2), jnp.swapaxes(k, 1, 2), cache.pos)
-    kept_hm = cache_ops.truncate(heads_major, jnp.array([0, 2, 4]), ops.HEADS_MAJOR)
+    heads_major = cache_ops.relayout(cache, ops.HEADS_MAJOR)
+    assert heads_major.layout == ops.HEADS_MAJOR and heads_major.k.values.shape == (3, 1, 4, 1)
+    kept_hm = cache_ops.truncate(heads_major, jnp.array([0, 2, 4]))
     np.testing.assert_array_equal(values_of(kept_hm, ops.HEADS_MAJOR), values_of(kept))
-    forked = cache_ops.fork(cache._replace(pos=jnp.array([1, 2, 3])), 2, jnp.array([True, False, False]))
+    forked = cache_ops.fork(cache.replace(pos=jnp.array([1, 2, 3])), jnp.int32(2), jnp.array([True, False, False]))
     np.testing.assert_array_equal(values_of(forked), [[9, 10, 11, 12], [5, 6, 7, 8], [9, 10, 11, 12]])
     np.testing.assert_array_equal(forked.pos, [3, 2, 3])
     reordered = cache_ops.reorder(cache, jnp.array([1, 1, 0]))
     np.testing.assert_array_equal(values_of(reordered), [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
     assert cache_ops.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), 4).tolist() == [True, False]
-    assert cache_ops.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), None).tolist() == [True, True]
+    # A ring's capacity is the int32 limit of pos; the check itself never overflows, and a poisoned pos has no room.
+    limit = jnp.iinfo(jnp.int32).max
+    assert cache_ops.capacity_ok(jnp.array([2, limit - 1, -1]), jnp.array([2, 2, 0]), limit).tolist() == [True, False, False]
+
+
+def test_out_of_range_fork_and_reorder_poison_their_targets():
+    """Under jit nothing can raise: a bad index empties its targets with pos = -1, never a clamped copy."""
+    k = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
+    cache = cache_ops.KVCache(cache_ops.Stored(k), cache_ops.Stored(k), jnp.array([4, 3, 2]))
+    forked = jax.jit(cache_ops.fork)(cache, jnp.int32(7), jnp.array([False, True, False]))
+    np.testing.assert_array_equal(values_of(forked), [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
+    np.testing.assert_array_equal(forked.pos, [4, cache_ops.INVALID_POS, 2])
+    reordered = jax.jit(cache_ops.reorder)(cache, jnp.array([2, 5, -1]))
+    np.testing.assert_array_equal(values_of(reordered), [[9, 10, 11, 12], [0, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(reordered.pos, [2, cache_ops.INVALID_POS, cache_ops.INVALID_POS])

@@ -1,192 +1,32 @@
 """The NNX layer: learned projections, a KV cache in `nnx.Cache`, step and prefill.
 
-The layer is thin: it validates inputs (raising before any state changes),
-reads its variables, calls the pure functions of `kvattn.ops` and
-`kvattn.cache`, and writes the results back. Internally every path works on
-a batch; a layer built without `batch_size` holds one sequence and shows the
-seed's unbatched shapes `(max_len, K, H)` and a scalar `pos`.
-Axis letters follow the legend in `kvattn.ops`.
+The layer is thin: it validates inputs through `kvattn.validation` (raising
+before any state changes), reads its variables, calls the pure step
+(`kvattn.step.extend`) and cache transitions (`kvattn.cache`), and writes
+the results back. Its static settings live in one `AttentionConfig`
+(`layer.config`). Internally every path works on a batch; a layer built
+without `batch_size` holds one sequence and shows the unbatched shapes
+`(max_len, K, H)` and a scalar `pos`. Axis letters follow `kvattn.ops`.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple
+import typing
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 
 from kvattn import cache as cache_ops
-from kvattn import ops
+from kvattn import validation as check
+from kvattn.config import AttentionConfig
+from kvattn.step import Weights, causal_self_attention, extend
+from kvattn.validation import CacheOverflowError, InvalidStateError
 
-__all__ = ["CacheOverflowError", "FusedWeights", "MultiHeadAttention", "Weights", "attend", "causal_self_attention", "extend"]
+__all__ = ["CacheOverflowError", "InvalidStateError", "MultiHeadAttention"]
 
 default_kernel_init = initializers.lecun_normal()
-
-
-class Weights(NamedTuple):
-    """The layer's parameters as plain arrays (biases None without `use_bias`)."""
-
-    query_kernel: jax.Array
-    query_bias: jax.Array | None
-    key_kernel: jax.Array
-    key_bias: jax.Array | None
-    value_kernel: jax.Array
-    value_bias: jax.Array | None
-    out_kernel: jax.Array
-    out_bias: jax.Array | None
-
-    def fused(self) -> FusedWeights:
-        """The query, key and value kernels side by side, for one matmul instead of three."""
-        biases = (self.query_bias, self.key_bias, self.value_bias)
-        return FusedWeights(
-            jnp.concatenate([self.query_kernel, self.key_kernel, self.value_kernel], axis=1),
-            None if self.query_bias is None else jnp.concatenate(biases, axis=0),
-            self.out_kernel,
-            self.out_bias,
-        )
-
-
-class FusedWeights(NamedTuple):
-    """`Weights` with the query, key and value projections fused into one kernel `(D, N + 2K, H)`.
-
-    On one token the projections are three mat-vecs; XLA:CPU pays a fixed
-    cost per dot, so one wider dot is measurably cheaper per step. Inside a
-    compiled loop the concatenation is loop-invariant (XLA hoists it); the
-    decoding drivers fuse once, ahead of their loops.
-    """
-
-    qkv_kernel: jax.Array
-    qkv_bias: jax.Array | None
-    out_kernel: jax.Array
-    out_bias: jax.Array | None
-
-
-def _project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
-    """Queries, keys and values `(B, T, N|K, H)` of tokens `(B, T, D)`.
-
-    With `heads_split` (heads sharded over devices) the projections stay
-    apart: a fused kernel would interleave the three head axes across devices.
-    """
-    if isinstance(weights, Weights):
-        if heads_split:
-            return (
-                ops.project(xs, weights.query_kernel, weights.query_bias),
-                ops.project(xs, weights.key_kernel, weights.key_bias),
-                ops.project(xs, weights.value_kernel, weights.value_bias),
-            )
-        weights = weights.fused()
-    num_heads = weights.out_kernel.shape[0]
-    num_kv_heads = (weights.qkv_kernel.shape[1] - num_heads) // 2
-    qkv = ops.project(xs, weights.qkv_kernel, weights.qkv_bias)
-    return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=2)
-
-
-@functools.partial(jax.jit, static_argnames=("heads_split",))
-def causal_self_attention(weights: Weights, xs, heads_split: bool = False):
-    """Full causal self-attention of tokens `(B, T, D)`, no cache: the training path."""
-    q, k, v = _project_qkv(weights, xs, heads_split)
-    ctx = ops.attention(q, k, v, jnp.full(xs.shape[:1], xs.shape[1], jnp.int32))
-    return ops.project_out(ctx, weights.out_kernel, weights.out_bias)
-
-
-@functools.partial(jax.jit, static_argnames=("max_len", "layout", "buckets", "window", "heads_split", "write_first"))
-def extend(
-    weights: Weights | FusedWeights,
-    cache: cache_ops.KVCache,
-    xs,
-    lengths,
-    *,
-    max_len: int | None,
-    layout: str,
-    buckets: tuple[int, ...],
-    window: int | None = None,
-    heads_split: bool = False,
-    write_first: bool = False,
-):
-    """Appends tokens to a batch of caches and attends: step and prefill as one pure function.
-
-    Sequence b appends its first `lengths[b]` tokens of `xs` `(B, T, D)` at
-    positions `cache.pos[b] ..`, each attending to the cache and causally to
-    the chunk. A sequence without room for them writes nothing, keeps its
-    `pos` and gets NaN outputs (the in-graph half of the overflow contract).
-    Padding tokens `t >= lengths[b]` get zero outputs.
-
-    `heads_split` says the heads are sharded over devices: the projections
-    then stay apart and no head axis is merged (either would gather heads).
-
-    Two orders give the same result. By default attention reads the old
-    cache and the new chunk apart, and the write comes last, tied to the
-    output (see `cache._zero_after`): XLA then updates donated buffers in
-    place under any surrounding `jit`. With `write_first` the chunk is
-    written, then attention reads the cache alone: one pass and fewer ops
-    per step, which the decoding drivers use on the batched buffers they own.
-    (On a layer's unbatched `(max_len, K, H)` buffers, XLA:CPU fuses that
-    write into a reshape and copies the buffers.) A ring chunk of more than
-    one token always reads first: its later tokens would overwrite slots
-    its earlier ones still see.
-
-    Returns:
-      `(ys, cache)`: outputs `(B, T, D)` and the advanced cache.
-    """
-    num_new = xs.shape[1]
-    fits = cache_ops.capacity_ok(cache.pos, lengths, max_len)
-    written = jnp.where(fits, lengths, 0)
-    q, k, v = _project_qkv(weights, xs, heads_split)
-    ring = window is not None
-    options = dict(layout=layout, window=window, block_diagonal=not heads_split)
-    write_first = write_first and (not ring or num_new == 1)
-    if write_first:
-        old_pos = cache.pos
-        cache = cache_ops.append(cache, k, v, written, layout=layout, ring=ring)
-
-        def attend(k_cache, v_cache, k_scale, v_scale):
-            return ops.cached_attention(
-                q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
-            )
-    else:
-
-        def attend(k_cache, v_cache, k_scale, v_scale):
-            return ops.attention(
-                q, k, v, lengths, k_cache, v_cache, cache.pos, k_scale=k_scale, v_scale=v_scale, **options
-            )
-
-    arrays = (cache.k, cache.v, cache.k_scale, cache.v_scale)
-    ctx = ops.bucketed(attend, arrays, _filled(cache.pos, window), buckets, layout)
-    ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
-    real = jnp.arange(num_new)[None, :] < lengths[:, None]
-    ys = jnp.where(real[:, :, None], ys, 0.0)  # padding tokens
-    ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
-    if not write_first:
-        # Stored after attention has read the old slots (`after`), so XLA can
-        # update the donated buffers in place.
-        cache = cache_ops.append(cache, k, v, written, layout=layout, ring=ring, after=ys)
-    return ys, cache
-
-
-def _filled(pos, window):
-    """Slots a batch has filled: the longest sequence's, at most the ring size."""
-    filled = jnp.max(pos)
-    return filled if window is None else jnp.minimum(filled, window)
-
-
-class CacheOverflowError(ValueError):
-    """A step or prefill would write past `max_len`; nothing was changed."""
-
-
-def _is_traced(*arrays) -> bool:
-    return any(isinstance(a, jax.core.Tracer) for a in arrays)
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -206,7 +46,14 @@ class MultiHeadAttention(nnx.Module):
     `CacheOverflowError` before any state changes. Under `jit`, where `pos` is
     traced, an overflowing sequence writes no slot, keeps its `pos`, and its
     outputs are all NaN; the other sequences of a batch proceed. A windowed
-    layer never overflows.
+    layer holds any number of tokens up to the int32 limit of `pos`
+    (2**31 - 1), under the same contract. An index out of range under `jit`
+    (`fork`, `reorder`) poisons the sequences it would have written: they
+    are emptied with `pos = -1`, their outputs are NaN, and eager calls
+    raise `InvalidStateError` until they are `reset`.
+
+    Every size and option is normalised once into `layer.config`, a frozen
+    `AttentionConfig`; the attributes of the same names read it.
 
     Args:
       num_heads: query heads N.
@@ -221,15 +68,16 @@ class MultiHeadAttention(nnx.Module):
       window: sliding-window attention over the last `window` tokens, kept
         in a ring of `window` slots: a stream can run forever at constant
         memory. Replaces `max_len`.
-      cache_dtype: storage of keys and values: `"float32"` (the seed's),
-        `"bfloat16"` (half the memory) or `"int8"` (a quarter, plus one
-        float32 scale per token and head). Attention math is float32.
-      cache_layout: `"slots_major"`, the seed's `(max_len, K, H)`, or
+      cache_dtype: storage of keys and values: float32 (the default),
+        bfloat16 (half the memory) or int8 (a quarter, plus one float32
+        scale per token and head), as a name or a dtype (`jnp.bfloat16`).
+        Attention math is float32.
+      cache_layout: `"slots_major"`, `(max_len, K, H)`, or
         `"heads_major"`, `(K, max_len, H)`: the same results, and 2-3x faster
         attention on XLA:CPU, whose batched dots want the head axis first.
       length_buckets: attend only over the smallest of these static prefix
         lengths that holds every filled slot, so a step costs about the filled
-        length rather than `max_len`. None picks `ops.length_buckets`; `()`
+        length rather than `max_len`. None picks `config.default_length_buckets`; `()`
         always reads the whole buffer; buckets past `max_len` are ignored.
       data_axis, model_axis: names of mesh axes to shard over: sequences of
         the batch over `data_axis`, heads (projections and cache) over
@@ -252,6 +100,7 @@ class MultiHeadAttention(nnx.Module):
       True
     """
 
+    @typing.no_type_check  # validated by `AttentionConfig`, which names what it expected
     def __init__(
         self,
         num_heads: int,
@@ -263,106 +112,80 @@ class MultiHeadAttention(nnx.Module):
         batch_size: int | None = None,
         use_bias: bool = True,
         window: int | None = None,
-        cache_dtype: str = "float32",
+        cache_dtype="float32",
         cache_layout: str = "slots_major",
-        length_buckets: tuple[int, ...] | None = None,
+        length_buckets=None,
         data_axis: str | None = None,
         model_axis: str | None = None,
         kernel_init=default_kernel_init,
         bias_init=initializers.zeros_init(),
         rngs: nnx.Rngs,
     ):
-        num_heads = _positive_int("num_heads", num_heads)
-        in_features = _positive_int("in_features", in_features)
-        if (max_len is None) == (window is None):
-            raise ValueError(
-                f"give exactly one of max_len (a bounded cache) or window (a ring), "
-                f"got max_len={max_len!r} and window={window!r}"
-            )
-        num_slots = _positive_int("window" if max_len is None else "max_len", window if max_len is None else max_len)
-        if head_dim is None:
-            if in_features % num_heads:
-                raise ValueError(
-                    f"in_features ({in_features}) must be divisible by num_heads ({num_heads}) "
-                    "when head_dim is not given; pass head_dim explicitly"
-                )
-            head_dim = in_features // num_heads
-        head_dim = _positive_int("head_dim", head_dim)
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
-        if batch_size is not None:
-            batch_size = _positive_int("batch_size", batch_size)
-        if cache_layout not in ops.LAYOUTS:
-            raise ValueError(f"cache_layout must be one of {sorted(ops.LAYOUTS)}, got {cache_layout!r}")
-        if cache_dtype not in cache_ops.CACHE_DTYPES:
-            raise ValueError(f"cache_dtype must be one of {sorted(cache_ops.CACHE_DTYPES)}, got {cache_dtype!r}")
-        if length_buckets is None:
-            cache_bytes = (batch_size or 1) * num_slots * cache_ops.bytes_per_token(num_kv_heads, head_dim, cache_dtype)
-            length_buckets = ops.length_buckets(num_slots, cache_bytes=cache_bytes)
-        else:
-            if length_buckets and min(length_buckets) < 1:
-                raise ValueError(f"length_buckets must be positive slot counts, got {length_buckets}")
-            # Buckets at or past the slot count add nothing: the last one is all slots.
-            length_buckets = tuple(sorted({int(b) for b in length_buckets if b < num_slots} | {num_slots}))
-
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.in_features = in_features
-        self.head_dim = head_dim
-        self.max_len = max_len
-        self.window = window
-        self.num_slots = num_slots
-        self.batch_size = batch_size
-        self.use_bias = use_bias
-        self.cache_dtype = cache_dtype
-        self.cache_layout = cache_layout
-        self.layout = ops.LAYOUTS[cache_layout]
-        self.length_buckets = length_buckets
-        self.data_axis = data_axis
-        self.model_axis = model_axis
+        self.config = config = AttentionConfig(
+            num_heads, in_features, max_len=max_len, window=window, head_dim=head_dim, num_kv_heads=num_kv_heads,
+            batch_size=batch_size, use_bias=use_bias, cache_dtype=cache_dtype, cache_layout=cache_layout,
+            length_buckets=length_buckets, data_axis=data_axis, model_axis=model_axis,
+        )
 
         def linear(in_f, out_f, kernel_axes, bias_axes, **kw):
             return nnx.LinearGeneral(
-                in_f, out_f, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
+                in_f, out_f, use_bias=config.use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
                 kernel_metadata=self._annotation(kernel_axes), bias_metadata=self._annotation(bias_axes), **kw,
             )
 
+        num_heads, num_kv_heads, head_dim, model_axis = (
+            config.num_heads, config.num_kv_heads, config.head_dim, config.model_axis
+        )
         heads = (None, model_axis, None)
-        self.query = linear(in_features, (num_heads, head_dim), heads, (model_axis, None))
-        self.key = linear(in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
-        self.value = linear(in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
-        self.out = linear((num_heads, head_dim), in_features, (model_axis, None, None), (None,), axis=(-2, -1))
+        self.query = linear(config.in_features, (num_heads, head_dim), heads, (model_axis, None))
+        self.key = linear(config.in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
+        self.value = linear(config.in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
+        self.out = linear((num_heads, head_dim), config.in_features, (model_axis, None, None), (None,), axis=(-2, -1))
 
-        lead, lead_axes = ((), ()) if batch_size is None else ((batch_size,), (data_axis,))
-        if self.layout == ops.SLOTS_MAJOR:
-            slots, slot_axes = (num_slots, num_kv_heads), (None, model_axis)
+        lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
+        if config.cache_layout == "slots_major":
+            slots, slot_axes = (config.num_slots, num_kv_heads), (None, model_axis)
         else:
-            slots, slot_axes = (num_kv_heads, num_slots), (model_axis, None)
-        dtype = cache_ops.CACHE_DTYPES[cache_dtype]
+            slots, slot_axes = (num_kv_heads, config.num_slots), (model_axis, None)
 
         def cache(shape, axes, dtype):
             return nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes))
 
+        dtype = jnp.dtype(config.cache_dtype)
         self.k_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
         self.v_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
         self.pos = cache(lead, lead_axes, jnp.int32)
-        if cache_dtype == "int8":
+        if config.cache_dtype == "int8":
             self.k_scale = cache((*lead, *slots), (*lead_axes, *slot_axes), jnp.float32)
             self.v_scale = cache((*lead, *slots), (*lead_axes, *slot_axes), jnp.float32)
 
     def _annotation(self, axes) -> dict:
         """Flax sharding metadata for a variable, or nothing when no mesh axis is named."""
-        if self.data_axis is None and self.model_axis is None:
+        if self.config.data_axis is None and self.config.model_axis is None:
             return {}
         # Placed now only under a mesh (`jax.set_mesh`); otherwise later, by `kvattn.shard`.
         eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
         return {"out_sharding": tuple(axes), "eager_sharding": eager}
 
-    @property
-    def cache_bytes_per_token(self) -> int:
-        """Bytes of cache one token takes in one sequence (keys, values and int8 scales)."""
-        return cache_ops.bytes_per_token(self.num_kv_heads, self.head_dim, self.cache_dtype)
+    num_heads = property(lambda self: self.config.num_heads, doc="`config.num_heads`")
+    num_kv_heads = property(lambda self: self.config.num_kv_heads, doc="`config.num_kv_heads`")
+    in_features = property(lambda self: self.config.in_features, doc="`config.in_features`")
+    head_dim = property(lambda self: self.config.head_dim, doc="`config.head_dim`")
+    max_len = property(lambda self: self.config.max_len, doc="`config.max_len`")
+    window = property(lambda self: self.config.window, doc="`config.window`")
+    num_slots = property(lambda self: self.config.num_slots, doc="`config.num_slots`")
+    batch_size = property(lambda self: self.config.batch_size, doc="`config.batch_size`")
+    use_bias = property(lambda self: self.config.use_bias, doc="`config.use_bias`")
+    cache_dtype = property(lambda self: self.config.cache_dtype, doc="`config.cache_dtype`")
+    cache_layout = property(lambda self: self.config.cache_layout, doc="`config.cache_layout`")
+    layout = property(lambda self: self.config.layout, doc="`config.layout`")
+    length_buckets = property(lambda self: self.config.length_buckets, doc="`config.length_buckets`")
+    data_axis = property(lambda self: self.config.data_axis, doc="`config.data_axis`")
+    model_axis = property(lambda self: self.config.model_axis, doc="`config.model_axis`")
+    cache_bytes_per_token = property(
+        lambda self: self.config.cache_bytes_per_token,
+        doc="Bytes of cache one token takes in one sequence (keys, values and int8 scales).",
+    )
 
     # ------------------------------------------------------------------ public
 
@@ -372,15 +195,14 @@ class MultiHeadAttention(nnx.Module):
         The training path and the recompute baseline.
 
         Args:
-          xs: tokens `(T, D)` or a batch `(B, T, D)`.
+          xs: tokens `(T, D)` or a batch `(B, T, D)`, T >= 1.
 
         Returns:
           The feature vector of every token, same shape as `xs`.
         """
-        xs = self._check_tokens(xs, "xs", ranks=(2, 3), check_batch=False)
+        xs = check.free_tokens(self.config, xs)
         batched = xs.ndim == 3
-        xs = xs if batched else xs[None]
-        ys = causal_self_attention(self.weights, xs, heads_split=self.model_axis is not None)
+        ys = causal_self_attention(self.weights, xs if batched else xs[None], heads_split=self.config.heads_split)
         return ys if batched else ys[0]
 
     def step(self, x, active=None):
@@ -398,15 +220,9 @@ class MultiHeadAttention(nnx.Module):
           The new token's feature vector, same shape as `x`. NaN for a
           sequence that overflowed under jit (see the class docstring).
         """
-        lead = 0 if self.batch_size is None else 1
-        x = self._check_tokens(x, "x", ranks=(1 + lead,))
-        if active is None:
-            lengths = None
-        else:
-            active = self._check_mask(active, "active")
-            lengths = active.astype(jnp.int32)
-        ys = self._extend(x[..., None, :], lengths)
-        return ys[..., 0, :]
+        x = check.tokens(self.config, x, "x", rank=1)
+        lengths = None if active is None else check.mask(self.config, active, "active").astype(jnp.int32)
+        return self._extend(x[..., None, :], lengths)[..., 0, :]
 
     def prefill(self, xs, lengths=None):
         """Writes a chunk of tokens into the cache in one call.
@@ -420,17 +236,15 @@ class MultiHeadAttention(nnx.Module):
           lengths: batched layers only, optional int `(B,)` with
             `0 <= lengths[b] <= T`: sequence b takes its first `lengths[b]`
             tokens. Padding never enters the cache or any attention, and its
-            outputs are zeros.
+            outputs are zeros, whatever it holds.
 
         Returns:
           The feature vector of every token, same shape as `xs`.
         """
-        lead = 0 if self.batch_size is None else 1
-        xs = self._check_tokens(xs, "xs", ranks=(2 + lead,))
-        if xs.shape[-2] == 0:
-            raise ValueError(f"prefill needs at least one token, got xs of shape {xs.shape}")
+        xs = check.tokens(self.config, xs, "xs", rank=2)
+        check.nonempty(xs)
         if lengths is not None:
-            lengths = self._check_lengths(lengths, xs.shape[-2])
+            lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2])
         return self._extend(xs, lengths)
 
     def reset(self, which=None):
@@ -440,7 +254,7 @@ class MultiHeadAttention(nnx.Module):
           which: batched layers only, optional indices or bool mask `(B,)` of
             the sequences to empty; the others stay bit-identical.
         """
-        self._set_cache(cache_ops.clear(self.cache, self._which(which)))
+        self._set_cache(cache_ops.clear(self.cache, check.which(self.config, which)))
 
     def truncate(self, keep):
         """Rolls back: keeps the first `keep` tokens of each sequence and drops the rest.
@@ -458,21 +272,12 @@ class MultiHeadAttention(nnx.Module):
         Not available with `window`: the ring has already overwritten the
         tokens that would slide back into view.
         """
-        if self.window is not None:
+        if self.config.window is not None:
             raise ValueError("truncate is not supported on a windowed layer; reset() it or keep decoding")
-        pos = self._batched(self.pos[...])
-        keep = jnp.asarray(keep)
-        if not jnp.issubdtype(keep.dtype, jnp.integer) or keep.shape not in ((), pos.shape):
-            raise ValueError(f"keep must be an int or int array of shape {pos.shape}, got {keep.dtype} {keep.shape}")
-        keep = jnp.broadcast_to(keep, pos.shape).astype(jnp.int32)
-        if not _is_traced(pos, keep):
-            bad = np.flatnonzero((np.asarray(keep) < 0) | (np.asarray(keep) > np.asarray(pos)))
-            if bad.size:
-                raise ValueError(
-                    f"truncate keeps 0..pos tokens per sequence; got keep {np.asarray(keep)[bad].tolist()} "
-                    f"for sequences {bad.tolist()} holding {np.asarray(pos)[bad].tolist()}"
-                )
-        self._set_cache(cache_ops.truncate(self.cache, jnp.clip(keep, 0, pos), self.layout))
+        cache = self.cache
+        host_pos = check.state(self.config, cache.pos)
+        keep = check.keep_counts(self.config, keep, cache.pos if host_pos is None else host_pos)
+        self._set_cache(cache_ops.truncate(cache, jnp.clip(keep, 0, cache.pos)))
 
     def fork(self, source, targets):
         """Copies sequence `source` (cache and `pos`) into other sequences of the batch.
@@ -481,24 +286,23 @@ class MultiHeadAttention(nnx.Module):
         of the requests that start with it.
 
         Args:
-          source: index of the sequence to copy.
+          source: index of the sequence to copy. Under jit, a source out of
+            range poisons the targets (see the class docstring).
           targets: indices or bool mask `(B,)` of the sequences to overwrite.
         """
-        self._require_batched("fork")
-        source = jnp.asarray(source)
-        if not jnp.issubdtype(source.dtype, jnp.integer) or source.shape != ():
-            raise ValueError(f"source must be one sequence index, got {source.dtype} {source.shape}")
-        if not _is_traced(source) and not 0 <= int(source) < self.batch_size:
-            raise ValueError(f"source must lie in [0, {self.batch_size}), got {int(source)}")
-        self._set_cache(cache_ops.fork(self.cache, source, self._which(targets)))
+        check.require_batched(self.config, "fork")
+        source = check.sequence_index(self.config, source, "source")
+        self._set_cache(cache_ops.fork(self.cache, source, check.which(self.config, targets)))
 
     def reorder(self, order):
         """Sequence b becomes what sequence `order[b]` was (beam search selection).
 
         Args:
-          order: int `(B,)` of source indices; repeats allowed.
+          order: int `(B,)` of source indices; repeats allowed. Under jit, an
+            index out of range poisons its sequence (see the class docstring).
         """
-        order = self._check_per_sequence_ints(order, "order", upper=self.batch_size - 1)
+        check.require_batched(self.config, "reorder")
+        order = check.per_sequence_ints(self.config, order, "order", upper=self.config.batch_size - 1)
         self._set_cache(cache_ops.reorder(self.cache, order))
 
     # ---------------------------------------------------------------- internal
@@ -506,24 +310,13 @@ class MultiHeadAttention(nnx.Module):
     def _extend(self, xs, lengths):
         """Appends `xs` `([B,] T, D)` to the cache and attends; the core of step and prefill."""
         xs_b = self._batched(xs)
-        batch, num_new = xs_b.shape[:2]
         cache = self.cache
         if lengths is None:
-            lengths = jnp.full((batch,), num_new, jnp.int32)
-        self._check_capacity(cache.pos, lengths)
-        ys, cache = extend(
-            self.weights,
-            cache,
-            xs_b,
-            lengths,
-            max_len=self.max_len,
-            layout=self.layout,
-            buckets=self.length_buckets,
-            window=self.window,
-            heads_split=self.model_axis is not None,
-        )
+            lengths = jnp.full(xs_b.shape[:1], xs_b.shape[1], jnp.int32)
+        check.capacity(self.config, check.state(self.config, cache.pos), lengths)
+        ys, cache = extend(self.weights, cache, xs_b, lengths, config=self.config)
         self._set_cache(cache)
-        return ys if self.batch_size is not None else ys[0]
+        return ys if self.config.batch_size is not None else ys[0]
 
     @property
     def weights(self) -> Weights:
@@ -545,146 +338,34 @@ class MultiHeadAttention(nnx.Module):
 
     @property
     def cache(self) -> cache_ops.KVCache:
-        """The decoding state as plain arrays, always with a leading batch axis."""
-        return cache_ops.KVCache(*(None if a is None else self._batched(a) for a in self.stored_cache))
+        """The decoding state as a `KVCache`, always with a leading batch axis."""
+        return jax.tree.map(self._batched, self.stored_cache)
 
     @property
     def stored_cache(self) -> cache_ops.KVCache:
-        """The decoding state exactly as the `nnx.Cache` variables hold it (no batch axis added)."""
-        int8 = self.cache_dtype == "int8"
+        """The decoding state exactly as the `nnx.Cache` variables hold it (no batch axis added).
+
+        Unbatched, its arrays lack the batch axis that the `KVCache` legend
+        names; `cache` adds it.
+        """
+        int8 = self.config.cache_dtype == "int8"
         return cache_ops.KVCache(
-            k=self.k_cache[...],
-            v=self.v_cache[...],
+            k=cache_ops.Stored(self.k_cache[...], self.k_scale[...] if int8 else None),
+            v=cache_ops.Stored(self.v_cache[...], self.v_scale[...] if int8 else None),
             pos=self.pos[...],
-            k_scale=self.k_scale[...] if int8 else None,
-            v_scale=self.v_scale[...] if int8 else None,
+            layout=self.config.layout,
+            window=self.config.window,
         )
 
     def _set_cache(self, cache: cache_ops.KVCache):
         """Writes a `KVCache` (with its batch axis) back into the `nnx.Cache` variables."""
-        unbatch = (lambda a: a[0]) if self.batch_size is None else (lambda a: a)
-        self.k_cache[...] = unbatch(cache.k)
-        self.v_cache[...] = unbatch(cache.v)
+        unbatch = (lambda a: a[0]) if self.config.batch_size is None else (lambda a: a)
+        self.k_cache[...] = unbatch(cache.k.values)
+        self.v_cache[...] = unbatch(cache.v.values)
         self.pos[...] = unbatch(cache.pos).astype(jnp.int32)
-        if self.cache_dtype == "int8":
-            self.k_scale[...] = unbatch(cache.k_scale)
-            self.v_scale[...] = unbatch(cache.v_scale)
+        if self.config.cache_dtype == "int8":
+            self.k_scale[...] = unbatch(cache.k.scale)
+            self.v_scale[...] = unbatch(cache.v.scale)
 
     def _batched(self, array):
-        return array if self.batch_size is not None else array[None]
-
-    def _check_capacity(self, pos, lengths):
-        if self.max_len is None or _is_traced(pos, lengths):
-            return  # a ring never overflows; under jit the in-graph guard applies
-        needed = np.asarray(pos) + np.asarray(lengths)
-        over = np.flatnonzero(needed > self.max_len)
-        if over.size:
-            where = "" if self.batch_size is None else f" for sequences {over.tolist()}"
-            raise CacheOverflowError(
-                f"cache overflow{where}: pos {np.asarray(pos)[over].tolist()} + "
-                f"{np.asarray(lengths)[over].tolist()} new tokens exceeds max_len={self.max_len}; "
-                "nothing was written. Call reset() or build the layer with a larger max_len."
-            )
-
-    def _check_tokens(self, x, name, ranks, check_batch=True):
-        if not isinstance(x, jax.Array):
-            x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
-        if x.ndim not in ranks:
-            expected = " or ".join(f"rank {r}" for r in ranks)
-            raise ValueError(f"{name} must have {expected} (..., D={self.in_features}), got shape {x.shape}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"{name} must end in in_features={self.in_features}, got shape {x.shape}")
-        if check_batch and self.batch_size is not None and x.shape[0] != self.batch_size:
-            raise ValueError(f"{name} must have batch_size={self.batch_size} rows, got shape {x.shape}")
-        return x
-
-    def _require_batched(self, name):
-        if self.batch_size is None:
-            raise ValueError(f"{name} is only for layers built with batch_size; this layer holds one sequence")
-
-    def _check_mask(self, mask, name):
-        self._require_batched(name)
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_ or mask.shape != (self.batch_size,):
-            raise ValueError(f"{name} must be bool ({self.batch_size},), got {mask.dtype} {mask.shape}")
-        return mask
-
-    def _check_lengths(self, lengths, num_new):
-        return self._check_per_sequence_ints(lengths, "lengths", upper=num_new)
-
-    def _check_per_sequence_ints(self, values, name, upper):
-        """Int `(B,)` values, each (when not traced) in `[0, upper]`, as int32."""
-        self._require_batched(name)
-        values = jnp.asarray(values)
-        if not jnp.issubdtype(values.dtype, jnp.integer) or values.shape != (self.batch_size,):
-            raise ValueError(f"{name} must be int ({self.batch_size},), got {values.dtype} {values.shape}")
-        if not _is_traced(values):
-            host = np.asarray(values)
-            if host.min() < 0 or host.max() > upper:
-                raise ValueError(f"{name} must lie in [0, {upper}], got {host.tolist()}")
-        return values.astype(jnp.int32)
-
-    def _which(self, which):
-        """Bool mask `(B,)` of sequences to act on; all of them when `which` is None."""
-        batch = 1 if self.batch_size is None else self.batch_size
-        if which is None:
-            return jnp.ones((batch,), jnp.bool_)
-        self._require_batched("which")
-        which = jnp.asarray(which)
-        if which.size == 0:
-            which = which.astype(jnp.int32)  # `[]` is float32 to NumPy: no sequence, not a type error
-        if which.dtype == jnp.bool_:
-            return self._check_mask(which, "which")
-        if not jnp.issubdtype(which.dtype, jnp.integer) or which.ndim > 1:
-            raise ValueError(f"which must be indices or a bool mask ({batch},), got {which.dtype} {which.shape}")
-        if not _is_traced(which):
-            host = np.atleast_1d(np.asarray(which))
-            if host.size and (host.min() < 0 or host.max() >= batch):
-                raise ValueError(f"which indices must lie in [0, {batch}), got {host.tolist()}")
-        return jnp.zeros((batch,), jnp.bool_).at[which].set(True)
-
-
-def attend(layer: MultiHeadAttention, history, x, lengths=None):
-    """The entrypoint: rebuilds the cache from `history`, then steps `x`.
-
-    Every call resets the layer's cache, fills it with `history` (one
-    prefill), steps `x` and returns its feature vector, which equals row T of
-    `layer(concat(history, x))`. Afterwards the cache holds T + 1 tokens, so
-    decoding can go on with `layer.step`.
-
-    Args:
-      layer: the attention layer; its cache is overwritten.
-      history: earlier tokens `(T, D)` with T >= 0, or `(B, T, D)` for a
-        batched layer.
-      x: the new token `(D,)`, or `(B, D)`.
-      lengths: batched layers only, optional `(B,)`: sequence b's history is
-        its first `lengths[b]` rows (a padded batch of histories).
-
-    Returns:
-      The new token's feature vector, same shape as `x`.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> import kvattn
-      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
-      >>> xs = jnp.arange(24.0).reshape(3, 8) / 24
-      >>> y = kvattn.attend(layer, xs[:2], xs[2])
-      >>> bool(jnp.allclose(y, layer(xs)[2], atol=1e-5)), int(layer.pos[...])
-      (True, 3)
-    """
-    lead = 0 if layer.batch_size is None else 1
-    history = layer._check_tokens(history, "history", ranks=(2 + lead,))
-    x = layer._check_tokens(x, "x", ranks=(1 + lead,))
-    if layer.max_len is not None and history.shape[-2] + 1 > layer.max_len:
-        raise CacheOverflowError(
-            f"history of {history.shape[-2]} tokens plus x does not fit max_len={layer.max_len}"
-        )
-    if lengths is not None:
-        lengths = layer._check_lengths(lengths, history.shape[-2])
-    layer.reset()
-    if history.shape[-2]:
-        layer.prefill(history, lengths)
-    return layer.step(x)
+        return array if self.config.batch_size is not None else array[None]

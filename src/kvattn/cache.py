@@ -1,23 +1,32 @@
-"""Pure cache transitions on arrays: append, clear, truncate, fork, reorder.
+"""The contiguous KV cache type and its pure transitions: append, clear, truncate, fork, reorder.
 
-A batch of caches is a `KVCache`: keys and values `(B, S, K, H)` (or
-`(B, K, S, H)` in the heads-major layout, named by the `layout` argument),
-the next free position `pos: (B,)`, and, for int8 storage, one float32 scale
-per token and head, `(B, S, K)` (or `(B, K, S)`).
+A batch of caches is a `KVCache`: keys and values as `Stored` arrays (the
+storage dtype, with int8's per-slot, per-head scales bundled alongside),
+`(B, S, K, H)` or `(B, K, S, H)`, the next free position `pos: (B,)`, and two
+static facts carried in the pytree structure: the `layout` and, for a ring,
+the `window`. Axis letters follow `kvattn.ops`.
 
 Every function returns a new cache and never touches a slot it was not asked
 to: writes that must not happen are sent to an explicit out-of-range index
 and dropped, never clamped or wrapped onto a live slot. Slots that hold no
 token are kept at zero (the attention masks them, and zero keeps their
-masked contribution exactly zero). Axis letters follow `kvattn.ops`.
+masked contribution exactly zero).
 
 A ring cache (`window=W`, with `S = W` slots) keeps the last W tokens:
-position p lives in slot `p % W`, and `pos` counts every token ever appended.
+position p lives in slot `p % W`, and `pos` counts every token ever appended,
+up to the int32 limit (`kvattn.config.INT32_MAX`).
+
+A sequence whose `pos` is `INVALID_POS` (-1) is poisoned: an out-of-range
+index under `jit` (where nothing can raise) leaves it so. It holds no token,
+accepts no write, its outputs are NaN (see `capacity_ok`), and eager calls
+refuse it until it is `clear`ed.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +35,10 @@ from jaxtyping import Array, Bool, Float, Int
 from kvattn.ops import SLOTS_MAJOR
 
 __all__ = [
-    "CACHE_DTYPES",
+    "INVALID_POS",
     "KVCache",
+    "Stored",
     "append",
-    "bytes_per_token",
     "capacity_ok",
     "clear",
     "decode_values",
@@ -40,61 +49,68 @@ __all__ = [
     "truncate",
 ]
 
-CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
+INVALID_POS = -1
 
 
-def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: str) -> int:
-    """Cache bytes one token takes in one sequence: keys, values and, for int8, their scales."""
-    itemsize = jnp.dtype(CACHE_DTYPES[dtype]).itemsize
-    scales = 2 * num_kv_heads * 4 if dtype == "int8" else 0
-    return 2 * num_kv_heads * head_dim * itemsize + scales
+class Stored(NamedTuple):
+    """Keys or values in their storage dtype; for int8, one float32 scale per slot and kv head.
+
+    `values` is `(B, S, K, H)` or `(B, K, S, H)`; `scale` drops the last
+    axis, or is None for float storage. The two always travel together.
+    """
+
+    values: Array
+    scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
 
 
-class KVCache(NamedTuple):
-    """The decoding state of a batch of sequences, as plain arrays."""
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "pos"), meta_fields=("layout", "window"))
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """The decoding state of a batch of sequences, as plain arrays plus its static layout and window.
 
-    k: Array
-    v: Array
-    pos: Int[Array, " B"]
-    k_scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
-    v_scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
+    `pos` is int32 `(B,)`. The fields are typed loosely on purpose: JAX
+    rebuilds pytrees with other leaves (shardings, tracers, placeholders).
+    """
+
+    k: Any
+    v: Any
+    pos: Any
+    layout: str = SLOTS_MAJOR
+    window: int | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.values.shape[self.layout.index("S")]
+
+    def replace(self, **changes) -> KVCache:
+        return dataclasses.replace(self, **changes)
 
 
-def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], max_len: int | None) -> Bool[Array, " B"]:
-    """Whether each sequence has room for its `lengths` new tokens (always, for a ring)."""
-    if max_len is None:
-        return jnp.ones(pos.shape, jnp.bool_)
-    return pos + lengths <= max_len
+def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
+    """Whether each sequence is valid and has room for its `lengths` new tokens (written without overflow)."""
+    return (pos >= 0) & (lengths <= capacity - pos)
 
 
-def encode(x: Float[Array, "B T K H"], dtype) -> tuple[Array, Float[Array, "B T K"] | None]:
-    """Converts new keys or values to the storage dtype, with int8 scales.
+def encode(x: Float[Array, "B T K H"], dtype) -> Stored:
+    """New keys or values in the storage dtype, with int8 scales.
 
     int8 is symmetric per token and head: `x ≈ q * scale`, `scale = max|x| / 127`.
     """
     if dtype != jnp.int8:
-        return x.astype(dtype), None
+        return Stored(x.astype(dtype))
     scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
     safe = jnp.where(scale > 0, scale, 1.0)
     quantized = jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8)
-    return quantized, scale.astype(jnp.float32)
+    return Stored(quantized, scale.astype(jnp.float32))
 
 
-def decode_values(stored: Array, scale: Array | None) -> Float[Array, "..."]:
+def decode_values(stored: Stored) -> Float[Array, "..."]:
     """float32 keys or values from storage; the inverse of `encode` up to rounding."""
-    values = stored.astype(jnp.float32)
-    return values if scale is None else values * scale[..., None]
+    values = stored.values.astype(jnp.float32)
+    return values if stored.scale is None else values * stored.scale[..., None]
 
 
-def _write(
-    buffer: Array,
-    new: Array,
-    start: Int[Array, " B"],
-    lengths: Int[Array, " B"],
-    layout: str,
-    ring: bool,
-    after: Array | None,
-) -> Array:
+def _write(buffer: Array, new: Array, start: Int[Array, " B"], lengths: Int[Array, " B"], layout: str, ring: bool) -> Array:
     """Writes `new[b, :lengths[b]]` (`(B, T, K, ...)`) at positions `start[b] ..` of sequence b.
 
     One sequence at a time under `vmap`, so a batch split over devices
@@ -102,13 +118,12 @@ def _write(
     """
     slot_axis = layout.index("S") - 1  # within one sequence
     num_slots, num_new = buffer.shape[slot_axis + 1], new.shape[1]
-    if after is not None:
-        start = start + _zero_after(after)
 
     def write_one(buffer, new, start, length):
         offsets = jnp.arange(num_new)
-        slots = start + offsets
         real = offsets < length
+        # Padding offsets may pass the int32 limit near it; they are dropped anyway.
+        slots = start + jnp.where(real, offsets, 0)
         if ring:
             # Only the last S tokens of a chunk survive; the rest would share slots.
             keep = real & (offsets >= length - num_slots)
@@ -142,8 +157,6 @@ def append(
     v_new: Float[Array, "B T K H"],
     lengths: Int[Array, " B"],
     *,
-    layout: str = SLOTS_MAJOR,
-    ring: bool = False,
     after: Array | None = None,
 ) -> KVCache:
     """Appends the first `lengths[b]` new keys and values of each sequence and advances `pos`.
@@ -152,63 +165,76 @@ def append(
     `lengths` for sequences that must not change. `after` names a result
     that reads the old cache (the attention output): see `_zero_after`.
     """
-    k_stored, k_scale = encode(k_new, cache.k.dtype)
-    v_stored, v_scale = encode(v_new, cache.v.dtype)
+    start = cache.pos if after is None else cache.pos + _zero_after(after)
 
-    def put(buffer, new):
-        return _write(buffer, new, cache.pos, lengths, layout, ring, after)
+    def put(stored: Stored, new: Array) -> Stored:
+        new = encode(new, stored.values.dtype)
+        return jax.tree.map(
+            lambda buffer, x: _write(buffer, x, start, lengths, cache.layout, cache.window is not None), stored, new
+        )
 
-    return KVCache(
-        k=put(cache.k, k_stored),
-        v=put(cache.v, v_stored),
-        pos=cache.pos + lengths,
-        k_scale=None if k_scale is None else put(cache.k_scale, k_scale),
-        v_scale=None if v_scale is None else put(cache.v_scale, v_scale),
-    )
+    return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new), pos=cache.pos + lengths)
 
 
-def relayout(cache: KVCache, layout: str, target: str) -> KVCache:
-    """The same cache with its buffers (and scales) in the `target` layout instead of `layout`."""
-    if layout == target:
+def relayout(cache: KVCache, target: str) -> KVCache:
+    """The same cache with its buffers (and scales) in the `target` layout."""
+    if cache.layout == target:
         return cache
-    k_scale, v_scale = (None if s is None else jnp.swapaxes(s, 1, 2) for s in (cache.k_scale, cache.v_scale))
-    return KVCache(jnp.swapaxes(cache.k, 1, 2), jnp.swapaxes(cache.v, 1, 2), cache.pos, k_scale, v_scale)
-
-
-def _map(fn, cache: KVCache) -> KVCache:
-    return KVCache(*(None if array is None else fn(array) for array in cache))
+    swap = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    return cache.replace(k=jax.tree.map(swap, cache.k), v=jax.tree.map(swap, cache.v), layout=target)
 
 
 def _per_sequence(mask: Array, array: Array) -> Array:
     return mask.reshape((-1,) + (1,) * (array.ndim - 1))
 
 
+def _select(which: Bool[Array, " B"], chosen: KVCache, other: KVCache) -> KVCache:
+    """Sequence by sequence, `chosen` where `which`, else `other`."""
+    return jax.tree.map(lambda a, b: jnp.where(_per_sequence(which, a), a, b), chosen, other)
+
+
+def _emptied(cache: KVCache, pos: int = 0) -> KVCache:
+    """Every sequence emptied: zero buffers, `pos` set to `pos`."""
+    empty = jax.tree.map(jnp.zeros_like, cache)
+    return empty.replace(pos=jnp.full_like(cache.pos, pos))
+
+
 def clear(cache: KVCache, which: Bool[Array, " B"]) -> KVCache:
     """Empties the chosen sequences (`pos = 0`, zeroed buffers); others stay bit-identical."""
-    return _map(lambda a: jnp.where(_per_sequence(which, a), jnp.zeros((), a.dtype), a), cache)
+    return _select(which, _emptied(cache), cache)
 
 
-def truncate(cache: KVCache, keep: Int[Array, " B"], layout: str = SLOTS_MAJOR) -> KVCache:
+def truncate(cache: KVCache, keep: Int[Array, " B"]) -> KVCache:
     """Keeps the first `keep[b]` tokens of sequence b and zeros the slots after them."""
+    slot_axis = cache.layout.index("S")
 
     def cut(array):
-        if array.ndim == 1:
-            return keep.astype(array.dtype)
-        slot_axis = layout.index("S")
         shape = [1] * array.ndim
         shape[slot_axis] = array.shape[slot_axis]
         slot = jnp.arange(array.shape[slot_axis]).reshape(shape)
-        kept = slot < _per_sequence(keep, array)
-        return jnp.where(kept, array, jnp.zeros((), array.dtype))
+        return jnp.where(slot < _per_sequence(keep, array), array, jnp.zeros((), array.dtype))
 
-    return _map(cut, cache)
+    return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), pos=keep.astype(cache.pos.dtype))
 
 
-def fork(cache: KVCache, source: int | Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:
-    """Copies sequence `source` into every sequence marked in `targets`."""
-    return _map(lambda a: jnp.where(_per_sequence(targets, a), a[source][None], a), cache)
+def fork(cache: KVCache, source: Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:
+    """Copies sequence `source` into every sequence marked in `targets`.
+
+    A `source` outside `[0, B)` (only possible under `jit`) poisons the targets.
+    """
+    batch = cache.pos.shape[0]
+    valid = (source >= 0) & (source < batch)
+    copied = jax.tree.map(lambda a: jnp.broadcast_to(a[jnp.clip(source, 0, batch - 1)][None], a.shape), cache)
+    copied = _select(jnp.broadcast_to(valid, (batch,)), copied, _emptied(cache, INVALID_POS))
+    return _select(targets, copied, cache)
 
 
 def reorder(cache: KVCache, order: Int[Array, " B"]) -> KVCache:
-    """Sequence b of the result is sequence `order[b]` of the input (beam search)."""
-    return _map(lambda a: jnp.take(a, order, axis=0), cache)
+    """Sequence b of the result is sequence `order[b]` of the input (beam search).
+
+    An entry outside `[0, B)` (only possible under `jit`) poisons sequence b.
+    """
+    batch = cache.pos.shape[0]
+    valid = (order >= 0) & (order < batch)
+    taken = jax.tree.map(lambda a: jnp.take(a, jnp.clip(order, 0, batch - 1), axis=0), cache)
+    return _select(valid, taken, _emptied(cache, INVALID_POS))

@@ -2,9 +2,14 @@
 
 Graph-mode `nnx.jit` re-walks the module graph on every call, which costs
 hundreds of microseconds per token. These drivers read the layer once into
-plain arrays and run `jax.jit` programs of the pure step (`attention.extend`)
-whose cache argument is donated, so XLA updates the buffers in place instead
-of copying `max_len` slots per step.
+plain arrays and run `jax.jit` programs of the pure step (`step.extend`)
+on buffers they own, donated from one step to the next, so XLA updates them
+in place instead of copying `max_len` slots per step.
+
+Nothing the caller holds is ever deleted unless the caller asks for it:
+`Decoder` works on its own copy of the cache, and `decode`/`generate`
+donate the layer's cache arrays only with `donate=True` (JAX's
+`donate_argnums` convention). A call that fails leaves the layer as it was.
 
 They also pick the working form that XLA:CPU runs fastest, whatever the
 layer stores: the query, key and value kernels fused into one matmul, and
@@ -18,6 +23,7 @@ unchanged.
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -27,97 +33,79 @@ import numpy as np
 
 from kvattn import cache as cache_ops
 from kvattn import ops
-from kvattn.attention import CacheOverflowError, FusedWeights, MultiHeadAttention, Weights, extend
+from kvattn import validation as check
+from kvattn.attention import MultiHeadAttention
+from kvattn.validation import CacheOverflowError
+from kvattn.config import AttentionConfig
+from kvattn.step import FusedWeights, Weights, extend
 
-__all__ = ["Decoder", "Generation", "decode", "generate"]
+__all__ = ["Decoder", "Generation", "attend", "decode", "generate"]
 
 WORKING_LAYOUT = ops.HEADS_MAJOR
 
 
-class _Plan(NamedTuple):
-    """The static facts about a layer that its compiled decoding programs depend on."""
+def working(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache):
+    """Weights and cache as the layer stores them (`[B,] ...`) -> their working form (batched, heads-major)."""
+    cache = stored if config.batch_size is not None else jax.tree.map(lambda a: a[None], stored)
+    # Heads split over devices keep their projections apart (see `step.project_qkv`).
+    fused = weights if config.heads_split else weights.fused()
+    return fused, cache_ops.relayout(cache, WORKING_LAYOUT)
 
-    layout: str
-    batched: bool
-    max_len: int | None
-    buckets: tuple[int, ...]
-    window: int | None
-    heads_split: bool
 
-    @classmethod
-    def of(cls, layer: MultiHeadAttention) -> _Plan:
-        return cls(
-            layout=layer.layout,
-            batched=layer.batch_size is not None,
-            max_len=layer.max_len,
-            buckets=layer.length_buckets,
-            window=layer.window,
-            heads_split=layer.model_axis is not None,
-        )
+def stored_form(config: AttentionConfig, cache: cache_ops.KVCache) -> cache_ops.KVCache:
+    """The inverse of `working` for the cache."""
+    cache = cache_ops.relayout(cache, config.layout)
+    return cache if config.batch_size is not None else jax.tree.map(lambda a: a[0], cache)
 
-    def extend(self, weights, cache: cache_ops.KVCache, xs, lengths):
-        """`attention.extend` on a working-layout cache."""
-        return extend(
-            weights, cache, xs, lengths,
-            max_len=self.max_len, layout=WORKING_LAYOUT, buckets=self.buckets,
-            window=self.window, heads_split=self.heads_split, write_first=True,
-        )
 
-    def working(self, weights: Weights, stored: cache_ops.KVCache) -> tuple[Weights | FusedWeights, cache_ops.KVCache]:
-        """Weights and cache as the layer stores them (`[B,] ...`) -> their working form (batched, heads-major)."""
-        batch = (lambda a: a) if self.batched else (lambda a: a[None])
-        cache = cache_ops.KVCache(*(None if a is None else batch(a) for a in stored))
-        # Heads split over devices keep their projections apart (see `extend`).
-        fused = weights if self.heads_split else weights.fused()
-        return fused, cache_ops.relayout(cache, self.layout, WORKING_LAYOUT)
-
-    def stored(self, cache: cache_ops.KVCache) -> cache_ops.KVCache:
-        """The inverse of `working` for the cache."""
-        cache = cache_ops.relayout(cache, WORKING_LAYOUT, self.layout)
-        unbatch = (lambda a: a) if self.batched else (lambda a: a[0])
-        return cache_ops.KVCache(*(None if a is None else unbatch(a) for a in cache))
+def _extend(config: AttentionConfig, weights: Weights | FusedWeights, cache: cache_ops.KVCache, xs, lengths):
+    """`step.extend` on a working-form cache: write first, except for a ring chunk of several tokens."""
+    write_first = cache.window is None or xs.shape[1] == 1
+    return extend(weights, cache, xs, lengths, config=config, write_first=write_first)
 
 
 def _write_back(layer: MultiHeadAttention, stored: cache_ops.KVCache) -> None:
     """Puts new cache arrays into the layer; `set_value` never reads the old (maybe donated) ones."""
-    layer.k_cache.set_value(stored.k)
-    layer.v_cache.set_value(stored.v)
+    layer.k_cache.set_value(stored.k.values)
+    layer.v_cache.set_value(stored.v.values)
     layer.pos.set_value(stored.pos)
-    if stored.k_scale is not None:
-        layer.k_scale.set_value(stored.k_scale)
-        layer.v_scale.set_value(stored.v_scale)
+    if stored.k.scale is not None:
+        layer.k_scale.set_value(stored.k.scale)
+        layer.v_scale.set_value(stored.v.scale)
 
 
-@functools.partial(jax.jit, static_argnames="plan")
-def _enter(plan: _Plan, weights: Weights, stored: cache_ops.KVCache):
-    """`plan.working` into fresh buffers, which the decoder may donate without touching the layer's."""
-    weights, cache = plan.working(weights, stored)
+@functools.partial(jax.jit, static_argnames="config")
+def _enter(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache):
+    """`working` into fresh buffers, which the decoder may donate without touching the layer's."""
+    weights, cache = working(config, weights, stored)
     return weights, jax.tree.map(jnp.copy, cache)
 
 
-@functools.partial(jax.jit, static_argnames="plan")
-def _leave(plan: _Plan, cache: cache_ops.KVCache):
-    """`plan.stored` into fresh buffers, so the decoder's next donation leaves the layer's alone."""
-    return jax.tree.map(jnp.copy, plan.stored(cache))
+@functools.partial(jax.jit, static_argnames="config")
+def _leave(config: AttentionConfig, cache: cache_ops.KVCache):
+    """`stored_form` into fresh buffers, so the decoder's next donation leaves the layer's alone."""
+    return jax.tree.map(jnp.copy, stored_form(config, cache))
 
 
 @functools.lru_cache(maxsize=64)
-def _program(plan: _Plan, method: str):
-    """The donated `jax.jit` program of `Decoder.step` or `Decoder.prefill` for one layer structure."""
+def _program(config: AttentionConfig, method: str):
+    """The donated `jax.jit` program of `Decoder.step` or `Decoder.prefill` for one layer configuration."""
+    batched = config.batch_size is not None
 
     def step(weights, cache, x, active):
-        xs = x[:, None] if plan.batched else x[None, None]
+        xs = x[:, None] if batched else x[None, None]
         lengths = jnp.ones(xs.shape[:1], jnp.int32) if active is None else active.astype(jnp.int32)
-        ys, cache = plan.extend(weights, cache, xs, lengths)
-        return (ys[:, 0] if plan.batched else ys[0, 0]), cache
+        ys, cache = _extend(config, weights, cache, xs, lengths)
+        return (ys[:, 0] if batched else ys[0, 0]), cache
 
     def prefill(weights, cache, xs, lengths):
-        xs = xs if plan.batched else xs[None]
+        xs = xs if batched else xs[None]
         if lengths is None:
             lengths = jnp.full(xs.shape[:1], xs.shape[1], jnp.int32)
-        ys, cache = plan.extend(weights, cache, xs, lengths)
-        return (ys if plan.batched else ys[0]), cache
+        ys, cache = _extend(config, weights, cache, xs, lengths)
+        return (ys if batched else ys[0]), cache
 
+    # The cache is the decoder's own copy (`_enter`), so donating it deletes nothing a caller holds.
     return jax.jit({"step": step, "prefill": prefill}[method], donate_argnums=1)
 
 
@@ -126,9 +114,9 @@ class Decoder:
 
     The decoder takes a copy of the layer's cache, in its working form (see
     the module docstring), and advances it with `jax.jit`-compiled `step`
-    and `prefill` calls whose cache is donated, so each call updates the
-    buffers in place. The layer itself is untouched until `sync()` writes
-    the decoder's cache back into it.
+    and `prefill` calls that update that copy in place. The layer itself,
+    and every array of it a caller holds, is untouched until `sync()` writes
+    a copy of the decoder's cache back into it.
 
     Capacity is tracked on the host, so an overflowing call raises
     `CacheOverflowError` before anything runs, exactly like an eager step.
@@ -150,90 +138,123 @@ class Decoder:
 
     def __init__(self, layer: MultiHeadAttention):
         self.layer = layer
-        self._plan = _Plan.of(layer)
-        self._weights, self._cache = _enter(self._plan, layer.weights, layer.stored_cache)
-        self._programs = {method: _program(self._plan, method) for method in ("step", "prefill")}
-        self._host_pos = np.array(layer._batched(layer.pos[...]))
+        self.config = layer.config
+        self._host_pos = check.state(self.config, layer.pos[...])
+        self._weights, self._cache = _enter(self.config, layer.weights, layer.stored_cache)
+        self._programs = {method: _program(self.config, method) for method in ("step", "prefill")}
 
     @property
     def pos(self) -> int | np.ndarray:
         """Next free slot (an int, or one per sequence), as known on the host: no device sync."""
-        return self._host_pos.copy() if self.layer.batch_size is not None else int(self._host_pos[0])
+        return self._host_pos.copy() if self.config.batch_size is not None else int(self._host_pos[0])
 
     def step(self, x, active=None):
-        """`MultiHeadAttention.step`, compiled once and run with the cache donated."""
-        layer = self.layer
-        lead = 0 if layer.batch_size is None else 1
-        x = layer._check_tokens(x, "x", ranks=(1 + lead,))
+        """`MultiHeadAttention.step`, compiled once and run on the decoder's own cache."""
+        x = check.tokens(self.config, x, "x", rank=1)
         if active is not None:
-            active = layer._check_mask(active, "active")
-            lengths = np.asarray(active).astype(np.int32)
-        else:
-            lengths = 1
+            active = check.mask(self.config, active, "active")
+        lengths = 1 if active is None else np.asarray(active).astype(np.int32)
         return self._advance("step", (x, active), lengths)
 
     def prefill(self, xs, lengths=None):
-        """`MultiHeadAttention.prefill`, compiled once per chunk shape, cache donated."""
-        layer = self.layer
-        lead = 0 if layer.batch_size is None else 1
-        xs = layer._check_tokens(xs, "xs", ranks=(2 + lead,))
-        if xs.shape[-2] == 0:
-            raise ValueError(f"prefill needs at least one token, got xs of shape {xs.shape}")
+        """`MultiHeadAttention.prefill`, compiled once per chunk shape."""
+        xs = check.tokens(self.config, xs, "xs", rank=2)
+        check.nonempty(xs)
         if lengths is not None:
-            lengths = layer._check_lengths(lengths, xs.shape[-2])
-            host_lengths = np.asarray(lengths)
-        else:
-            host_lengths = np.full_like(self._host_pos, xs.shape[-2])
+            lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2])
+        host_lengths = xs.shape[-2] if lengths is None else np.asarray(lengths)
         return self._advance("prefill", (xs, lengths), host_lengths)
 
     def sync(self) -> MultiHeadAttention:
         """Writes (a copy of) the decoder's cache into the layer, in the layer's layout, and returns the layer."""
-        _write_back(self.layer, _leave(self._plan, self._cache))
+        _write_back(self.layer, _leave(self.config, self._cache))
         return self.layer
 
     def _advance(self, method, args, lengths):
-        needed = self._host_pos + lengths
-        capacity = self.layer.max_len
-        if capacity is not None and needed.max() > capacity:
-            over = np.flatnonzero(needed > capacity)
-            lengths = np.broadcast_to(lengths, needed.shape)
-            raise CacheOverflowError(
-                f"cache overflow for sequences {over.tolist()}: pos {self._host_pos[over].tolist()} + "
-                f"{np.asarray(lengths)[over].tolist()} new tokens exceeds max_len={self.layer.max_len}; "
-                "nothing was written. Start a new Decoder on a reset layer or use a larger max_len."
-            )
+        check.capacity(self.config, self._host_pos, lengths)
         out, self._cache = self._programs[method](self._weights, self._cache, *args)
-        self._host_pos = needed
+        self._host_pos = self._host_pos + lengths
         return out
 
 
-@functools.partial(jax.jit, static_argnames="plan", donate_argnames="stored")
-def _decode(plan: _Plan, weights: Weights, stored: cache_ops.KVCache, xs):
-    weights, cache = plan.working(weights, stored)
-    xs = xs if plan.batched else xs[None]
+@functools.cache
+def _compiled(fn, donate: bool, static_argnames: tuple[str, ...]):
+    """`jax.jit(fn)`, donating the layer's stored cache only when the caller asked for it."""
+    return jax.jit(fn, static_argnames=static_argnames, donate_argnames=("stored",) if donate else ())
+
+
+def _run(layer: MultiHeadAttention, program, args, donate: bool):
+    """Runs `program(config, weights, stored, *args)` and writes its cache into the layer only if it succeeds.
+
+    With `donate`, the layer's cache arrays are handed to XLA, which updates
+    them in place: the caller asked for that, so every reference to them
+    (clones, `nnx.state` snapshots, `[...]` reads) is invalidated. Should the
+    program fail after the hand-over, the layer is left empty (as after
+    `reset()`) rather than holding deleted arrays.
+    """
+    stored = layer.stored_cache
+    if check.is_traced(*jax.tree.leaves(stored)):  # inside the caller's own jit: nothing to protect
+        result, new = program(layer.config, layer.weights, stored, *args)
+        _write_back(layer, new)
+        return result
+    if donate:
+        stored = _distinct_buffers(stored)
+    try:
+        result, new = program(layer.config, layer.weights, stored, *args)
+        # A run-time failure surfaces here, before the layer changes.
+        jax.block_until_ready(new.pos)
+    except Exception:
+        if donate and any(a.is_deleted() for a in jax.tree.leaves(stored)):
+            _write_back(layer, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), stored))
+        raise
+    _write_back(layer, new)
+    return result
+
+
+def _distinct_buffers(stored: cache_ops.KVCache) -> cache_ops.KVCache:
+    """`stored` with any array that appears twice (e.g. `k_cache is v_cache`) copied, so each is donated once."""
+    seen = set()
+
+    def once(array):
+        if id(array) in seen:
+            return jnp.copy(array)
+        seen.add(id(array))
+        return array
+
+    return jax.tree.map(once, stored)
+
+
+def _decode(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache, xs):
+    weights, cache = working(config, weights, stored)
+    xs = xs if config.batch_size is not None else xs[None]
     ones = jnp.ones(xs.shape[:1], jnp.int32)
 
     def body(cache, x):
-        ys, cache = plan.extend(weights, cache, x[:, None], ones)
+        ys, cache = _extend(config, weights, cache, x[:, None], ones)
         return cache, ys[:, 0]
 
     cache, ys = jax.lax.scan(body, cache, jnp.swapaxes(xs, 0, 1))
     ys = jnp.swapaxes(ys, 0, 1)
-    return (ys if plan.batched else ys[0]), plan.stored(cache)
+    return (ys if config.batch_size is not None else ys[0]), stored_form(config, cache)
 
 
-def decode(layer: MultiHeadAttention, xs):
+def decode(layer: MultiHeadAttention, xs, *, donate: bool = False):
     """Feeds a stream through `layer.step` inside one compiled loop.
 
     Equal to a Python loop of `layer.step` over the tokens, without its
-    per-call overhead; the cache is donated and updated in place, and the
-    layer holds the advanced cache afterwards. The loop runs on the working
-    form of the module docstring: a slots-major cache is transposed once
-    each way, which needs a second cache-sized buffer during the call.
+    per-call overhead; the layer holds the advanced cache afterwards. The
+    loop runs on the working form of the module docstring.
+
+    Called eagerly, it checks capacity and state on the host first; inside
+    your own `jit` (e.g. `nnx.jit(lambda m, xs: kvattn.decode(m, xs))`) the
+    in-graph overflow contract applies instead.
 
     Args:
       layer: the attention layer.
       xs: tokens `(T, D)`, or `(B, T, D)` for a batched layer.
+      donate: hand the layer's cache arrays to XLA to update in place (no
+        cache-sized copy); any other reference to them is then deleted. By
+        default they are left intact and the layer gets new arrays.
 
     Returns:
       The feature vector of every token, same shape as `xs`.
@@ -241,12 +262,12 @@ def decode(layer: MultiHeadAttention, xs):
     Raises:
       CacheOverflowError: before anything runs, if the stream does not fit.
     """
-    xs = layer._check_tokens(xs, "xs", ranks=(3 if layer.batch_size is not None else 2,))
-    pos = np.asarray(layer.pos[...]).reshape(-1)
-    layer._check_capacity(pos, np.full(pos.shape, xs.shape[-2]))
-    ys, stored = _decode(_Plan.of(layer), layer.weights, layer.stored_cache, xs)
-    _write_back(layer, stored)
-    return ys
+    config = layer.config
+    xs = check.tokens(config, xs, "xs", rank=2)
+    check.capacity(config, check.state(config, layer.pos[...]), xs.shape[-2])
+    if xs.shape[-2] == 0:
+        return xs
+    return _run(layer, _compiled(_decode, donate, ("config",)), (xs,), donate)
 
 
 class Generation(NamedTuple):
@@ -258,31 +279,36 @@ class Generation(NamedTuple):
     """How many steps ran before every sequence was full (int32 scalar)."""
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "num_steps", "next_input"), donate_argnames="stored")
-def _generate(plan: _Plan, weights: Weights, stored: cache_ops.KVCache, x0, num_steps, next_input):
-    weights, cache = plan.working(weights, stored)
+def _generate(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache, x0, num_steps, next_input):
+    batched = config.batch_size is not None
+    weights, cache = working(config, weights, stored)
     outputs = jnp.full((num_steps, *x0.shape), jnp.nan, x0.dtype)
     ones = jnp.ones(cache.pos.shape, jnp.int32)
 
-    def room(cache):
-        return True if plan.max_len is None else jnp.any(cache.pos < plan.max_len)
-
     def cond(carry):
         i, cache, _, _ = carry
-        return (i < num_steps) & room(cache)
+        return (i < num_steps) & jnp.any(cache_ops.capacity_ok(cache.pos, ones, config.capacity))
 
     def body(carry):
         i, cache, x, outputs = carry
-        ys, cache = plan.extend(weights, cache, (x if plan.batched else x[None])[:, None], ones)
-        y = ys[:, 0] if plan.batched else ys[0, 0]
+        ys, cache = _extend(config, weights, cache, (x if batched else x[None])[:, None], ones)
+        y = ys[:, 0] if batched else ys[0, 0]
         return i + 1, cache, next_input(y).astype(x.dtype), outputs.at[i].set(y)
 
     carry = (jnp.int32(0), cache, x0, outputs)
     length, cache, _, outputs = jax.lax.while_loop(cond, body, carry)
-    return Generation(outputs, length), plan.stored(cache)
+    return Generation(outputs, length), stored_form(config, cache)
 
 
-def generate(layer: MultiHeadAttention, x0, num_steps: int, next_input: Callable[[jax.Array], jax.Array]):
+@typing.no_type_check  # `num_steps` is validated by hand, with the documented error
+def generate(
+    layer: MultiHeadAttention,
+    x0,
+    num_steps: int,
+    next_input: Callable[[jax.Array], jax.Array],
+    *,
+    donate: bool = False,
+):
     """An on-device autoregressive loop: each output becomes the next input.
 
     Steps `x0`, then `next_input(y)` of each output `y`, `num_steps` times in
@@ -297,19 +323,69 @@ def generate(layer: MultiHeadAttention, x0, num_steps: int, next_input: Callable
     Args:
       layer: the attention layer; it holds the advanced cache afterwards.
       x0: the first token `(D,)`, or `(B, D)` for a batched layer.
-      num_steps: how many tokens to decode at most.
+      num_steps: how many tokens to decode at most (0 runs nothing).
       next_input: maps an output `(D,)` (or `(B, D)`) to the next input.
+      donate: as in `decode`.
 
     Returns:
       `Generation(outputs, length)`: outputs `(num_steps, D)` (batched:
       `(B, num_steps, D)`) and the number of steps that ran.
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+    if isinstance(num_steps, (bool, np.bool_)) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
         raise ValueError(f"num_steps must be a non-negative int, got {num_steps!r}")
-    batched = layer.batch_size is not None
-    x0 = layer._check_tokens(x0, "x0", ranks=(2 if batched else 1,))
-    result, stored = _generate(_Plan.of(layer), layer.weights, layer.stored_cache, x0, num_steps, next_input)
-    _write_back(layer, stored)
-    if batched:
+    num_steps = int(num_steps)
+    config = layer.config
+    x0 = check.tokens(config, x0, "x0", rank=1)
+    check.state(config, layer.pos[...])
+    if num_steps == 0:
+        outputs = jnp.zeros((*x0.shape[:-1], 0, x0.shape[-1]), x0.dtype)
+        return Generation(outputs, jnp.int32(0))
+    program = _compiled(_generate, donate, ("config", "num_steps", "next_input"))
+    result = _run(layer, program, (x0, num_steps, next_input), donate)
+    if config.batch_size is not None:
         return Generation(jnp.swapaxes(result.outputs, 0, 1), result.length)
     return result
+
+
+def attend(layer: MultiHeadAttention, history, x, lengths=None):
+    """The entrypoint: rebuilds the cache from `history`, then steps `x`.
+
+    Every call resets the layer's cache, fills it with `history` (one
+    prefill), steps `x` and returns its feature vector, which equals row T of
+    `layer(concat(history, x))`. Afterwards the cache holds T + 1 tokens, so
+    decoding can go on with `layer.step`.
+
+    Args:
+      layer: the attention layer; its cache is overwritten.
+      history: earlier tokens `(T, D)` with T >= 0, or `(B, T, D)` for a
+        batched layer.
+      x: the new token `(D,)`, or `(B, D)`.
+      lengths: batched layers only, optional `(B,)`: sequence b's history is
+        its first `lengths[b]` rows (a padded batch of histories).
+
+    Returns:
+      The new token's feature vector, same shape as `x`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
+      >>> xs = jnp.arange(24.0).reshape(3, 8) / 24
+      >>> y = kvattn.attend(layer, xs[:2], xs[2])
+      >>> bool(jnp.allclose(y, layer(xs)[2], atol=1e-5)), int(layer.pos[...])
+      (True, 3)
+    """
+    config = layer.config
+    history = check.tokens(config, history, "history", rank=2)
+    x = check.tokens(config, x, "x", rank=1)
+    if history.shape[-2] + 1 > config.capacity:
+        raise CacheOverflowError(
+            f"history of {history.shape[-2]} tokens plus x does not fit max_len={config.max_len}; nothing was changed"
+        )
+    if lengths is not None:
+        lengths = check.per_sequence_ints(config, lengths, "lengths", upper=history.shape[-2])
+    layer.reset()
+    if history.shape[-2]:
+        layer.prefill(history, lengths)
+    return layer.step(x)

@@ -9,18 +9,25 @@ Axis legend used in every einsum of the package:
   H head dim, D model dim.
 
 A cache layout is named by the letters of its axes, so it can be spliced into
-an einsum: `SLOTS_MAJOR = "BSKH"` is the seed's `(max_len, K, H)` per sequence,
+an einsum: `SLOTS_MAJOR = "BSKH"` stores `(max_len, K, H)` per sequence,
 `HEADS_MAJOR = "BKSH"` puts the heads first.
+
+Both attention orders (`attention`: read the cache and the chunk apart;
+`cached_attention`: the chunk is already written) build their scores and
+visibility, then share one `masked_softmax` and one reading of the cache.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Shaped
+from jaxtyping import Array, Bool, Float, Int, Shaped
+
+from kvattn.config import LAYOUTS
 
 __all__ = [
     "HEADS_MAJOR",
@@ -30,14 +37,13 @@ __all__ = [
     "bucket_index",
     "bucketed",
     "cached_attention",
-    "length_buckets",
+    "masked_softmax",
     "project",
     "project_out",
 ]
 
-SLOTS_MAJOR = "BSKH"
-HEADS_MAJOR = "BKSH"
-LAYOUTS = {"slots_major": SLOTS_MAJOR, "heads_major": HEADS_MAJOR}
+SLOTS_MAJOR = LAYOUTS["slots_major"]
+HEADS_MAJOR = LAYOUTS["heads_major"]
 
 # Up to this many new tokens per call, slots-major attention reads the cache
 # through the block-diagonal formulation below; longer chunks amortise the
@@ -143,32 +149,21 @@ def attention(
 
     query_t = jnp.arange(num_new)[None, :, None]
     key_u = jnp.arange(num_new)[None, None, :]
-    real = query_t < new_len[:, None, None]  # B T 1
-    see_new = (key_u <= query_t) & real  # B T U
+    real = query_t[:, :, 0] < new_len[:, None]  # B T
+    see_new = key_u <= query_t  # B T U
     if window is not None:
         see_new &= query_t - key_u < window
     scores = [jnp.einsum("BTKGH,BUKH->BTKGU", q, k_new)]
-    visible = [see_new]
+    visible = [jnp.broadcast_to(see_new, (batch, num_new, num_new))]
     if k_cache is not None:
         query_pos = cache_len[:, None] + query_t[:, :, 0]
-        visible.insert(0, _slot_visibility(cache_len, query_pos, k_cache.shape[layout.index("S")], window) & real)
-        cache_scores = _cache_scores(q, k_cache.astype(q.dtype), layout, block_diagonal)
-        if k_scale is not None:
-            cache_scores = cache_scores * _scale_per_score(k_scale, layout)
-        scores.insert(0, cache_scores)
-    scores = jnp.concatenate(scores, axis=-1)
-    visible = jnp.concatenate(visible, axis=-1)[:, :, None, None, :]
-    scores = jnp.where(visible, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    # A padding row sees nothing: all -inf, a NaN softmax. Exact zeros instead.
-    weights = jnp.where(real[:, :, :, None, None], weights, 0.0)
+        visible.insert(0, _slot_visibility(cache_len, query_pos, k_cache.shape[layout.index("S")], window))
+        scores.insert(0, _read_scores(q, k_cache, k_scale, layout, block_diagonal))
+    weights = masked_softmax(jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1), real)
 
     ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
     if k_cache is not None:
-        cache_weights = weights[..., :-num_new]
-        if v_scale is not None:
-            cache_weights = cache_weights * _scale_per_score(v_scale, layout)
-        ctx = ctx + _cache_values(cache_weights, v_cache.astype(q.dtype), layout, block_diagonal)
+        ctx = ctx + _read_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -190,7 +185,7 @@ def cached_attention(
     Sequence b held `cache_len[b]` tokens and has just written its first
     `new_len[b]` new ones; new token t sits at position `cache_len[b] + t`
     and sees every written position up to its own (with `window=W`, the
-    last W of them): the seed's "attend over slots `0..pos`, the new one
+    last W of them): "attend over slots `0..pos`, the new one
     included". Every other score is `-inf`; queries at `t >= new_len[b]` are
     padding and return zeros.
 
@@ -220,18 +215,36 @@ def cached_attention(
     real = query_t < new_len[:, None]  # B T
     num_slots = k_cache.shape[layout.index("S")]
     visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window)
-    visible &= real[:, :, None]
+    weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real)
+    ctx = _read_values(weights, v_cache, v_scale, layout, block_diagonal)
+    return ctx.reshape(batch, num_new, num_heads, head_dim)
+
+
+def masked_softmax(
+    scores: Float[Array, "B T K G S"], visible: Bool[Array, "B T S"], real: Bool[Array, "B T"]
+) -> Float[Array, "B T K G S"]:
+    """Softmax over the keys a query sees; `-inf` for every other score; zero rows for padding queries.
+
+    Masking with `-inf` (never a finite penalty) gives unseen keys weight
+    exactly zero. A padding row sees nothing, so its softmax is NaN: it is
+    replaced by exact zeros.
+    """
+    visible = visible & real[:, :, None]
+    weights = jax.nn.softmax(jnp.where(visible[:, :, None, None, :], scores, -jnp.inf), axis=-1)
+    return jnp.where(real[:, :, None, None, None], weights, 0.0)
+
+
+def _read_scores(q, k_cache, k_scale, layout, block_diagonal):
+    """Scores `(B, T, K, G, S)` of grouped queries against every cache slot, int8 scales applied."""
     scores = _cache_scores(q, k_cache.astype(q.dtype), layout, block_diagonal)
-    if k_scale is not None:
-        scores = scores * _scale_per_score(k_scale, layout)
-    scores = jnp.where(visible[:, :, None, None, :], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    # A padding row sees nothing: all -inf, a NaN softmax. Exact zeros instead.
-    weights = jnp.where(real[:, :, None, None, None], weights, 0.0)
+    return scores if k_scale is None else scores * _scale_per_score(k_scale, layout)
+
+
+def _read_values(weights, v_cache, v_scale, layout, block_diagonal):
+    """Cached values mixed by `weights` `(B, T, K, G, S)`; int8 scales fold into the weights."""
     if v_scale is not None:
         weights = weights * _scale_per_score(v_scale, layout)
-    ctx = _cache_values(weights, v_cache.astype(q.dtype), layout, block_diagonal)
-    return ctx.reshape(batch, num_new, num_heads, head_dim)
+    return _cache_values(weights, v_cache.astype(weights.dtype), layout, block_diagonal)
 
 
 def _grouped_queries(q, num_kv_heads):
@@ -318,42 +331,6 @@ def _block_diagonal(q):
     return blocks.reshape(batch, num_new * num_kv_heads * group, num_kv_heads * head_dim)
 
 
-# Caches of a batch larger than this no longer fit a typical last-level CPU cache.
-_CACHE_RESIDENT_BYTES = 32 * 2**20
-
-
-def length_buckets(max_len: int, smallest: int = 128, cache_bytes: int = 0) -> tuple[int, ...]:
-    """Static prefix lengths a step may read: doublings from `smallest` up to a limit, then `max_len`.
-
-    A dot cannot read part of a buffer on XLA:CPU: a bucket's K/V prefix is
-    first copied out, and a prefix only pays when that copy costs less than
-    reading the whole buffers. While the batch's caches (`cache_bytes` in
-    all) stay in the CPU's last-level cache, the dot reads them several times
-    faster per byte than the copy runs, so buckets stop at `max_len / 8`;
-    once they spill to DRAM, both run at DRAM speed and buckets go on to
-    `max_len / 4`. Measured with `kvattn.decode` at D=512, H=8, max_len=2048
-    (ms per token, prefix read against whole-buffer read): one sequence
-    (8 MiB of caches): 256 slots 0.12 against 0.14, 512 slots 0.175 against
-    0.133; eight sequences (64 MiB): 512 slots 1.52 against 2.63, 1024 slots
-    3.12 against 2.82.
-
-    >>> length_buckets(2048)
-    (128, 256, 2048)
-    >>> length_buckets(2048, cache_bytes=64 * 2**20)
-    (128, 256, 512, 2048)
-    >>> length_buckets(300)
-    (300,)
-    """
-    limit = max_len // (4 if cache_bytes > _CACHE_RESIDENT_BYTES else 8)
-    buckets = []
-    size = min(smallest, max_len)
-    while size <= limit:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_len)
-    return tuple(buckets)
-
-
 def bucket_index(buckets: tuple[int, ...], needed: Int[Array, ""]) -> Int[Array, ""]:
     """Index of the smallest bucket holding `needed` slots (the last if none does)."""
     # A count, not `searchsorted`, which lowers to a while loop on XLA:CPU.
@@ -367,13 +344,13 @@ def prefix(cache: Array, size: int, layout: str) -> Array:
 
 
 def bucketed(
-    attend: Callable[..., Array],
-    caches: tuple[Array | None, ...],
+    attend: Callable[[Any], Array],
+    caches: Any,
     needed: Int[Array, ""],
     buckets: tuple[int, ...],
     layout: str,
 ) -> Array:
-    """`attend(*caches)` on the smallest bucket prefix of the caches that holds `needed` slots.
+    """`attend(caches)` on the smallest bucket prefix of the caches that holds `needed` slots.
 
     Shapes stay static: each bucket is one branch of a `lax.switch`, picked
     at run time, plus an empty prefix for when nothing is filled yet. The
@@ -384,12 +361,12 @@ def bucketed(
 
     The switch is there even with a single bucket: a conditional's operands
     are opaque to XLA's fusion, which otherwise merges a preceding in-place
-    cache write into the attention reads and copies whole buffers to do so
-    (measured: 0.9 against 0.13 ms per step).
+    cache write into the attention reads and copies whole buffers to do so.
 
     Args:
-      attend: attention as a function of the cache arrays alone.
-      caches: keys, values and their scales (None where absent), in `layout`.
+      attend: attention as a function of the caches alone.
+      caches: a pytree of arrays that all have the slot axis of `layout`
+        (keys, values and their scales).
       needed: slots that must be read, a traced int.
       buckets: static prefix lengths, increasing, the last one all slots.
       layout: the caches' layout, naming their slot axis.
@@ -397,6 +374,6 @@ def bucketed(
     sizes = (0, *buckets)
 
     def branch(size):
-        return lambda caches: attend(*(None if c is None else prefix(c, size, layout) for c in caches))
+        return lambda caches: attend(jax.tree.map(lambda c: prefix(c, size, layout), caches))
 
     return jax.lax.switch(bucket_index(sizes, needed), [branch(size) for size in sizes], caches)

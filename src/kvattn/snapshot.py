@@ -7,7 +7,8 @@ metadata:
 
   format               "kvattn.cache_snapshot"
   format_version       "1"
-  config               JSON: the saving layer's `CONFIG_FIELDS`
+  config               JSON: the saving layer's recorded configuration
+                       (`AttentionConfig.recorded()`)
   tensors              JSON: name -> {"dtype", "shape", "sha256"}, where
                        sha256 is taken over the tensor's little-endian
                        C-order bytes, so flipped bits in the data are caught
@@ -38,23 +39,14 @@ import safetensors.numpy
 from flax import nnx
 
 from kvattn.attention import MultiHeadAttention
+from kvattn.config import AttentionConfig
 
 __all__ = ["SnapshotError", "SnapshotInfo", "load_cache", "save_cache", "snapshot_info", "weights_fingerprint"]
 
 FORMAT_NAME = "kvattn.cache_snapshot"
 FORMAT_VERSION = 1
 
-CONFIG_FIELDS = (
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "in_features",
-    "max_len",
-    "window",
-    "batch_size",
-    "cache_dtype",
-    "cache_layout",
-)
+CONFIG_FIELDS = AttentionConfig.recorded_fields()
 _METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
 _HEADER_LENGTH_BYTES = 8
 _SHA256 = frozenset("0123456789abcdef")
@@ -159,7 +151,9 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
     The whole file is validated before the layer is touched: its safetensors
     structure, the format, per-tensor checksums, the layer configuration,
     tensor names, shapes and dtypes, `0 <= pos <= max_len` (`0 <= pos` for
-    a windowed layer), and that the snapshot was filled by the same weights.
+    a windowed layer), that every unfilled slot is zero (a layer never
+    holds anything else there, and a NaN there would poison later steps),
+    and that the snapshot was filled by the same weights.
     Any failure raises `SnapshotError` naming what was expected and what was
     found, and leaves the layer exactly as it was. The loaded arrays take the
     devices and sharding of the cache they replace.
@@ -201,6 +195,7 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
     variables = {_path_name(var_path): variable for var_path, variable in flat}
     _check_tensors_fit_layer(tensors, {name: variable[...] for name, variable in variables.items()})
     _check_pos(tensors["pos"], layer.max_len)
+    _check_unfilled_slots_zero(tensors, layer.config)
     if not allow_weight_mismatch:
         _check_weights(info.weights_fingerprint, weights_fingerprint(layer))
     # Everything is checked and on its devices before the first assignment.
@@ -246,7 +241,7 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
 
 def _layer_config(layer: MultiHeadAttention) -> dict:
     """The configuration a snapshot records and a loading layer must match (`CONFIG_FIELDS`)."""
-    return {field: getattr(layer, field) for field in CONFIG_FIELDS}
+    return layer.config.recorded()
 
 
 # ------------------------------------------------------------------- writing
@@ -457,6 +452,25 @@ def _check_pos(pos: np.ndarray, max_len: int | None) -> None:
         raise SnapshotError(
             f"corrupted snapshot: pos must {valid}, got {pos.reshape(-1)[bad].tolist()} at sequences {bad.tolist()}"
         )
+
+
+def _check_unfilled_slots_zero(tensors: dict[str, np.ndarray], config: AttentionConfig) -> None:
+    """Slots at or past each sequence's filled count (`min(pos, slots)`) hold exact zeros in every cache tensor."""
+    pos = tensors["pos"].reshape(-1).astype(np.int64)
+    filled = np.minimum(pos, config.num_slots)
+    for name, array in sorted(tensors.items()):
+        if name == "pos":
+            continue
+        batched = array if config.batch_size is not None else array[None]
+        slots = np.moveaxis(batched, config.layout.index("S"), 1)
+        nonzero = np.any(slots.reshape(*slots.shape[:2], -1) != 0, axis=-1)  # B S
+        unfilled = np.arange(slots.shape[1])[None, :] >= filled[:, None]
+        bad = np.flatnonzero(np.any(nonzero & unfilled, axis=1))
+        if bad.size:
+            raise SnapshotError(
+                f"corrupted snapshot: tensor {name!r} holds non-zero values in unfilled slots (past pos) of "
+                f"sequences {bad.tolist()}; a layer keeps them at exactly zero"
+            )
 
 
 # ------------------------------------------------------------------- helpers

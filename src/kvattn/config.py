@@ -1,0 +1,231 @@
+"""One frozen configuration per layer: every static fact about it, normalised once.
+
+The layer, the compiled drivers (as their static argument), the snapshot's
+recorded configuration and the benchmark all read `AttentionConfig`; nothing
+else declares these settings. Construction validates and normalises every
+field (NumPy integers become `int`, dtypes become their names, bucket lists
+become a sorted tuple), so two configs describing the same layer are equal and
+hash alike, and a config can always be written as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+import typing
+
+import numpy as np
+
+__all__ = ["CACHE_DTYPES", "INT32_MAX", "LAYOUTS", "AttentionConfig", "default_length_buckets"]
+
+# `pos` is int32: the most tokens a sequence may ever append, ring or not.
+INT32_MAX = 2**31 - 1
+
+# Storage name -> bytes per stored element.
+CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+# A cache layout is named by the letters of its axes (legend in `kvattn.ops`).
+LAYOUTS = {"slots_major": "BSKH", "heads_major": "BKSH"}
+
+# Caches of a batch larger than this no longer fit a typical last-level CPU cache.
+_CACHE_RESIDENT_BYTES = 32 * 2**20
+
+
+def _recorded(default=dataclasses.MISSING):
+    """A field a cache snapshot records: a cache only loads into a layer that agrees on it."""
+    return dataclasses.field(default=default, metadata={"recorded": True})
+
+
+# Validated by hand in `__post_init__`, whose errors are the documented ones;
+# run-time type checkers (the test suite's) would pre-empt them.
+@typing.no_type_check
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The sizes and options of a `MultiHeadAttention` layer.
+
+    Args:
+      num_heads: query heads N.
+      in_features: model width D.
+      max_len: cache capacity in tokens per sequence; exactly one of
+        `max_len` and `window` is given.
+      window: sliding-window attention over the last `window` tokens, kept
+        in a ring of `window` slots.
+      head_dim: width H of a head; defaults to `in_features // num_heads`.
+      num_kv_heads: key/value heads K; must divide `num_heads`. Defaults to
+        `num_heads`.
+      batch_size: sequences the cache holds, or None for one unbatched one.
+      use_bias: whether the projections have biases.
+      cache_dtype: storage of keys and values, anything `numpy.dtype` reads
+        that names float32, bfloat16 or int8 (`jnp.bfloat16`, `"int8"`...).
+      cache_layout: `"slots_major"` `(max_len, K, H)` or `"heads_major"`
+        `(K, max_len, H)`.
+      length_buckets: static prefix lengths a step may read (see
+        `default_length_buckets`); None picks the default, `()` none.
+      data_axis, model_axis: mesh axes that split sequences and heads.
+
+    >>> AttentionConfig(2, 8, max_len=np.int64(16), cache_dtype=np.dtype("int8")).max_len
+    16
+    """
+
+    # Annotated with the normalised values; construction also accepts NumPy
+    # integers, dtypes for `cache_dtype` and any integer sequence for buckets.
+    num_heads: int = _recorded()
+    in_features: int = _recorded()
+    max_len: int | None = _recorded(None)
+    window: int | None = _recorded(None)
+    head_dim: int | None = _recorded(None)
+    num_kv_heads: int | None = _recorded(None)
+    batch_size: int | None = _recorded(None)
+    use_bias: bool = True
+    cache_dtype: str = _recorded("float32")
+    cache_layout: str = _recorded("slots_major")
+    length_buckets: tuple[int, ...] | None = None
+    data_axis: str | None = None
+    model_axis: str | None = None
+
+    def __post_init__(self):
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        put("num_heads", positive_int("num_heads", self.num_heads))
+        put("in_features", positive_int("in_features", self.in_features))
+        if (self.max_len is None) == (self.window is None):
+            raise ValueError(
+                f"give exactly one of max_len (a bounded cache) or window (a ring), "
+                f"got max_len={self.max_len!r} and window={self.window!r}"
+            )
+        for name in ("max_len", "window", "batch_size"):
+            value = getattr(self, name)
+            put(name, None if value is None else positive_int(name, value))
+        if self.head_dim is None:
+            if self.in_features % self.num_heads:
+                raise ValueError(
+                    f"in_features ({self.in_features}) must be divisible by num_heads ({self.num_heads}) "
+                    "when head_dim is not given; pass head_dim explicitly"
+                )
+            put("head_dim", self.in_features // self.num_heads)
+        put("head_dim", positive_int("head_dim", self.head_dim))
+        put("num_kv_heads", self.num_heads if self.num_kv_heads is None else positive_int("num_kv_heads", self.num_kv_heads))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        if not isinstance(self.use_bias, (bool, np.bool_)):
+            raise TypeError(f"use_bias must be a bool, got {type(self.use_bias).__name__} {self.use_bias!r}")
+        put("use_bias", bool(self.use_bias))
+        put("cache_dtype", cache_dtype_name(self.cache_dtype))
+        if self.cache_layout not in LAYOUTS:
+            raise ValueError(f"cache_layout must be one of {sorted(LAYOUTS)}, got {self.cache_layout!r}")
+        if self.length_buckets is None:
+            batch_bytes = (self.batch_size or 1) * self.num_slots * self.cache_bytes_per_token
+            put("length_buckets", default_length_buckets(self.num_slots, cache_bytes=batch_bytes))
+        else:
+            put("length_buckets", _buckets(self.length_buckets, self.num_slots))
+        for name in ("data_axis", "model_axis"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a mesh axis name (str) or None, got {value!r}")
+
+    @property
+    def num_slots(self) -> int:
+        """Slots per sequence: `max_len`, or the ring's `window`."""
+        return self.window if self.max_len is None else self.max_len
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence may append in all: `max_len`, or the int32 limit of `pos` for a ring."""
+        return INT32_MAX if self.max_len is None else self.max_len
+
+    @property
+    def layout(self) -> str:
+        """The cache layout's axis letters, e.g. `"BSKH"`."""
+        return LAYOUTS[self.cache_layout]
+
+    @property
+    def heads_split(self) -> bool:
+        """Whether heads are split over devices (projections then stay apart)."""
+        return self.model_axis is not None
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Cache bytes one token takes in one sequence: keys, values and, for int8, their scales."""
+        scales = 2 * self.num_kv_heads * 4 if self.cache_dtype == "int8" else 0
+        return 2 * self.num_kv_heads * self.head_dim * CACHE_DTYPES[self.cache_dtype] + scales
+
+    def recorded(self) -> dict:
+        """The fields a cache snapshot records, as JSON-ready values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("recorded")}
+
+    @classmethod
+    def recorded_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("recorded"))
+
+
+def positive_int(name: str, value) -> int:
+    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included)."""
+    if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def _is_integer(value) -> bool:
+    if isinstance(value, (int, np.integer)):
+        return True
+    return getattr(value, "shape", None) == () and np.issubdtype(getattr(value, "dtype", np.float32), np.integer)
+
+
+def cache_dtype_name(dtype) -> str:
+    """The storage name of `dtype` (`jnp.bfloat16`, `np.dtype("int8")`, `"float32"`...)."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {sorted(CACHE_DTYPES)} (a name or a dtype), got {dtype!r}")
+    return name
+
+
+def _buckets(buckets, num_slots: int) -> tuple[int, ...]:
+    """Explicit bucket lengths: positive ints, sorted; those at or past `num_slots` fold into it."""
+    array_like = hasattr(buckets, "__array__")
+    if isinstance(buckets, (str, bytes)) or not (array_like or isinstance(buckets, Iterable)):
+        raise TypeError(f"length_buckets must be a sequence of positive ints or None, got {buckets!r}")
+    values = np.asarray(buckets if array_like else list(buckets))
+    if values.ndim != 1:
+        raise TypeError(f"length_buckets must be a sequence of positive ints or None, got {buckets!r}")
+    values = values.tolist()
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"length_buckets must be positive ints (slot counts), got {values}")
+    # Buckets at or past the slot count add nothing: the last one is all slots.
+    return tuple(sorted({b for b in values if b < num_slots} | {num_slots}))
+
+
+def default_length_buckets(max_len: int, smallest: int = 128, cache_bytes: int = 0) -> tuple[int, ...]:
+    """Static prefix lengths a step may read: doublings from `smallest` up to a limit, then `max_len`.
+
+    A dot cannot read part of a buffer on XLA:CPU: a bucket's K/V prefix is
+    first copied out, and a prefix only pays when that copy costs less than
+    reading the whole buffers. While the batch's caches (`cache_bytes` in
+    all) stay in the CPU's last-level cache, the dot reads them several times
+    faster per byte than the copy runs, so buckets stop at `max_len / 8`;
+    once they spill to DRAM, both run at DRAM speed and buckets go on to
+    `max_len / 4`. The measurements behind the limits are in BENCHMARKS.md.
+
+    >>> default_length_buckets(2048)
+    (128, 256, 2048)
+    >>> default_length_buckets(2048, cache_bytes=64 * 2**20)
+    (128, 256, 512, 2048)
+    >>> default_length_buckets(300)
+    (300,)
+    """
+    limit = max_len // (4 if cache_bytes > _CACHE_RESIDENT_BYTES else 8)
+    buckets = []
+    size = min(smallest, max_len)
+    while size <= limit:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_len)
+    return tuple(buckets)
+
