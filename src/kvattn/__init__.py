@@ -2,6 +2,7 @@
 
 from kvattn.attention import CacheOverflowError, InvalidStateError, MultiHeadAttention
 from kvattn.config import AttentionConfig
+from kvattn.rope import RoPE
 from kvattn.decoding import Decoder, Generation, attend, decode, generate
 from kvattn.sharding import make_mesh, shard
 from kvattn.snapshot import SnapshotError, SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
@@ -13,6 +14,7 @@ __all__ = [
     "Generation",
     "InvalidStateError",
     "MultiHeadAttention",
+    "RoPE",
     "SnapshotError",
     "SnapshotInfo",
     "attend",

@@ -11,6 +11,7 @@ without `batch_size` holds one sequence and shows the unbatched shapes
 
 from __future__ import annotations
 
+import functools
 import typing
 
 import jax
@@ -21,6 +22,7 @@ from flax.nnx.nn import initializers
 from kvattn import cache as cache_ops
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
+from kvattn.rope import RoPE
 from kvattn.step import Weights, causal_self_attention, extend
 from kvattn.validation import CacheOverflowError, InvalidStateError
 
@@ -117,30 +119,54 @@ class MultiHeadAttention(nnx.Module):
         length_buckets=None,
         data_axis: str | None = None,
         model_axis: str | None = None,
+        qkv_features: int | None = None,
+        out_features: int | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        normalize_qk: bool | str = False,
+        qk_norm_eps: float = 1e-6,
+        logit_softcap: float | None = None,
+        rope: RoPE | None = None,
         kernel_init=default_kernel_init,
         bias_init=initializers.zeros_init(),
+        out_kernel_init=None,
+        out_bias_init=None,
         rngs: nnx.Rngs,
     ):
         self.config = config = AttentionConfig(
             num_heads, in_features, max_len=max_len, window=window, head_dim=head_dim, num_kv_heads=num_kv_heads,
             batch_size=batch_size, use_bias=use_bias, cache_dtype=cache_dtype, cache_layout=cache_layout,
-            length_buckets=length_buckets, data_axis=data_axis, model_axis=model_axis,
+            length_buckets=length_buckets, data_axis=data_axis, model_axis=model_axis, qkv_features=qkv_features,
+            out_features=out_features, dtype=dtype, param_dtype=param_dtype, normalize_qk=normalize_qk,
+            qk_norm_eps=qk_norm_eps, logit_softcap=logit_softcap, rope=rope,
         )
 
-        def linear(in_f, out_f, kernel_axes, bias_axes, **kw):
+        def linear(name, in_f, out_f, kernel_axes, bias_axes, kernel_init=kernel_init, bias_init=bias_init, **kw):
             return nnx.LinearGeneral(
-                in_f, out_f, use_bias=config.use_bias, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
-                kernel_metadata=self._annotation(kernel_axes), bias_metadata=self._annotation(bias_axes), **kw,
+                in_f, out_f, use_bias=config.biased(name), kernel_init=kernel_init, bias_init=bias_init,
+                param_dtype=config.param_dtype, rngs=rngs, kernel_metadata=self._annotation(kernel_axes),
+                bias_metadata=self._annotation(bias_axes), **kw,
             )
 
         num_heads, num_kv_heads, head_dim, model_axis = (
             config.num_heads, config.num_kv_heads, config.head_dim, config.model_axis
         )
         heads = (None, model_axis, None)
-        self.query = linear(config.in_features, (num_heads, head_dim), heads, (model_axis, None))
-        self.key = linear(config.in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
-        self.value = linear(config.in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
-        self.out = linear((num_heads, head_dim), config.in_features, (model_axis, None, None), (None,), axis=(-2, -1))
+        self.query = linear("query", config.in_features, (num_heads, head_dim), heads, (model_axis, None))
+        self.key = linear("key", config.in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
+        self.value = linear("value", config.in_features, (num_kv_heads, head_dim), heads, (model_axis, None))
+        self.out = linear(
+            "out", (num_heads, head_dim), config.out_features, (model_axis, None, None), (None,), axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+        )
+        if config.normalize_qk:
+            # Flax's names and shapes: one scale per head dim, shared by every head.
+            norm = functools.partial(
+                nnx.RMSNorm if config.normalize_qk == "rms" else functools.partial(nnx.LayerNorm, use_bias=False),
+                head_dim, epsilon=config.qk_norm_eps, param_dtype=config.param_dtype, rngs=rngs,
+                scale_metadata=self._annotation((None,)),
+            )
+            self.query_ln, self.key_ln = norm(), norm()
 
         lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
         if config.cache_layout == "slots_major":
@@ -168,6 +194,9 @@ class MultiHeadAttention(nnx.Module):
         return {"out_sharding": tuple(axes), "eager_sharding": eager}
 
     num_heads = property(lambda self: self.config.num_heads, doc="`config.num_heads`")
+    qkv_features = property(lambda self: self.config.qkv_features, doc="`config.qkv_features`")
+    out_features = property(lambda self: self.config.out_features, doc="`config.out_features`")
+    rope = property(lambda self: self.config.rope, doc="`config.rope`")
     num_kv_heads = property(lambda self: self.config.num_kv_heads, doc="`config.num_kv_heads`")
     in_features = property(lambda self: self.config.in_features, doc="`config.in_features`")
     head_dim = property(lambda self: self.config.head_dim, doc="`config.head_dim`")
@@ -195,15 +224,17 @@ class MultiHeadAttention(nnx.Module):
         The training path and the recompute baseline.
 
         Args:
-          xs: tokens `(T, D)` or a batch `(B, T, D)`, T >= 1.
+          xs: tokens `(..., T, D)` with any number of leading batch axes
+            (independent of the cache's `batch_size`), T >= 1.
 
         Returns:
-          The feature vector of every token, same shape as `xs`.
+          The feature vector of every token, `(..., T, out_features)`.
         """
         xs = check.free_tokens(self.config, xs)
-        batched = xs.ndim == 3
-        ys = causal_self_attention(self.weights, xs if batched else xs[None], heads_split=self.config.heads_split)
-        return ys if batched else ys[0]
+        lead = xs.shape[:-2]
+        flat = xs.reshape(-1, *xs.shape[-2:])
+        ys = causal_self_attention(self.weights, flat, config=self.config)
+        return ys.reshape(*lead, *ys.shape[-2:])
 
     def step(self, x, active=None):
         """Decodes one token per sequence through the cache.
@@ -325,6 +356,7 @@ class MultiHeadAttention(nnx.Module):
         def bias(linear):
             return None if linear.bias is None else linear.bias[...]
 
+        norms = (self.query_ln.scale[...], self.key_ln.scale[...]) if self.config.normalize_qk else (None, None)
         return Weights(
             self.query.kernel[...],
             bias(self.query),
@@ -334,6 +366,7 @@ class MultiHeadAttention(nnx.Module):
             bias(self.value),
             self.out.kernel[...],
             bias(self.out),
+            *norms,
         )
 
     @property

@@ -11,10 +11,15 @@ hash alike, and a config can always be written as JSON.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import json
+import math
 import typing
+from collections.abc import Iterable
 
+import jax.numpy as jnp
 import numpy as np
+
+from kvattn.rope import RoPE
 
 __all__ = ["CACHE_DTYPES", "INT32_MAX", "LAYOUTS", "AttentionConfig", "default_length_buckets"]
 
@@ -50,11 +55,31 @@ class AttentionConfig:
         `max_len` and `window` is given.
       window: sliding-window attention over the last `window` tokens, kept
         in a ring of `window` slots.
-      head_dim: width H of a head; defaults to `in_features // num_heads`.
+      head_dim: width H of a head; defaults to `qkv_features // num_heads`.
+      qkv_features: width of all query heads together, `N * H` (Flax's
+        name); defaults to `in_features`. Give it or `head_dim`, not both
+        unless they agree.
+      out_features: width of the output; defaults to `in_features`.
       num_kv_heads: key/value heads K; must divide `num_heads`. Defaults to
         `num_heads`.
       batch_size: sequences the cache holds, or None for one unbatched one.
-      use_bias: whether the projections have biases.
+      use_bias: whether the projections have biases: a bool for all four,
+        or the names of those that do, e.g. `("query", "key", "value")`
+        (Qwen2: no bias on `out`).
+      dtype: the computation dtype of the projections (Flax's `dtype`);
+        None infers it from the inputs and parameters. Softmax and its
+        accumulation always run in float32.
+      param_dtype: storage dtype of the weights (Flax's `param_dtype`).
+      normalize_qk: normalise queries and keys per head before attention:
+        False; True for Flax's form (LayerNorm without bias, parameters
+        `query_ln`/`key_ln`); or `"rms"` for RMSNorm with a learned scale
+        (Qwen3, OLMo 2), under the same parameter names.
+      qk_norm_eps: the epsilon of that normalisation.
+      logit_softcap: `cap * tanh(scores / cap)` on the attention logits
+        before masking (Gemma 2), or None.
+      rope: a `kvattn.RoPE`, rotary position embedding at each token's
+        absolute position, applied to queries and keys before the key is
+        cached; None for no positional encoding in the layer.
       cache_dtype: storage of keys and values, anything `numpy.dtype` reads
         that names float32, bfloat16 or int8 (`jnp.bfloat16`, `"int8"`...).
       cache_layout: `"slots_major"` `(max_len, K, H)` or `"heads_major"`
@@ -76,12 +101,20 @@ class AttentionConfig:
     head_dim: int | None = _recorded(None)
     num_kv_heads: int | None = _recorded(None)
     batch_size: int | None = _recorded(None)
-    use_bias: bool = True
+    use_bias: bool | tuple[str, ...] = _recorded(True)
     cache_dtype: str = _recorded("float32")
     cache_layout: str = _recorded("slots_major")
     length_buckets: tuple[int, ...] | None = None
     data_axis: str | None = None
     model_axis: str | None = None
+    qkv_features: int | None = _recorded(None)
+    out_features: int | None = _recorded(None)
+    dtype: str | None = _recorded(None)
+    param_dtype: str = _recorded("float32")
+    normalize_qk: bool | str = _recorded(False)
+    qk_norm_eps: float = _recorded(1e-6)
+    logit_softcap: float | None = _recorded(None)
+    rope: RoPE | None = _recorded(None)
 
     def __post_init__(self):
         def put(name, value):
@@ -97,20 +130,39 @@ class AttentionConfig:
         for name in ("max_len", "window", "batch_size"):
             value = getattr(self, name)
             put(name, None if value is None else positive_int(name, value))
+        qkv_features = None if self.qkv_features is None else positive_int("qkv_features", self.qkv_features)
         if self.head_dim is None:
-            if self.in_features % self.num_heads:
+            width, name = (self.in_features, "in_features") if qkv_features is None else (qkv_features, "qkv_features")
+            if width % self.num_heads:
                 raise ValueError(
-                    f"in_features ({self.in_features}) must be divisible by num_heads ({self.num_heads}) "
+                    f"{name} ({width}) must be divisible by num_heads ({self.num_heads}) "
                     "when head_dim is not given; pass head_dim explicitly"
                 )
-            put("head_dim", self.in_features // self.num_heads)
+            put("head_dim", width // self.num_heads)
         put("head_dim", positive_int("head_dim", self.head_dim))
+        if qkv_features is not None and qkv_features != self.num_heads * self.head_dim:
+            raise ValueError(
+                f"qkv_features ({qkv_features}) must equal num_heads * head_dim "
+                f"({self.num_heads} * {self.head_dim}); give one of them"
+            )
+        put("qkv_features", self.num_heads * self.head_dim)
+        put("out_features", self.in_features if self.out_features is None else positive_int("out_features", self.out_features))
         put("num_kv_heads", self.num_heads if self.num_kv_heads is None else positive_int("num_kv_heads", self.num_kv_heads))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        if not isinstance(self.use_bias, (bool, np.bool_)):
-            raise TypeError(f"use_bias must be a bool, got {type(self.use_bias).__name__} {self.use_bias!r}")
-        put("use_bias", bool(self.use_bias))
+        put("use_bias", _biases(self.use_bias))
+        put("dtype", None if self.dtype is None else float_dtype_name("dtype", self.dtype))
+        put("param_dtype", float_dtype_name("param_dtype", self.param_dtype))
+        if self.normalize_qk not in (False, True, "rms") or isinstance(self.normalize_qk, np.ndarray):
+            raise ValueError(f"normalize_qk must be False, True (LayerNorm, Flax's) or 'rms', got {self.normalize_qk!r}")
+        put("normalize_qk", self.normalize_qk if isinstance(self.normalize_qk, str) else bool(self.normalize_qk))
+        put("qk_norm_eps", positive_float("qk_norm_eps", self.qk_norm_eps))
+        if self.logit_softcap is not None:
+            put("logit_softcap", positive_float("logit_softcap", self.logit_softcap))
+        if self.rope is not None:
+            if not isinstance(self.rope, RoPE):
+                raise TypeError(f"rope must be a kvattn.RoPE or None, got {self.rope!r}")
+            self.rope.rotated_dims(self.head_dim)
         put("cache_dtype", cache_dtype_name(self.cache_dtype))
         if self.cache_layout not in LAYOUTS:
             raise ValueError(f"cache_layout must be one of {sorted(LAYOUTS)}, got {self.cache_layout!r}")
@@ -123,6 +175,10 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a mesh axis name (str) or None, got {value!r}")
+
+    def biased(self, projection: str) -> bool:
+        """Whether projection `"query"`, `"key"`, `"value"` or `"out"` has a bias."""
+        return self.use_bias if isinstance(self.use_bias, bool) else projection in self.use_bias
 
     @property
     def num_slots(self) -> int:
@@ -151,8 +207,11 @@ class AttentionConfig:
         return 2 * self.num_kv_heads * self.head_dim * CACHE_DTYPES[self.cache_dtype] + scales
 
     def recorded(self) -> dict:
-        """The fields a cache snapshot records, as JSON-ready values."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("recorded")}
+        """The fields a cache snapshot records, as the values they read back from JSON."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("recorded")}
+        if values["rope"] is not None:
+            values["rope"] = values["rope"].to_json()
+        return json.loads(json.dumps(values))
 
     @classmethod
     def recorded_fields(cls) -> tuple[str, ...]:
@@ -173,6 +232,43 @@ def _is_integer(value) -> bool:
     if isinstance(value, (int, np.integer)):
         return True
     return getattr(value, "shape", None) == () and np.issubdtype(getattr(value, "dtype", np.float32), np.integer)
+
+
+def positive_float(name: str, value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+_PROJECTIONS = ("key", "out", "query", "value")
+
+
+def _biases(use_bias) -> bool | tuple[str, ...]:
+    """`use_bias` as True, False, or the sorted names of the biased projections."""
+    if isinstance(use_bias, (bool, np.bool_)):
+        return bool(use_bias)
+    if isinstance(use_bias, str) or not isinstance(use_bias, Iterable):
+        raise TypeError(f"use_bias must be a bool or a collection of projection names {_PROJECTIONS}, got {use_bias!r}")
+    names = set(use_bias)
+    unknown = sorted(map(str, names - set(_PROJECTIONS)))
+    if unknown:
+        raise ValueError(f"use_bias names projections among {_PROJECTIONS}, got {unknown}")
+    if names == set(_PROJECTIONS) or not names:
+        return bool(names)
+    return tuple(sorted(names))
+
+
+def float_dtype_name(name: str, dtype) -> str:
+    """The name of a floating dtype (`jnp.bfloat16`, `"float32"`...)."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype (float32, bfloat16, float16...), got {dtype!r}")
+    return resolved.name
 
 
 def cache_dtype_name(dtype) -> str:

@@ -37,9 +37,11 @@ __all__ = [
     "bucket_index",
     "bucketed",
     "cached_attention",
+    "layer_norm",
     "masked_softmax",
     "project",
     "project_out",
+    "rms_norm",
 ]
 
 SLOTS_MAJOR = LAYOUTS["slots_major"]
@@ -99,6 +101,7 @@ def attention(
     v_scale: Float[Array, "B ..."] | None = None,
     window: int | None = None,
     block_diagonal: bool = True,
+    logit_softcap: float | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk of new tokens over the cache and over itself.
 
@@ -140,6 +143,7 @@ def attention(
       block_diagonal: allow the block-diagonal reading of a slots-major
         cache for short chunks (fast on one CPU device; off when heads are
         split over devices, where merging the head axis would gather them).
+      logit_softcap: soft-cap the scores before masking (see `masked_softmax`).
 
     Returns:
       The attended values of every query head.
@@ -159,7 +163,8 @@ def attention(
         query_pos = cache_len[:, None] + query_t[:, :, 0]
         visible.insert(0, _slot_visibility(cache_len, query_pos, k_cache.shape[layout.index("S")], window))
         scores.insert(0, _read_scores(q, k_cache, k_scale, layout, block_diagonal))
-    weights = masked_softmax(jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1), real)
+    scores, visible = jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1)
+    weights = masked_softmax(scores, visible, real, logit_softcap)
 
     ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
     if k_cache is not None:
@@ -179,6 +184,7 @@ def cached_attention(
     v_scale: Float[Array, "B ..."] | None = None,
     window: int | None = None,
     block_diagonal: bool = True,
+    logit_softcap: float | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk whose keys and values are already written to the cache.
 
@@ -205,6 +211,7 @@ def cached_attention(
       k_scale, v_scale: int8 storage only, as in `attention`.
       window: attend to at most this many positions (a ring cache).
       block_diagonal: as in `attention`.
+      logit_softcap: as in `attention`.
 
     Returns:
       The attended values of every query head.
@@ -215,20 +222,26 @@ def cached_attention(
     real = query_t < new_len[:, None]  # B T
     num_slots = k_cache.shape[layout.index("S")]
     visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window)
-    weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real)
+    weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
     ctx = _read_values(weights, v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
 def masked_softmax(
-    scores: Float[Array, "B T K G S"], visible: Bool[Array, "B T S"], real: Bool[Array, "B T"]
+    scores: Float[Array, "B T K G S"],
+    visible: Bool[Array, "B T S"],
+    real: Bool[Array, "B T"],
+    logit_softcap: float | None = None,
 ) -> Float[Array, "B T K G S"]:
     """Softmax over the keys a query sees; `-inf` for every other score; zero rows for padding queries.
 
+    With `logit_softcap`, scores first become `cap * tanh(scores / cap)`.
     Masking with `-inf` (never a finite penalty) gives unseen keys weight
     exactly zero. A padding row sees nothing, so its softmax is NaN: it is
     replaced by exact zeros.
     """
+    if logit_softcap is not None:
+        scores = logit_softcap * jnp.tanh(scores / logit_softcap)
     visible = visible & real[:, :, None]
     weights = jax.nn.softmax(jnp.where(visible[:, :, None, None, :], scores, -jnp.inf), axis=-1)
     return jnp.where(real[:, :, None, None, None], weights, 0.0)
@@ -245,6 +258,26 @@ def _read_values(weights, v_cache, v_scale, layout, block_diagonal):
     if v_scale is not None:
         weights = weights * _scale_per_score(v_scale, layout)
     return _cache_values(weights, v_cache.astype(weights.dtype), layout, block_diagonal)
+
+
+def layer_norm(x: Float[Array, "... H"], scale: Float[Array, " H"], eps: float) -> Float[Array, "... H"]:
+    """LayerNorm over the last axis without bias (Flax's `normalize_qk`), computed in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * _along_last(scale, x)).astype(x.dtype)
+
+
+def rms_norm(x: Float[Array, "... H"], scale: Float[Array, " H"], eps: float) -> Float[Array, "... H"]:
+    """RMSNorm over the last axis with a learned scale (Qwen3's q/k norm), computed in float32."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (normed * _along_last(scale, x)).astype(x.dtype)
+
+
+def _along_last(scale, x):
+    """A per-feature `scale` `(H,)` shaped to broadcast against `x` `(..., H)`, in float32."""
+    return scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
 
 
 def _grouped_queries(q, num_kv_heads):

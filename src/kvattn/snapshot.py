@@ -44,7 +44,12 @@ from kvattn.config import AttentionConfig
 __all__ = ["SnapshotError", "SnapshotInfo", "load_cache", "save_cache", "snapshot_info", "weights_fingerprint"]
 
 FORMAT_NAME = "kvattn.cache_snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 recorded only these fields; every field added since had its
+# default value then (the options did not exist), so a version 1 file reads
+# as if it recorded those defaults.
+_V1_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len", "window", "batch_size",
+              "cache_dtype", "cache_layout")
 
 CONFIG_FIELDS = AttentionConfig.recorded_fields()
 _METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
@@ -327,21 +332,34 @@ def _parse_info(header: dict) -> SnapshotInfo:
     missing = [key for key in _METADATA_KEYS if not isinstance(metadata.get(key), str)]
     if missing:
         raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {_METADATA_KEYS}")
-    if metadata["format_version"] != str(FORMAT_VERSION):
+    if metadata["format_version"] not in ("1", str(FORMAT_VERSION)):
         raise SnapshotError(
             f"unsupported snapshot format_version {metadata['format_version']!r}; this kvattn reads "
-            f"version {FORMAT_VERSION}. Save the cache again with this version of kvattn."
+            f"versions 1 and {FORMAT_VERSION}. Save the cache again with this version of kvattn."
         )
+    version = int(metadata["format_version"])
     config = _loads_object(metadata, "config")
-    if sorted(config) != sorted(CONFIG_FIELDS):
-        raise SnapshotError(f"corrupted snapshot: config has fields {sorted(config)}, expected {sorted(CONFIG_FIELDS)}")
+    fields = _V1_FIELDS if version == 1 else CONFIG_FIELDS
+    if sorted(config) != sorted(fields):
+        raise SnapshotError(f"corrupted snapshot: config has fields {sorted(config)}, expected {sorted(fields)}")
+    if version == 1:
+        config = {**_defaults_after_v1(config), **config}
     tensors = _loads_object(metadata, "tensors")
     for name, spec in tensors.items():
         _check_spec(name, spec)
     fingerprint = metadata["weights_fingerprint"]
     if not _is_sha256(fingerprint):
         raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
-    return SnapshotInfo(FORMAT_VERSION, config, tensors, fingerprint)
+    return SnapshotInfo(version, config, tensors, fingerprint)
+
+
+def _defaults_after_v1(config: dict) -> dict:
+    """The recorded values of the fields version 2 added, as a layer of version 1's days had them."""
+    try:
+        sizes = AttentionConfig(**config).recorded()
+    except (TypeError, ValueError) as error:
+        raise SnapshotError(f"corrupted snapshot: its version 1 config is not a valid layer configuration ({error})")
+    return {field: value for field, value in sizes.items() if field not in _V1_FIELDS}
 
 
 def _loads_object(metadata: dict, key: str) -> dict:

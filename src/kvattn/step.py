@@ -16,12 +16,13 @@ import jax.numpy as jnp
 from kvattn import cache as cache_ops
 from kvattn import ops
 from kvattn.config import AttentionConfig
+from kvattn.rope import apply_rope
 
-__all__ = ["FusedWeights", "Weights", "causal_self_attention", "extend", "project_qkv"]
+__all__ = ["FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "output", "project_qkv"]
 
 
 class Weights(NamedTuple):
-    """The layer's parameters as plain arrays (biases None without `use_bias`)."""
+    """The layer's parameters as plain arrays (None where a bias or a norm is absent)."""
 
     query_kernel: jax.Array
     query_bias: jax.Array | None
@@ -31,15 +32,22 @@ class Weights(NamedTuple):
     value_bias: jax.Array | None
     out_kernel: jax.Array
     out_bias: jax.Array | None
+    query_ln: jax.Array | None = None
+    """Scale `(H,)` of the per-head query norm (`normalize_qk`)."""
+    key_ln: jax.Array | None = None
 
     def fused(self) -> FusedWeights:
         """The query, key and value kernels side by side, for one matmul instead of three."""
+        kernels = (self.query_kernel, self.key_kernel, self.value_kernel)
         biases = (self.query_bias, self.key_bias, self.value_bias)
+        if all(b is None for b in biases):
+            bias = None
+        else:  # a projection without a bias adds zeros
+            bias = jnp.concatenate(
+                [jnp.zeros(k.shape[1:], k.dtype) if b is None else b for k, b in zip(kernels, biases, strict=True)]
+            )
         return FusedWeights(
-            jnp.concatenate([self.query_kernel, self.key_kernel, self.value_kernel], axis=1),
-            None if self.query_bias is None else jnp.concatenate(biases, axis=0),
-            self.out_kernel,
-            self.out_bias,
+            jnp.concatenate(kernels, axis=1), bias, self.out_kernel, self.out_bias, self.query_ln, self.key_ln
         )
 
 
@@ -56,6 +64,8 @@ class FusedWeights(NamedTuple):
     qkv_bias: jax.Array | None
     out_kernel: jax.Array
     out_bias: jax.Array | None
+    query_ln: jax.Array | None = None
+    key_ln: jax.Array | None = None
 
 
 def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
@@ -78,12 +88,47 @@ def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
     return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=2)
 
 
-@functools.partial(jax.jit, static_argnames=("heads_split",))
-def causal_self_attention(weights: Weights, xs, heads_split: bool = False):
-    """Full causal self-attention of tokens `(B, T, D)`, no cache: the training path."""
-    q, k, v = project_qkv(weights, xs, heads_split)
-    ctx = ops.attention(q, k, v, jnp.full(xs.shape[:1], xs.shape[1], jnp.int32))
-    return ops.project_out(ctx, weights.out_kernel, weights.out_bias)
+def compute_dtype(config: AttentionConfig, xs) -> jnp.dtype:
+    """The projections' dtype: `config.dtype`, else promoted from the inputs and the weights (as in Flax)."""
+    return jnp.dtype(config.dtype) if config.dtype is not None else jnp.result_type(xs.dtype, config.param_dtype)
+
+
+def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, xs, positions):
+    """Queries, keys and values `(B, T, N|K, H)` of tokens `(B, T, D)` at `positions` `(B, T)`, in float32.
+
+    Projected in the computation dtype, then normalised per head
+    (`normalize_qk`) and rotated (`rope`): what attention reads and what the
+    cache stores, so a cached key is never rotated again.
+    """
+    dtype = compute_dtype(config, xs)
+    weights = jax.tree.map(lambda w: w.astype(dtype), weights)
+    q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
+    if config.normalize_qk:
+        norm = ops.rms_norm if config.normalize_qk == "rms" else ops.layer_norm
+        q, k = norm(q, weights.query_ln, config.qk_norm_eps), norm(k, weights.key_ln, config.qk_norm_eps)
+    if config.rope is not None:
+        q, k = apply_rope(q, positions, config.rope), apply_rope(k, positions, config.rope)
+    return q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+
+
+def output(config: AttentionConfig, weights: Weights | FusedWeights, ctx, xs):
+    """The `out` projection of float32 attention values `(B, T, N, H)`, in the computation dtype."""
+    dtype = compute_dtype(config, xs)
+    bias = None if weights.out_bias is None else weights.out_bias.astype(dtype)
+    return ops.project_out(ctx.astype(dtype), weights.out_kernel.astype(dtype), bias)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def causal_self_attention(weights: Weights, xs, *, config: AttentionConfig):
+    """Full causal self-attention of tokens `(B, T, D)`, no cache: the training path.
+
+    Token t sits at position t; with a window it sees the last `window` tokens.
+    """
+    positions = jnp.broadcast_to(jnp.arange(xs.shape[1]), xs.shape[:2])
+    q, k, v = attention_inputs(config, weights, xs, positions)
+    lengths = jnp.full(xs.shape[:1], xs.shape[1], jnp.int32)
+    ctx = ops.attention(q, k, v, lengths, window=config.window, logit_softcap=config.logit_softcap)
+    return output(config, weights, ctx, xs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "write_first"))
@@ -131,9 +176,12 @@ def extend(
     xs = jnp.where(real[:, :, None], xs, jnp.zeros((), xs.dtype))
     fits = cache_ops.capacity_ok(cache.pos, lengths, config.capacity)
     written = jnp.where(fits, lengths, 0)
-    q, k, v = project_qkv(weights, xs, config.heads_split)
-    options = dict(layout=cache.layout, window=cache.window, block_diagonal=not config.heads_split)
     old_pos = cache.pos
+    q, k, v = attention_inputs(config, weights, xs, old_pos[:, None] + jnp.arange(num_new)[None, :])
+    options = dict(
+        layout=cache.layout, window=cache.window, block_diagonal=not config.heads_split,
+        logit_softcap=config.logit_softcap,
+    )
     if write_first:
         cache = cache_ops.append(cache, k, v, written)
 
@@ -149,8 +197,8 @@ def extend(
             )
 
     ctx = ops.bucketed(attend, (cache.k, cache.v), _filled(cache), config.length_buckets, cache.layout)
-    ys = ops.project_out(ctx, weights.out_kernel, weights.out_bias)
-    ys = jnp.where(real[:, :, None], ys, 0.0)  # padding tokens
+    ys = output(config, weights, ctx, xs)
+    ys = jnp.where(real[:, :, None], ys, jnp.zeros((), ys.dtype))  # padding tokens
     ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
     if not write_first:
         # Stored after attention has read the old slots (`after`), so XLA can

@@ -70,8 +70,11 @@ def tokens(config: AttentionConfig, x, name: str, rank: int) -> jax.Array:
 
 
 def free_tokens(config: AttentionConfig, xs, name: str = "xs") -> jax.Array:
-    """Floating tokens `(T, D)` or `(B, T, D)` of any batch size, T >= 1: the uncached forward's input."""
-    xs = _floating(config, xs, name, (2, 3))
+    """Floating tokens `(..., T, D)` with any leading batch axes, T >= 1: the uncached forward's input."""
+    xs = xs if isinstance(xs, jax.Array) else jnp.asarray(xs)
+    if xs.ndim < 2:
+        raise ValueError(f"{name} must have rank >= 2 (..., T, D={config.in_features}), got shape {xs.shape}")
+    xs = _floating(config, xs, name, (xs.ndim,))
     nonempty(xs, name)
     return xs
 

@@ -1,0 +1,205 @@
+"""Rotary position embedding: its settings, its frequencies, and the rotation itself.
+
+`RoPE` is a frozen, hashable setting that takes a Hugging Face
+`rope_scaling` dict as it appears in `config.json`, so a checkpoint's
+settings pass straight in. The frequencies are computed once on the host
+(float64, then float32); the rotation is a pure function of queries or keys
+`(B, T, heads, H)` and their absolute positions `(B, T)`.
+
+Two pairings of the rotated dimensions exist:
+  - rotate-half (Hugging Face Llama, GPT-NeoX): dimension i pairs with
+    i + R/2, for i < R/2 (R = `rotary_dim`);
+  - interleaved (GPT-J, the original Meta code): dimension 2i pairs with 2i + 1.
+Pair i turns by the angle `position * inv_freq[i]`; dimensions past
+`rotary_dim` are left as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+__all__ = ["RoPE", "apply_rope", "rope_tables"]
+
+_SCALINGS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+
+
+@typing.no_type_check  # validated by hand in __post_init__, with the documented errors
+@dataclasses.dataclass(frozen=True)
+class RoPE:
+    """Rotary position embedding settings.
+
+    Args:
+      theta: the frequency base (`rope_theta`).
+      scaling: a Hugging Face `rope_scaling` dict, or None: `{"rope_type":
+        "linear", "factor": f}`, `{"rope_type": "llama3", "factor",
+        "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings"}` or `{"rope_type": "yarn",
+        "factor", "original_max_position_embeddings", ...}` (`beta_fast`,
+        `beta_slow`, `mscale`, `mscale_all_dim`, `attention_factor`,
+        `truncate` as in transformers). The older key `"type"` is accepted
+        for `"rope_type"`.
+      rotary_dim: how many leading dims of each head rotate (even); None for
+        the whole head (GPT-NeoX and Phi rotate a part).
+      interleaved: pair dims (0, 1), (2, 3)... instead of rotate-half.
+
+    >>> RoPE(scaling={"rope_type": "linear", "factor": 2.0}).scaling_dict
+    {'factor': 2.0, 'rope_type': 'linear'}
+    """
+
+    theta: float = 10000.0
+    scaling: tuple | None = None
+    rotary_dim: int | None = None
+    interleaved: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float, np.number)) or not self.theta > 1:
+            raise ValueError(f"RoPE theta must be a number > 1, got {self.theta!r}")
+        object.__setattr__(self, "theta", float(self.theta))
+        if self.rotary_dim is not None:
+            if isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, (int, np.integer)):
+                raise TypeError(f"RoPE rotary_dim must be an even positive int or None, got {self.rotary_dim!r}")
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ValueError(f"RoPE rotary_dim must be an even positive int or None, got {self.rotary_dim!r}")
+            object.__setattr__(self, "rotary_dim", int(self.rotary_dim))
+        object.__setattr__(self, "interleaved", bool(self.interleaved))
+        object.__setattr__(self, "scaling", _normalise_scaling(self.scaling))
+
+    @property
+    def scaling_dict(self) -> dict | None:
+        """`scaling` as the dict it came from (normalised: `rope_type`, floats)."""
+        return None if self.scaling is None else dict(self.scaling)
+
+    def to_json(self) -> dict:
+        return {"theta": self.theta, "scaling": self.scaling_dict, "rotary_dim": self.rotary_dim,
+                "interleaved": self.interleaved}
+
+    def rotated_dims(self, head_dim: int) -> int:
+        """How many dims of a `head_dim`-wide head rotate; raises if `rotary_dim` does not fit."""
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"RoPE rotary_dim ({rotary_dim}) must be even and at most head_dim ({head_dim})")
+        return rotary_dim
+
+
+def _normalise_scaling(scaling) -> tuple | None:
+    if scaling is None:
+        return None
+    if isinstance(scaling, tuple):
+        scaling = dict(scaling)
+    if not isinstance(scaling, dict):
+        raise TypeError(f"RoPE scaling must be a Hugging Face rope_scaling dict or None, got {scaling!r}")
+    scaling = dict(scaling)
+    kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
+    scaling.pop("type", None)
+    if kind not in _SCALINGS:
+        raise ValueError(f"RoPE scaling rope_type must be one of {sorted(_SCALINGS)}, got {kind!r}")
+    allowed = set(_SCALINGS[kind]) | (set(_YARN_OPTIONAL) if kind == "yarn" else set())
+    missing = [key for key in _SCALINGS[kind] if scaling.get(key) is None]
+    unknown = sorted(set(scaling) - allowed)
+    if missing or unknown:
+        raise ValueError(
+            f"RoPE scaling of rope_type {kind!r} needs {list(_SCALINGS[kind])}"
+            + (f" (optional: {list(_YARN_OPTIONAL)})" if kind == "yarn" else "")
+            + f"; missing {missing}, unknown {unknown}"
+        )
+    normalised = {"rope_type": kind}
+    for key, value in scaling.items():
+        if value is None:
+            continue
+        if key == "truncate":
+            normalised[key] = bool(value)
+        elif isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+            raise ValueError(f"RoPE scaling {key} must be a finite number, got {value!r}")
+        else:
+            normalised[key] = float(value)
+    if normalised.get("factor", 1.0) <= 0:
+        raise ValueError(f"RoPE scaling factor must be positive, got {normalised['factor']}")
+    return tuple(sorted(normalised.items()))
+
+
+def _inverse_frequencies(rope: RoPE, rotary_dim: int) -> tuple[np.ndarray, float]:
+    """`inv_freq` `(rotary_dim / 2,)` after scaling, and the factor cos and sin are multiplied by."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq = 1.0 / rope.theta**exponents
+    scaling = rope.scaling_dict or {"rope_type": "default"}
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        context = scaling["original_max_position_embeddings"]
+        wavelength = 2 * math.pi / inv_freq
+        # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+        blend = np.clip((context / wavelength - low) / (high - low), 0.0, 1.0)
+        return (1 - blend) * inv_freq / factor + blend * inv_freq, 1.0
+    if kind == "yarn":
+        return _yarn(rope.theta, rotary_dim, scaling)
+    return inv_freq, 1.0
+
+
+def _yarn(theta: float, rotary_dim: int, scaling: dict) -> tuple[np.ndarray, float]:
+    """YaRN: per-frequency blend of interpolation and extrapolation, plus an attention temperature."""
+    factor, context = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def magnitude(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = magnitude(factor, mscale) / magnitude(factor, mscale_all_dim)
+        else:
+            attention_factor = magnitude(factor)
+
+    def correction_dim(rotations):
+        return rotary_dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.get("beta_fast", 32.0)), correction_dim(scaling.get("beta_slow", 1.0))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolated = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    keep = 1.0 - ramp  # 1: extrapolate (keep the frequency); 0: interpolate by `factor`
+    return extrapolated / factor * (1 - keep) + extrapolated * keep, float(attention_factor)
+
+
+def rope_tables(rope: RoPE, head_dim: int) -> tuple[np.ndarray, float, int]:
+    """`(inv_freq, attention_factor, rotary_dim)` for one head width; host constants."""
+    rotary_dim = rope.rotated_dims(head_dim)
+    inv_freq, attention_factor = _inverse_frequencies(rope, rotary_dim)
+    return inv_freq.astype(np.float32), attention_factor, rotary_dim
+
+
+def apply_rope(
+    x: Float[Array, "B T heads H"], positions: Int[Array, "B T"], rope: RoPE
+) -> Float[Array, "B T heads H"]:
+    """Rotates queries or keys by their absolute positions (float32 angles, result in `x`'s dtype)."""
+    head_dim = x.shape[-1]
+    inv_freq, attention_factor, rotary_dim = rope_tables(rope, head_dim)
+    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # B T R/2
+    cos = (jnp.cos(angles) * attention_factor)[:, :, None, :]
+    sin = (jnp.sin(angles) * attention_factor)[:, :, None, :]
+    rotated, passed = x[..., :rotary_dim].astype(jnp.float32), x[..., rotary_dim:]
+    if rope.interleaved:
+        even, odd = rotated[..., 0::2], rotated[..., 1::2]
+        turned = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1).reshape(rotated.shape)
+    else:
+        first, second = jnp.split(rotated, 2, axis=-1)
+        turned = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return jnp.concatenate([turned.astype(x.dtype), passed], axis=-1)
