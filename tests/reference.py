@@ -17,8 +17,13 @@ RTOL = 1e-4
 ATOL = 1e-4
 
 
-def weights_of(layer) -> dict[str, np.ndarray]:
-    """The layer's parameters as float64 arrays, zero biases when it has none."""
+def weights_of(layer) -> dict:
+    """The layer's parameters as float64 arrays (zero biases when it has none) and its options as data.
+
+    Options read from `layer.config`: `norm` (None, "layer" or "rms") with
+    `eps` and the `query_ln`/`key_ln` scales, `softcap`, and `rope` as a
+    plain dict (theta, scaling, rotary_dim, interleaved).
+    """
     out = {}
     for name in ("query", "key", "value", "out"):
         linear = getattr(layer, name)
@@ -27,19 +32,107 @@ def weights_of(layer) -> dict[str, np.ndarray]:
         bias_shape = kernel.shape[1:] if name != "out" else kernel.shape[-1:]
         bias = np.zeros(bias_shape) if linear.bias is None else np.asarray(linear.bias[...], np.float64)
         out[f"{name}_bias"] = bias
+    config = layer.config
+    out["norm"] = {False: None, True: "layer", "rms": "rms"}[config.normalize_qk]
+    out["eps"] = config.qk_norm_eps
+    if out["norm"]:
+        out["query_ln"] = np.asarray(layer.query_ln.scale[...], np.float64)
+        out["key_ln"] = np.asarray(layer.key_ln.scale[...], np.float64)
+    out["softcap"] = config.logit_softcap
+    rope = config.rope
+    out["rope"] = None if rope is None else dict(
+        theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved
+    )
     return out
 
 
-def attention(q, k, v, positions, window: int | None = None) -> np.ndarray:
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, rotary_dim: int | None):
+    """Angular frequency of each rotated pair, and the factor on cos/sin, following transformers' formulas."""
+    dims = rotary_dim or head_dim
+    freqs = np.array([theta ** (-2.0 * i / dims) for i in range(dims // 2)])
+    kind = (scaling or {}).get("rope_type")
+    if kind is None or kind == "default":
+        return freqs, 1.0
+    factor = scaling["factor"]
+    if kind == "linear":
+        return freqs / factor, 1.0
+    if kind == "llama3":
+        old = scaling["original_max_position_embeddings"]
+        low_wavelength = old / scaling["low_freq_factor"]
+        high_wavelength = old / scaling["high_freq_factor"]
+        result = []
+        for freq in freqs:
+            wavelength = 2 * np.pi / freq
+            if wavelength < high_wavelength:
+                result.append(freq)
+            elif wavelength > low_wavelength:
+                result.append(freq / factor)
+            else:
+                smooth = (old / wavelength - scaling["low_freq_factor"]) / (
+                    scaling["high_freq_factor"] - scaling["low_freq_factor"]
+                )
+                result.append((1 - smooth) * freq / factor + smooth * freq)
+        return np.array(result), 1.0
+    assert kind == "yarn", kind
+    old = scaling["original_max_position_embeddings"]
+
+    def dim_for(rotations):
+        return dims * np.log(old / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+
+    low = max(np.floor(dim_for(scaling.get("beta_fast", 32))), 0)
+    high = min(np.ceil(dim_for(scaling.get("beta_slow", 1))), dims - 1)
+    if scaling.get("truncate") is False:
+        low, high = max(dim_for(scaling.get("beta_fast", 32)), 0), min(dim_for(scaling.get("beta_slow", 1)), dims - 1)
+    ramp = np.clip((np.arange(dims // 2) - low) / ((high + 0.001 if high == low else high) - low), 0, 1)
+    result = freqs * (1 - ramp) + freqs / factor * ramp
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        def mscale(m=1.0):
+            return 0.1 * m * np.log(factor) + 1.0 if factor > 1 else 1.0
+
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return result, attention_factor
+
+
+def rotate(x, positions, rope: dict) -> np.ndarray:
+    """Queries or keys `(T, heads, H)` turned by `positions`, as complex numbers: pair (a, b) is a + ib."""
+    x = np.array(x, np.float64)
+    head_dim = x.shape[-1]
+    dims = rope["rotary_dim"] or head_dim
+    freqs, attention_factor = rope_frequencies(head_dim, rope["theta"], rope["scaling"], rope["rotary_dim"])
+    phasor = attention_factor * np.exp(1j * np.asarray(positions, np.float64)[:, None] * freqs)[:, None, :]
+    part = x[..., :dims]
+    if rope["interleaved"]:
+        z = (part[..., 0::2] + 1j * part[..., 1::2]) * phasor
+        part = np.stack([z.real, z.imag], axis=-1).reshape(part.shape)
+    else:
+        z = (part[..., : dims // 2] + 1j * part[..., dims // 2 :]) * phasor
+        part = np.concatenate([z.real, z.imag], axis=-1)
+    x[..., :dims] = part
+    return x
+
+
+def normalise(x, scale, kind: str, eps: float) -> np.ndarray:
+    """Per-head LayerNorm (no bias) or RMSNorm over the last axis, times `scale`."""
+    if kind == "layer":
+        x = x - x.mean(axis=-1, keepdims=True)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def attention(q, k, v, positions, window: int | None = None, softcap: float | None = None) -> np.ndarray:
     """Queries `(T, N, H)` at `positions` over keys and values `(S, K, H)` at positions `0 .. S-1`.
 
     Query t sees keys `0 .. positions[t]`; with `window`, only the last
-    `window` of them. Returns `(T, N, H)`.
+    `window` of them; with `softcap`, logits become `softcap * tanh(logits / softcap)`.
+    Returns `(T, N, H)`.
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # query head n reads kv head n // group
     scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     t, s = np.asarray(positions)[:, None], np.arange(len(k))[None, :]
     allowed = s <= t
     if window is not None:
@@ -50,16 +143,23 @@ def attention(q, k, v, positions, window: int | None = None) -> np.ndarray:
     return np.einsum("nts,snh->tnh", probs, v)
 
 
-def causal_attention(weights: dict[str, np.ndarray], xs, window: int | None = None) -> np.ndarray:
-    """Full causal self-attention of one sequence `(T, D)` -> `(T, D)`.
+def causal_attention(weights: dict, xs, window: int | None = None, start: int = 0) -> np.ndarray:
+    """Full causal self-attention of one sequence `(T, D)` -> `(T, out_features)`.
 
-    With `window`, token t sees only tokens `t - window + 1 .. t`.
+    With `window`, token t sees only tokens `t - window + 1 .. t`. Token t
+    sits at absolute position `start + t` (only rotary positions see it).
     """
     xs = np.asarray(xs, np.float64)
     q = np.einsum("td,dnh->tnh", xs, weights["query_kernel"]) + weights["query_bias"]
     k = np.einsum("td,dkh->tkh", xs, weights["key_kernel"]) + weights["key_bias"]
     v = np.einsum("td,dkh->tkh", xs, weights["value_kernel"]) + weights["value_bias"]
-    context = attention(q, k, v, np.arange(len(xs)), window)
+    if weights.get("norm"):
+        q = normalise(q, weights["query_ln"], weights["norm"], weights["eps"])
+        k = normalise(k, weights["key_ln"], weights["norm"], weights["eps"])
+    if weights.get("rope"):
+        q = rotate(q, start + np.arange(len(xs)), weights["rope"])
+        k = rotate(k, start + np.arange(len(xs)), weights["rope"])
+    context = attention(q, k, v, np.arange(len(xs)), window, weights.get("softcap"))
     return np.einsum("tnh,nhd->td", context, weights["out_kernel"]) + weights["out_bias"]
 
 
@@ -85,7 +185,7 @@ class ReferenceCache:
         history = self.histories[sequence]
         history.append(np.asarray(token, np.float64))
         visible = history[-self.window :] if self.window is not None else history
-        return causal_attention(self.weights, np.stack(visible))[-1]
+        return causal_attention(self.weights, np.stack(visible), start=len(history) - len(visible))[-1]
 
     def reset(self, sequences):
         for sequence in sequences:

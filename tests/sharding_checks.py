@@ -64,16 +64,21 @@ class Case:
     num_heads: int
     num_kv_heads: int
     cache_dtype: str = "float32"
+    modern: bool = False  # rotary positions (llama3 scaling) and per-head RMS QK-norm
 
     def __str__(self):
         return (
             f"data={self.data},model={self.model} {self.layout} {self.cache_dtype} "
-            f"B={self.batch_size} N={self.num_heads} K={self.num_kv_heads}"
+            f"B={self.batch_size} N={self.num_heads} K={self.num_kv_heads}" + (" rope+qknorm" if self.modern else "")
         )
 
     def build(self, annotated: bool, eager: bool = False) -> kvattn.MultiHeadAttention:
         """The layer, annotated or not; placed as it is built only with `eager` under a mesh."""
         axes = {"data_axis": "data", "model_axis": "model"} if annotated else {}
+        if self.modern:
+            scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8}
+            axes |= {"rope": kvattn.RoPE(scaling=scaling), "normalize_qk": "rms"}
         with nnx.use_eager_sharding(eager):  # off: annotations only, whatever mesh is current
             return kvattn.MultiHeadAttention(
                 self.num_heads, IN_FEATURES, max_len=MAX_LEN, batch_size=self.batch_size,
@@ -89,7 +94,8 @@ def cases(layouts) -> list[Case]:
         out += [
             Case(data=8, model=1, layout=layout, batch_size=8, num_heads=4, num_kv_heads=2),
             Case(data=1, model=4, layout=layout, batch_size=2, num_heads=4, num_kv_heads=4),
-            Case(data=2, model=4, layout=layout, batch_size=4, num_heads=8, num_kv_heads=4),
+            # Rotation and norms are per head: the split placement must need no more communication.
+            Case(data=2, model=4, layout=layout, batch_size=4, num_heads=8, num_kv_heads=4, modern=layout == "slots_major"),
         ]
     return out
 

@@ -34,7 +34,18 @@ SAVED_CONFIG = dict(
     batch_size=3,
     cache_dtype="float32",
     cache_layout="slots_major",
+    use_bias=True,
+    qkv_features=8,
+    out_features=8,
+    dtype=None,
+    param_dtype="float32",
+    normalize_qk=False,
+    qk_norm_eps=1e-6,
+    logit_softcap=None,
+    rope=None,
 )
+V1_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len", "window", "batch_size",
+             "cache_dtype", "cache_layout")
 
 
 def make_layer(seed=0, **overrides):
@@ -150,7 +161,7 @@ def test_file_holds_the_cache_and_documented_metadata(saved):
     layer, path, _ = saved
     tensors, metadata = read_snapshot(path)
     assert_same_bits(tensors, cache_arrays(layer))
-    assert metadata["format"] == "kvattn.cache_snapshot" and metadata["format_version"] == "1"
+    assert metadata["format"] == "kvattn.cache_snapshot" and metadata["format_version"] == "2"
     assert json.loads(metadata["config"]) == SAVED_CONFIG
     specs = json.loads(metadata["tensors"])
     for name, array in tensors.items():
@@ -165,7 +176,7 @@ def test_file_holds_the_cache_and_documented_metadata(saved):
 def test_snapshot_info_reads_the_metadata_without_a_layer(saved):
     layer, path, _ = saved
     info = snapshot_info(path)
-    assert info.format_version == 1
+    assert info.format_version == 2
     assert info.config == SAVED_CONFIG
     assert {name: spec["shape"] for name, spec in info.tensors.items()} == {
         "k_cache": [3, 12, 2, 2],
@@ -247,11 +258,25 @@ def test_refuses_a_plain_safetensors_file(saved):
     assert_refused(target, path, "not a kvattn cache snapshot: expected format 'kvattn.cache_snapshot', got None")
 
 
+def test_reads_a_version_1_snapshot_as_recording_the_defaults_of_later_fields(saved):
+    """Version 1 predates the modern-attention options: its layers had all of them at their defaults."""
+    layer, path, target = saved
+    tensors, metadata = read_snapshot(path)
+    v1_config = {field: SAVED_CONFIG[field] for field in V1_FIELDS}
+    write_snapshot(path, tensors, {**metadata, "format_version": "1", "config": json.dumps(v1_config)})
+    info = snapshot_info(path)
+    assert info.format_version == 1 and info.config == SAVED_CONFIG
+    load_cache(target, path)
+    assert_same_bits(cache_arrays(target), cache_arrays(layer))
+    rotary = make_layer(rope=kvattn.RoPE())
+    assert_refused(rotary, path, r"rope=None \(layer has \{'theta': 10000.0")
+
+
 def test_refuses_another_format_version(saved):
     _, path, target = saved
     tensors, metadata = read_snapshot(path)
-    write_snapshot(path, tensors, {**metadata, "format_version": "2"})
-    assert_refused(target, path, "unsupported snapshot format_version '2'")
+    write_snapshot(path, tensors, {**metadata, "format_version": "3"})
+    assert_refused(target, path, "unsupported snapshot format_version '3'")
 
 
 @pytest.mark.parametrize("key", ["config", "tensors", "weights_fingerprint", "format_version"])
