@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvattn
-from kvattn import snapshot
+from kvattn import snapshot, snapshot_files
 from kvattn.snapshot import SnapshotError, load_cache, save_cache, snapshot_info, weights_fingerprint
 from tests.helpers import assert_same_bits, cache_arrays
 
@@ -441,13 +441,13 @@ def test_a_failed_save_leaves_no_partial_file(tmp_path, monkeypatch, earlier_fil
 
     layer = fill(make_layer())
     if failure == "mid_write":
-        monkeypatch.setattr(snapshot, "_write_and_sync", _half_then_fail)
+        monkeypatch.setattr(snapshot_files, "write_and_sync", _half_then_fail)
     elif failure == "fsync":
-        monkeypatch.setattr(snapshot.os, "fsync", fail)
+        monkeypatch.setattr(snapshot_files.os, "fsync", fail)
     elif failure == "replace":
-        monkeypatch.setattr(snapshot.os, "replace", fail)
+        monkeypatch.setattr(snapshot_files.os, "replace", fail)
     else:
-        monkeypatch.setattr(snapshot, "_write_and_sync", interrupt)
+        monkeypatch.setattr(snapshot_files, "write_and_sync", interrupt)
     with pytest.raises(KeyboardInterrupt if failure == "interrupt" else OSError):
         save_cache(layer, path)
     monkeypatch.undo()

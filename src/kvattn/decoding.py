@@ -153,7 +153,7 @@ class Decoder:
         x = check.tokens(self.config, x, "x", rank=1)
         if active is not None:
             active = check.mask(self.config, active, "active")
-        lengths = 1 if active is None else np.asarray(active).astype(np.int32)
+        lengths = 1 if active is None else check.host(active).astype(np.int32)
         return self._advance("step", (x, active), lengths)
 
     def prefill(self, xs, lengths=None):
@@ -162,7 +162,7 @@ class Decoder:
         check.nonempty(xs)
         if lengths is not None:
             lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2])
-        host_lengths = xs.shape[-2] if lengths is None else np.asarray(lengths)
+        host_lengths = xs.shape[-2] if lengths is None else check.host(lengths)
         return self._advance("prefill", (xs, lengths), host_lengths)
 
     def sync(self) -> MultiHeadAttention:

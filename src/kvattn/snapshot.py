@@ -22,24 +22,23 @@ way to tell, without loading, whether a snapshot is still valid for a layer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import struct
-import tempfile
 from pathlib import Path
 
 import jax
-import ml_dtypes
 import numpy as np
-import safetensors
 import safetensors.numpy
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from kvattn.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
+from kvattn import snapshot_files as files
+from kvattn.snapshot_files import SnapshotError
+from kvattn.validation import host
 
 __all__ = ["SnapshotError", "SnapshotInfo", "load_cache", "save_cache", "snapshot_info", "weights_fingerprint"]
 
@@ -53,30 +52,6 @@ _V1_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len",
 
 CONFIG_FIELDS = AttentionConfig.recorded_fields()
 _METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
-_HEADER_LENGTH_BYTES = 8
-_SHA256 = frozenset("0123456789abcdef")
-
-# The safetensors dtype codes of every NumPy dtype a cache may hold.
-_NUMPY_DTYPES = {
-    "BOOL": np.dtype(np.bool_),
-    "U8": np.dtype(np.uint8),
-    "I8": np.dtype(np.int8),
-    "U16": np.dtype(np.uint16),
-    "I16": np.dtype(np.int16),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "U32": np.dtype(np.uint32),
-    "I32": np.dtype(np.int32),
-    "F32": np.dtype(np.float32),
-    "U64": np.dtype(np.uint64),
-    "I64": np.dtype(np.int64),
-    "F64": np.dtype(np.float64),
-}
-
-
-class SnapshotError(ValueError):
-    """A snapshot file cannot be loaded into this layer; the layer was not changed."""
-
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
@@ -89,6 +64,8 @@ class SnapshotInfo:
     """Tensor name -> {"dtype": str, "shape": list[int], "sha256": str}."""
     weights_fingerprint: str
     """`weights_fingerprint` of the layer whose cache was saved."""
+    pieces: tuple[str, ...] = ()
+    """The per-process piece files beside the snapshot, when several processes saved it."""
 
 
 # ---------------------------------------------------------------------- public
@@ -118,7 +95,7 @@ def weights_fingerprint(layer: nnx.Module) -> str:
     """
     digest = hashlib.sha256()
     for name, array in sorted(_flat_arrays(layer, nnx.Param).items()):
-        values = np.ascontiguousarray(array, dtype="<f4")
+        values = np.ascontiguousarray(host(array), dtype="<f4")
         digest.update(f"{name}:{list(values.shape)}\n".encode())
         digest.update(values.tobytes())
     return digest.hexdigest()
@@ -139,15 +116,28 @@ def save_cache(layer: MultiHeadAttention, path: str | os.PathLike) -> None:
 
     `load_cache`'s example shows a round trip.
     """
-    tensors = {name: np.asarray(array) for name, array in _flat_arrays(layer, nnx.Cache).items()}
+    path = Path(path)
+    arrays = _flat_arrays(layer, nnx.Cache)
     metadata = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
-        "config": _dumps(_layer_config(layer)),
-        "tensors": _dumps({name: _tensor_spec(array) for name, array in tensors.items()}),
+        "config": files.dumps(_layer_config(layer)),
         "weights_fingerprint": weights_fingerprint(layer),
     }
-    _write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=metadata))
+    if all(array.is_fully_addressable for array in arrays.values()):
+        tensors = {name: np.asarray(array) for name, array in arrays.items()}
+        metadata["tensors"] = files.dumps({name: _tensor_spec(array) for name, array in tensors.items()})
+        files.write_atomically(path, safetensors.numpy.save(tensors, metadata=metadata))
+        return
+    # Several processes: each writes the shards it owns, then process 0 the snapshot that lists them.
+    files.write_own_pieces(path, arrays)
+    multihost_utils.sync_global_devices(f"kvattn.save_cache pieces {path}")
+    if jax.process_index() == 0:
+        specs = {name: {"dtype": np.dtype(a.dtype).name, "shape": list(a.shape)} for name, a in arrays.items()}
+        metadata["tensors"] = files.dumps(specs)
+        metadata["pieces"] = files.dumps(files.piece_file_names(path, jax.process_count()))
+        files.write_atomically(path, safetensors.numpy.save({}, metadata=metadata))
+    multihost_utils.sync_global_devices(f"kvattn.save_cache done {path}")
 
 
 def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weight_mismatch: bool = False) -> None:
@@ -192,9 +182,12 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
       5
     """
     data = Path(path).read_bytes()
-    info = _parse_info(_header(data, total_size=len(data)))
-    tensors = _decode_tensors(data)
-    _check_tensors_match_metadata(tensors, info.tensors)
+    info = _parse_info(files.header(data, total_size=len(data)))
+    if info.pieces:
+        tensors = files.read_pieces(Path(path).parent, list(info.pieces), info.tensors)
+    else:
+        tensors = files.decode_tensors(data)
+        _check_tensors_match_metadata(tensors, info.tensors)
     _check_config(info.config, _layer_config(layer))
     flat = nnx.to_flat_state(nnx.state(layer, nnx.Cache))
     variables = {_path_name(var_path): variable for var_path, variable in flat}
@@ -239,9 +232,9 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
     """
     with open(path, "rb") as file:
         total_size = os.fstat(file.fileno()).st_size
-        length_bytes = file.read(_HEADER_LENGTH_BYTES)
-        header_length = _header_length(length_bytes, total_size)
-        return _parse_info(_header(length_bytes + file.read(header_length), total_size))
+        length_bytes = file.read(files.HEADER_LENGTH_BYTES)
+        header_length = files.header_length(length_bytes, total_size)
+        return _parse_info(files.header(length_bytes + file.read(header_length), total_size))
 
 
 def _layer_config(layer: MultiHeadAttention) -> dict:
@@ -252,75 +245,11 @@ def _layer_config(layer: MultiHeadAttention) -> dict:
 # ------------------------------------------------------------------- writing
 
 
-def _write_atomically(path: Path, payload: bytes) -> None:
-    """Writes `payload` to a temporary file in `path`'s directory, then renames it onto `path`."""
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            _write_and_sync(file, payload)
-        os.replace(temp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
-        raise
-    _sync_directory(path.parent)
-
-
-def _write_and_sync(file, payload: bytes) -> None:
-    file.write(payload)
-    file.flush()
-    os.fsync(file.fileno())
-
-
-def _sync_directory(directory: Path) -> None:
-    """Makes the rename itself durable (POSIX; elsewhere a directory cannot be opened)."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _tensor_spec(array: np.ndarray) -> dict:
-    return {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": _sha256(array)}
-
-
-def _sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()).hexdigest()
-
-
-def _dumps(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": files.sha256(array)}
 
 
 # ------------------------------------------------------------------- reading
-
-
-def _header_length(length_bytes: bytes, total_size: int) -> int:
-    if len(length_bytes) < _HEADER_LENGTH_BYTES:
-        raise SnapshotError(f"not a safetensors file: {total_size} bytes, too short to hold a header")
-    (header_length,) = struct.unpack("<Q", length_bytes[:_HEADER_LENGTH_BYTES])
-    if header_length > total_size - _HEADER_LENGTH_BYTES:
-        raise SnapshotError(
-            f"truncated or corrupted file: its header claims {header_length} bytes, "
-            f"but the file has only {total_size} bytes"
-        )
-    return header_length
-
-
-def _header(data: bytes, total_size: int) -> dict:
-    """The safetensors JSON header at the start of `data` (which holds at least all of it)."""
-    header_length = _header_length(data[:_HEADER_LENGTH_BYTES], total_size)
-    raw = data[_HEADER_LENGTH_BYTES : _HEADER_LENGTH_BYTES + header_length]
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise SnapshotError(f"corrupted file: the safetensors header is not valid JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise SnapshotError(f"corrupted file: the safetensors header is a JSON {type(header).__name__}, not an object")
-    return header
 
 
 def _parse_info(header: dict) -> SnapshotInfo:
@@ -345,12 +274,26 @@ def _parse_info(header: dict) -> SnapshotInfo:
     if version == 1:
         config = {**_defaults_after_v1(config), **config}
     tensors = _loads_object(metadata, "tensors")
+    pieces = _pieces(metadata)
     for name, spec in tensors.items():
-        _check_spec(name, spec)
+        _check_spec(name, spec, checksummed=not pieces)
     fingerprint = metadata["weights_fingerprint"]
-    if not _is_sha256(fingerprint):
+    if not files.is_sha256(fingerprint):
         raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
-    return SnapshotInfo(version, config, tensors, fingerprint)
+    return SnapshotInfo(version, config, tensors, fingerprint, pieces)
+
+
+def _pieces(metadata: dict) -> tuple[str, ...]:
+    """The piece files a multi-process snapshot lists (checksums live in them), or () for a whole file."""
+    if "pieces" not in metadata:
+        return ()
+    try:
+        pieces = json.loads(metadata["pieces"])
+    except (TypeError, ValueError):
+        pieces = None
+    if not isinstance(pieces, list) or not pieces or not all(isinstance(p, str) for p in pieces):
+        raise SnapshotError(f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}")
+    return tuple(pieces)
 
 
 def _defaults_after_v1(config: dict) -> dict:
@@ -372,39 +315,20 @@ def _loads_object(metadata: dict, key: str) -> dict:
     return value
 
 
-def _check_spec(name: str, spec) -> None:
+def _check_spec(name: str, spec, checksummed: bool = True) -> None:
+    keys = ["dtype", "sha256", "shape"] if checksummed else ["dtype", "shape"]
     valid = (
         isinstance(spec, dict)
-        and sorted(spec) == ["dtype", "sha256", "shape"]
+        and sorted(spec) == keys
         and isinstance(spec["dtype"], str)
+        and spec["dtype"] in {d.name for d in files.NUMPY_DTYPES.values()}
         and isinstance(spec["shape"], list)
         and all(type(size) is int and size >= 0 for size in spec["shape"])
-        and _is_sha256(spec["sha256"])
+        and (not checksummed or files.is_sha256(spec["sha256"]))
     )
     if not valid:
-        raise SnapshotError(
-            f"corrupted snapshot: metadata for tensor {name!r} must be "
-            f'{{"dtype": str, "shape": [int, ...], "sha256": hex}}, got {spec!r}'
-        )
-
-
-def _is_sha256(value) -> bool:
-    return isinstance(value, str) and len(value) == 64 and set(value) <= _SHA256
-
-
-def _decode_tensors(data: bytes) -> dict[str, np.ndarray]:
-    """The tensors of a safetensors file, structure checked by safetensors itself."""
-    try:
-        views = safetensors.deserialize(data)
-    except safetensors.SafetensorError as error:
-        raise SnapshotError(f"truncated or corrupted file: {error}") from None
-    tensors = {}
-    for name, view in views:
-        dtype = _NUMPY_DTYPES.get(view["dtype"])
-        if dtype is None:
-            raise SnapshotError(f"tensor {name!r} has unsupported dtype {view['dtype']}")
-        tensors[name] = np.frombuffer(view["data"], dtype=dtype.newbyteorder("<")).reshape(view["shape"])
-    return tensors
+        expected = '"dtype": str, "shape": [int, ...], "sha256": hex' if checksummed else '"dtype": str, "shape": [int, ...]'
+        raise SnapshotError(f"corrupted snapshot: metadata for tensor {name!r} must be {{{expected}}}, got {spec!r}")
 
 
 def _check_tensors_match_metadata(tensors: dict[str, np.ndarray], specs: dict) -> None:
@@ -420,9 +344,9 @@ def _check_tensors_match_metadata(tensors: dict[str, np.ndarray], specs: dict) -
                 f"corrupted snapshot: metadata says tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])}, "
                 f"the file holds {array.dtype.name} {array.shape}"
             )
-        if spec["sha256"] != _sha256(array):
+        if spec["sha256"] != files.sha256(array):
             raise SnapshotError(
-                f"corrupted snapshot: tensor {name!r} fails its checksum (sha256 {_sha256(array)}, "
+                f"corrupted snapshot: tensor {name!r} fails its checksum (sha256 {files.sha256(array)}, "
                 f"expected {spec['sha256']}); the file was damaged after it was written"
             )
 

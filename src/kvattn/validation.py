@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from kvattn.config import AttentionConfig
 
@@ -21,6 +22,7 @@ __all__ = [
     "InvalidStateError",
     "capacity",
     "free_tokens",
+    "host",
     "is_traced",
     "keep_counts",
     "lead",
@@ -49,6 +51,19 @@ class InvalidStateError(ValueError):
 
 def is_traced(*arrays) -> bool:
     return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def host(value) -> np.ndarray:
+    """A NumPy copy of `value` as every process can see it.
+
+    A global array that spans devices of other processes (JAX
+    multi-controller) cannot be fetched directly: it is all-gathered, a
+    collective that every process reaches in the same order, as it runs
+    the same calls.
+    """
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(value)
 
 
 def lead(config: AttentionConfig) -> int:
@@ -118,11 +133,11 @@ def _ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bo
         raise ValueError(f"{name} must be int {expected}, got {array.dtype} {array.shape}")
     if traced:
         return array.astype(jnp.int32)
-    host = np.asarray(array)
-    if np.any((host < lower) | (host > upper)):
+    values = host(array)
+    if np.any((values < lower) | (values > upper)):
         interval = f"[{lower}, {upper + 1})" if half_open else f"[{lower}, {upper}]"
-        raise ValueError(f"{name} must lie in {interval}, got {host.tolist()}")
-    return host.astype(np.int32)
+        raise ValueError(f"{name} must lie in {interval}, got {values.tolist()}")
+    return values.astype(np.int32)
 
 
 def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int) -> jax.Array:
@@ -179,22 +194,22 @@ def state(config: AttentionConfig, pos) -> np.ndarray | None:
     """
     if is_traced(pos):
         return None
-    host = np.asarray(pos).reshape(-1)
-    bad = np.flatnonzero((host < 0) | (host > config.capacity))
+    values = host(pos).reshape(-1)
+    bad = np.flatnonzero((values < 0) | (values > config.capacity))
     if bad.size:
         raise InvalidStateError(
-            f"sequences {bad.tolist()} hold an invalid state: pos {host[bad].tolist()} is outside "
+            f"sequences {bad.tolist()} hold an invalid state: pos {values[bad].tolist()} is outside "
             f"[0, {config.capacity}] (an out-of-range fork/reorder index under jit leaves pos=-1). "
             "Call reset() on them; nothing was changed."
         )
-    return host
+    return values
 
 
 def capacity(config: AttentionConfig, pos: np.ndarray | None, lengths) -> None:
     """Raises `CacheOverflowError` if a sequence has no room for its `lengths` new tokens (host `pos`)."""
     if pos is None or is_traced(lengths):
         return  # under jit the in-graph guard applies
-    lengths = np.broadcast_to(np.asarray(lengths, np.int64), pos.shape)
+    lengths = np.broadcast_to(host(lengths).astype(np.int64), pos.shape)
     over = np.flatnonzero(pos.astype(np.int64) + lengths > config.capacity)
     if over.size:
         where = "" if config.batch_size is None else f" for sequences {over.tolist()}"
