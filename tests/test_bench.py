@@ -9,6 +9,7 @@ import pytest
 
 from kvattn import bench
 from kvattn.bench.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders
+from kvattn.bench.options import VARIANTS
 from kvattn.bench.summary import generation_means
 from kvattn.cli import main
 
@@ -150,3 +151,51 @@ def test_a_missing_extra_fails_before_measuring_and_names_the_install(tmp_path, 
         capsys.readouterr().err
     )
     assert not out_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def options_run(tmp_path_factory):
+    """`kvattn bench --options --quick`, run once through the CLI: its output directory and results."""
+    out_dir = tmp_path_factory.mktemp("options")
+    assert main(["bench", "--options", "--quick", "--out-dir", str(out_dir)]) == 0
+    return out_dir, json.loads((out_dir / "options.json").read_text())
+
+
+def test_options_time_every_variant_against_the_plain_layer(options_run):
+    out_dir, results = options_run
+    assert sorted(p.name for p in out_dir.iterdir()) == ["options.json", "options.md"]  # never run's files
+    config = results["config"]
+    assert config["max_len"] == QUICK_SIZES["max_len"] and config["repeats"] == QUICK_SIZES["repeats"]
+    assert {"config", "machine", "versions", "source", "method", "variants", "measurements"} <= set(results)
+    assert list(results["variants"]) == list(VARIANTS)
+    measured = {(r["batch_size"], r["filled"], r["variant"]) for r in results["measurements"]}
+    assert measured == {(b, t, v) for b in config["batch_sizes"] for t in config["filled"] for v in VARIANTS}
+    assert len(results["measurements"]) == len(measured)
+    for row in results["measurements"]:
+        assert math.isfinite(row["ms_per_token"]) and row["ms_per_token"] > 0
+        assert math.isfinite(row["ratio_to_plain"]) and row["ratio_to_plain"] > 0
+        assert len(row["samples_ms_per_token"]) == config["repeats"] and row["bytes_per_s"] > 0
+        plain = next(
+            r for r in results["measurements"]
+            if (r["batch_size"], r["filled"], r["variant"]) == (row["batch_size"], row["filled"], "plain")
+        )
+        assert row["ratio_to_plain"] == pytest.approx(row["ms_per_token"] / plain["ms_per_token"])
+        # Each variant's decode reproduces its own uncached forward (bfloat16 compute: to its precision).
+        assert row["max_abs_diff_vs_recompute"] < (0.1 if row["variant"].startswith("bf16") else 1e-4)
+    steps = {(r["batch_size"], r["filled"], r["variant"]): r["bytes_per_step"] for r in results["measurements"]}
+    for b in config["batch_sizes"]:
+        for t in config["filled"]:
+            assert steps[b, t, "bf16_params"] < steps[b, t, "plain"] == steps[b, t, "rope"]  # half the weight bytes
+    markdown = (out_dir / "options.md").read_text()
+    for name, spelled in results["variants"].items():
+        assert f"| `{name}` | `{spelled}` |" in markdown
+    assert "(1.00×)" in markdown
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--generation-repeats", "1"], "does not apply"), (["--layouts", "slots_major", "heads_major"], "one layout")],
+)
+def test_options_refuse_settings_they_cannot_use(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "--options", "--quick", "--out-dir", str(tmp_path), *extra])

@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out-dir", help="where the JSON, Markdown and PNG files go")
     bench.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    bench.add_argument(
+        "--options",
+        action="store_true",
+        help="instead of the contenders, time kvattn.decode with rotary positions, QK-norm and bfloat16 compute "
+        "against the plain layer (defaults: kvattn.bench.run_options's; one layout; writes options.json, options.md)",
+    )
     return parser
 
 
@@ -67,13 +73,25 @@ def _run(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
         )
         return 0 if report["passed"] else 1
-    from kvattn.bench import run
+    from kvattn.bench import run, run_options
 
-    options = {name: value for name, value in vars(args).items() if name != "command" and value is not None}
+    options = {
+        name: value for name, value in vars(args).items() if name not in ("command", "options") and value is not None
+    }
     for name in ("batch_sizes", "filled", "layouts"):
         if name in options:
             options[name] = tuple(options[name])
-    run(**options)
+    if not args.options:
+        run(**options)
+        return 0
+    if "generation_repeats" in options:
+        raise SystemExit("kvattn bench: --generation-repeats does not apply to --options")
+    layouts = options.pop("layouts", None)
+    if layouts is not None:
+        if len(layouts) != 1:
+            raise SystemExit(f"kvattn bench: --options measures one layout; pass one to --layouts, got {list(layouts)}")
+        options["layout"] = layouts[0]
+    run_options(**options)
     return 0
 
 

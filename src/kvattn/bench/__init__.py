@@ -30,13 +30,16 @@ over filled lengths 1..max_len of the measured curve, interpolated linearly
 between the measured T (and held constant outside them); the interpolated
 figure is kept beside the measured one in the JSON.
 
-`run` measures and writes the files; `run_demo` is `kvattn demo`. Both need
+`run` measures and writes the files; `run_options` (`kvattn bench --options`)
+times `kvattn.decode` on the layer with rotary positions, QK-norm or
+bfloat16 compute against the plain layer, interleaved in one run (see
+`kvattn.bench.options`); `run_demo` is `kvattn demo`. All need
 the `bench` extra (tables, progress, plots), which `kvattn.bench.extra`
 imports only where it is used, so `import kvattn` never loads it.
 """
 
 from kvattn.bench.config import BenchConfig
 from kvattn.bench.demo import run_demo
-from kvattn.bench.runner import run
+from kvattn.bench.runner import run, run_options
 
-__all__ = ["BenchConfig", "run", "run_demo"]
+__all__ = ["BenchConfig", "run", "run_demo", "run_options"]

@@ -11,10 +11,9 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn import cache as cache_ops
 from kvattn.bench.baselines import flax_scan, flax_step, flax_twin, matvec
 from kvattn.bench.config import DEFAULT_LAYOUT, BenchConfig, tokens_timed
-from kvattn.bench.timing import PREFILL_CHUNK, CacheFiller, CacheState, Timing, time_bursts, to_layout
+from kvattn.bench.timing import PREFILL_CHUNK, CacheFiller, CacheState, Timing, load_state, time_bursts
 
 __all__ = ["BatchBench", "Progress"]
 
@@ -148,20 +147,7 @@ class BatchBench:
 
     def load_kvattn(self, layout: str, state: CacheState) -> kvattn.MultiHeadAttention:
         """The `layout` layer holding a fresh copy of `state`."""
-        layer = self.layers[layout]
-        # Encoding is per token and head, so encoding the whole float32 cache
-        # stores exactly what appending its tokens one by one would.
-        dtype = jnp.dtype(self.config.dtype)
-        keys = cache_ops.encode(to_layout(state.keys, layout), dtype)
-        values = cache_ops.encode(to_layout(state.values, layout), dtype)
-        layer.k_cache.set_value(keys.values)
-        layer.v_cache.set_value(values.values)
-        if keys.scale is not None:
-            layer.k_scale.set_value(keys.scale)
-            layer.v_scale.set_value(values.scale)
-        layer.pos.set_value(jnp.full((self.batch_size,), state.pos, jnp.int32))
-        jax.block_until_ready(nnx.state(layer, nnx.Cache))
-        return layer
+        return load_state(self.layers[layout], state)
 
     def load_flax(self, state: CacheState) -> nnx.MultiHeadAttention:
         """The Flax layer holding a fresh copy of `state` (one index for the whole batch).

@@ -1,4 +1,4 @@
-"""The run's tables: Markdown for BENCHMARKS.md, and rich tables on the console."""
+"""The runs' tables: Markdown for BENCHMARKS.md, and rich tables on the console."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from kvattn.bench.extra import require
 
-__all__ = ["markdown_tables", "print_tables"]
+__all__ = ["markdown_tables", "options_markdown", "print_options", "print_tables"]
 
 
 def markdown_tables(results: dict[str, Any]) -> str:
@@ -98,3 +98,44 @@ def print_tables(results: dict[str, Any]) -> None:
         verdict = {None: "", True: "[green]met", False: "[red]missed"}[target["met"]]
         verdicts.add_row(str(target["batch_size"]), target["name"], f"{target['value']:.3g}", goal, verdict)
     console.print(verdicts)
+
+
+def options_markdown(results: dict[str, Any]) -> str:
+    """`run_options`'s table as Markdown: one row per variant, ms per token (ratio to plain) per B and T."""
+    config, rows = results["config"], results["measurements"]
+    columns = [(b, t) for b in config["batch_sizes"] for t in config["filled"]]
+    lines = [
+        f"### ms per token of `kvattn.decode` ({config['dtype']} cache, {config['layouts'][0]}; "
+        "× the plain layer in the same run)",
+        "",
+        "| variant | layer options | " + " | ".join(f"B={b} T={t}" for b, t in columns) + " |",
+        "|---|---|" + "---:|" * len(columns),
+    ]
+    for name, spelled in results["variants"].items():
+        cells = []
+        for batch_size, filled in columns:
+            (row,) = [r for r in rows if (r["batch_size"], r["filled"], r["variant"]) == (batch_size, filled, name)]
+            cells.append(f"{row['ms_per_token']:.3g} ({row['ratio_to_plain']:.2f}×)")
+        lines.append(f"| `{name}` | `{spelled}` | " + " | ".join(cells) + " |")
+    diff = max(r["max_abs_diff_vs_recompute"] for r in rows)
+    lines += ["", f"Every variant's last output matches its own uncached forward within {diff:.1e}."]
+    return "\n".join(lines) + "\n"
+
+
+def print_options(results: dict[str, Any]) -> None:
+    """Prints `run_options`'s rows with rich."""
+    console = require("rich.console").Console()
+    table = require("rich.table").Table(title="What each layer option costs per decoded token (kvattn.decode)")
+    for column in ("B", "T", "variant", "ms/token", "× plain", "GB/s", "|Δ|"):
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
+    for row in results["measurements"]:
+        table.add_row(
+            str(row["batch_size"]),
+            str(row["filled"]),
+            row["variant"],
+            f"{row['ms_per_token']:.4g}",
+            f"{row['ratio_to_plain']:.2f}",
+            f"{row['bytes_per_s'] / 1e9:.3g}",
+            f"{row['max_abs_diff_vs_recompute']:.0e}",
+        )
+    console.print(table)

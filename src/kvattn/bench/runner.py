@@ -1,4 +1,4 @@
-"""`kvattn.bench.run`: measure every contender, then write the JSON, Markdown and plots and print the tables."""
+"""`kvattn.bench.run` and `run_options`: measure, then write the JSON, Markdown (and plots) and print the tables."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from typing import Any
 from kvattn.bench import extra
 from kvattn.bench.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders, tokens_timed
 from kvattn.bench.contenders import BatchBench
+from kvattn.bench.options import VARIANTS, measure_options
 from kvattn.bench.plots import plot_bandwidth, plot_time
 from kvattn.bench.provenance import load_average, machine_info, source_revision, versions
-from kvattn.bench.report import markdown_tables, print_tables
+from kvattn.bench.report import markdown_tables, options_markdown, print_options, print_tables
 from kvattn.bench.summary import generation_means, targets
 
-__all__ = ["measure", "run"]
+__all__ = ["measure", "run", "run_options"]
 
 
 def run(
@@ -103,10 +104,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
                 whole.extend(bench.measure_generation(progress))
     generation = generation_means(config, rows, whole)
     return {
-        "config": dataclasses.asdict(config),
-        "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_average()},
-        "versions": versions(),
-        "source": source_revision(),
+        **_provenance(config, load_before),
         "method": {
             "per_token": "median over repeats of (burst time / tokens), burst ending with T slots filled",
             "burst_tokens": {name: tokens_timed(config, name) for name in names},
@@ -132,3 +130,87 @@ def measure(config: BenchConfig) -> dict[str, Any]:
         "targets": targets(config, rows, generation),
     }
 
+
+
+def run_options(
+    *,
+    in_features: int = 512,
+    num_heads: int = 8,
+    max_len: int = 2048,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    filled: tuple[int, ...] = (512, 2048),
+    layout: str = "slots_major",
+    dtype: str = "float32",
+    repeats: int = 9,
+    out_dir: str | os.PathLike = "bench-results",
+    quick: bool = False,
+) -> dict[str, Any]:
+    """Times `kvattn.decode` on the plain layer and on each variant of `kvattn.bench.options.VARIANTS`.
+
+    Writes `options.json` and `options.md` (beside, never over, `run`'s
+    files) and prints the table.
+
+    Args:
+      in_features, num_heads, max_len: layer sizes.
+      batch_sizes: batch sizes to measure.
+      filled: filled lengths T to measure.
+      layout: the cache layout of every variant.
+      dtype: the cache storage dtype of every variant.
+      repeats: interleaved rounds, each timing one burst of every variant
+        (median reported).
+      out_dir: directory for the two files; created if missing.
+      quick: replace the sizes by tiny ones (a smoke test).
+
+    Returns:
+      The results, as written to `options.json`.
+    """
+    for module in extra.MODULES:
+        extra.require(module)
+    sizes = dict(
+        in_features=in_features,
+        num_heads=num_heads,
+        max_len=max_len,
+        batch_sizes=tuple(batch_sizes),
+        filled=tuple(sorted(set(filled))),
+        repeats=repeats,
+    )
+    if quick:
+        sizes.update(QUICK_SIZES)
+    sizes["generation_repeats"] = 0
+    config = BenchConfig(layouts=(layout,), dtype=dtype, **sizes)
+    config.validate()
+    started = time.perf_counter()
+    load_before = load_average()
+    tqdm = extra.require("tqdm").tqdm
+    with tqdm(total=len(config.batch_sizes) * len(config.filled) * config.repeats, desc="kvattn bench --options") as bar:
+        rows = measure_options(config, bar)
+    results = {
+        **_provenance(config, load_before),
+        "method": {
+            "per_token": "median over repeats of (burst time / tokens) of kvattn.decode(layer, xs), burst ending "
+            "with T slots filled, from the cache the variant itself prefilled",
+            "interleaving": "each round times one burst of every variant after an untimed warm-up burst of its "
+            "own, the order starting one variant later each round",
+            "ratio_to_plain": "the variant's median / the plain layer's median at the same B and T",
+            "bytes_per_step": "the variant's weight bytes + filled K/V bytes (B * T * 2 * K * H * itemsize)",
+        },
+        "variants": {name: spelled for name, (_, spelled) in VARIANTS.items()},
+        "measurements": rows,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "options.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "options.md").write_text(options_markdown(results))
+    print_options(results)
+    return results
+
+
+def _provenance(config: BenchConfig, load_before: Any) -> dict[str, Any]:
+    """The config, machine, versions and source revision a set of figures comes from."""
+    return {
+        "config": dataclasses.asdict(config),
+        "machine": {**machine_info(), "load_average_before": load_before, "load_average_after": load_average()},
+        "versions": versions(),
+        "source": source_revision(),
+    }

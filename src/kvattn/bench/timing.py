@@ -10,9 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kvattn
+from flax import nnx
 
-__all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "time_bursts", "to_layout"]
+import kvattn
+from kvattn import cache as cache_ops
+
+__all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "time_bursts", "to_layout"]
 
 PREFILL_CHUNK = 128
 
@@ -60,6 +63,24 @@ def to_layout(cache: jax.Array, layout: str) -> jax.Array:
     if layout == "slots_major":
         return jnp.copy(cache)
     return jnp.swapaxes(cache, 1, 2)
+
+
+def load_state(layer: kvattn.MultiHeadAttention, state: CacheState) -> kvattn.MultiHeadAttention:
+    """`layer` holding a fresh copy of `state`, in its own cache layout and dtype; nothing left pending."""
+    config = layer.config
+    # Encoding is per token and head, so encoding the whole float32 cache
+    # stores exactly what appending its tokens one by one would.
+    dtype = jnp.dtype(config.cache_dtype)
+    keys = cache_ops.encode(to_layout(state.keys, config.cache_layout), dtype)
+    values = cache_ops.encode(to_layout(state.values, config.cache_layout), dtype)
+    layer.k_cache.set_value(keys.values)
+    layer.v_cache.set_value(values.values)
+    if keys.scale is not None:
+        layer.k_scale.set_value(keys.scale)
+        layer.v_scale.set_value(values.scale)
+    layer.pos.set_value(jnp.full((config.batch_size,), state.pos, jnp.int32))
+    jax.block_until_ready(nnx.state(layer, nnx.Cache))
+    return layer
 
 
 class CacheFiller:
