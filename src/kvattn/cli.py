@@ -1,4 +1,4 @@
-"""`kvattn demo` and `kvattn bench`: parse arguments, call the library by keyword."""
+"""`kvattn demo`, `kvattn bench` and `kvattn generate`: parse arguments, call the library by keyword."""
 
 from __future__ import annotations
 
@@ -43,7 +43,55 @@ def _parser() -> argparse.ArgumentParser:
         help="instead of the contenders, time kvattn.decode with rotary positions, QK-norm and bfloat16 compute "
         "against the plain layer (defaults: kvattn.bench.run_options's; one layout; writes options.json, options.md)",
     )
+    generate = commands.add_parser("generate", help="generate text from a Hugging Face checkpoint directory")
+    generate.add_argument("checkpoint", help="directory with config.json and model.safetensors (and tokenizer.json)")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
+    prompt.add_argument("--prompt-ids", type=int, nargs="+", help="token ids, when there is no tokenizer.json")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--max-len", type=int, default=None, help="cache capacity (default: prompt + new tokens)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Streams tokens as they are produced, then prints tokens per second (stderr)."""
+    import time
+    from pathlib import Path
+
+    import jax
+
+    from kvattn import models
+
+    tokenizer = None
+    if args.prompt is not None:
+        path = Path(args.checkpoint) / "tokenizer.json"
+        if not path.exists():
+            raise SystemExit(f"kvattn generate: {path} does not exist; pass --prompt-ids instead of --prompt")
+        from kvattn.bench import extra
+
+        tokenizer = extra.require("tokenizers", extra_name="generate").Tokenizer.from_file(str(path))
+        ids = tokenizer.encode(args.prompt).ids
+    else:
+        ids = args.prompt_ids
+    max_len = args.max_len or len(ids) + args.max_new_tokens
+    model = models.from_pretrained(args.checkpoint, max_len=max_len, dtype=args.dtype)
+    start, count = time.perf_counter(), 0
+    for count, token in enumerate(models.stream(
+        model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        rng=jax.random.key(args.seed),
+    ), start=1):
+        if count == 1:
+            start = time.perf_counter()  # the first token carries the compilation and the prefill
+        print(tokenizer.decode([token]) if tokenizer else token, end="" if tokenizer else " ", flush=True)
+    elapsed = time.perf_counter() - start
+    rate = (count - 1) / elapsed if count > 1 and elapsed > 0 else float("nan")
+    print(f"\n{count} tokens; {rate:.1f} tokens/s after the first", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "demo":
         from kvattn.bench import run_demo
 

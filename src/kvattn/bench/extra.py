@@ -19,8 +19,8 @@ class MissingExtraError(ImportError):
     """A module of the bench extra is not installed."""
 
 
-def require(module: str) -> ModuleType:
-    """Imports `module`, part of the bench extra.
+def require(module: str, extra_name: str = "bench") -> ModuleType:
+    """Imports `module`, part of an extra (`bench` by default; `generate` for the tokenizer).
 
     Raises:
       MissingExtraError: when it is not installed; the message names the
@@ -30,6 +30,6 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as error:
         package = module.split(".")[0]
-        raise MissingExtraError(
-            f"kvattn bench and kvattn demo need the bench extra, which provides {package}: {INSTALL}"
-        ) from error
+        users = "kvattn bench and kvattn demo need" if extra_name == "bench" else f"kvattn {extra_name} needs"
+        install = INSTALL if extra_name == "bench" else f"pip install 'kvattn[{extra_name}]'"
+        raise MissingExtraError(f"{users} the {extra_name} extra, which provides {package}: {install}") from error

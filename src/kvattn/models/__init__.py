@@ -1,0 +1,18 @@
+"""Decoder-only language models on kvattn layers, loaded from Hugging Face checkpoints without torch."""
+
+from kvattn.models.config import ModelConfig, UnsupportedConfigError, from_hf_config
+from kvattn.models.decoder import DecoderLM
+from kvattn.models.generate import Generated, generate, stream
+from kvattn.models.hf import from_pretrained, load_safetensors
+
+__all__ = [
+    "DecoderLM",
+    "Generated",
+    "ModelConfig",
+    "UnsupportedConfigError",
+    "from_hf_config",
+    "from_pretrained",
+    "generate",
+    "load_safetensors",
+    "stream",
+]

@@ -1,0 +1,191 @@
+"""Decoder-only language models built from kvattn layers: GPT-2 and the Llama family.
+
+`DecoderLM(config, max_len=..., batch_size=..., rngs=...)` holds an
+embedding, `num_layers` blocks (norm, `kvattn.MultiHeadAttention`, norm,
+MLP), a final norm and the output projection (tied to the embedding when
+the checkpoint ties them). Every block's attention owns its KV cache, so the
+model decodes with `prefill(tokens, lengths)` and `step(tokens)` like one
+layer does, and `model(tokens)` is the full causal forward without a cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvattn.attention import MultiHeadAttention
+from kvattn.models.config import ModelConfig
+
+__all__ = ["DecoderLM"]
+
+
+def _along_last(vector, x):
+    """A per-feature vector shaped to broadcast against `x` `(..., F)`."""
+    return vector.reshape((1,) * (x.ndim - 1) + vector.shape)
+
+
+class RMSNorm(nnx.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)`, computed in float32 (Llama's)."""
+
+    def __init__(self, features: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((features,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * _along_last(self.weight[...], x)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias (GPT-2's), computed in float32."""
+
+    def __init__(self, features: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((features,), dtype))
+        self.bias = nnx.Param(jnp.zeros((features,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return normed * _along_last(self.weight[...], x) + _along_last(self.bias[...], x)
+
+
+class Linear(nnx.Module):
+    """`x @ kernel (+ bias)`, kernel `(in, out)`."""
+
+    def __init__(self, features_in: int, features_out: int, bias: bool, dtype):
+        self.kernel = nnx.Param(jnp.zeros((features_in, features_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((features_out,), dtype)) if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + _along_last(self.bias[...], y)
+
+
+class MLP(nnx.Module):
+    """SwiGLU (Llama: `down(silu(gate(x)) * up(x))`) or GELU (GPT-2: `down(gelu_tanh(up(x)))`)."""
+
+    def __init__(self, config: ModelConfig, dtype):
+        self.gated = config.family == "llama"
+        bias = config.family == "gpt2"
+        self.up = Linear(config.hidden_size, config.intermediate_size, bias, dtype)
+        self.gate = Linear(config.hidden_size, config.intermediate_size, bias, dtype) if self.gated else None
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+
+    def __call__(self, x):
+        if self.gated:
+            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: `x + attention(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, attention: MultiHeadAttention, dtype):
+        norm = RMSNorm if config.family == "llama" else LayerNorm
+        self.attention_norm = norm(config.hidden_size, config.norm_eps, dtype)
+        self.attention = attention
+        self.mlp_norm = norm(config.hidden_size, config.norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x, attend):
+        x = x + attend(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderLM(nnx.Module):
+    """A decoder-only language model whose attention layers carry kvattn's KV caches.
+
+    Args:
+      config: the model's sizes and options.
+      max_len: cache capacity per sequence (prompt plus new tokens).
+      batch_size: sequences decoded together.
+      dtype: computation and parameter dtype (float32 or bfloat16).
+      cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
+      rngs: only for initial values; `from_pretrained` overwrites them.
+    """
+
+    def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
+                 cache_dtype=None, rngs: nnx.Rngs):
+        self.config = config
+        dtype = jnp.dtype(dtype)
+        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+        self.positions = (
+            nnx.Param(jnp.zeros((config.max_position_embeddings, config.hidden_size), dtype))
+            if config.family == "gpt2" else None
+        )
+        window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
+        capacity = dict(window=window) if window else dict(max_len=max_len)
+
+        def attention():
+            return MultiHeadAttention(
+                config.num_heads, config.hidden_size, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
+                batch_size=batch_size, use_bias=True if config.family == "gpt2" else (
+                    ("query", "key", "value") if config.attention_bias else False),
+                rope=config.rope, normalize_qk="rms" if config.qk_norm else False, qk_norm_eps=config.norm_eps,
+                dtype=dtype, param_dtype=dtype, cache_dtype=cache_dtype or dtype, rngs=rngs, **capacity,
+            )
+
+        self.blocks = nnx.List([Block(config, attention(), dtype) for _ in range(config.num_layers)])
+        norm = RMSNorm if config.family == "llama" else LayerNorm
+        self.final_norm = norm(config.hidden_size, config.norm_eps, dtype)
+        self.lm_head = None if config.tie_embeddings else nnx.Param(jnp.zeros((config.hidden_size, config.vocab_size), dtype))
+
+    @property
+    def pos(self) -> jax.Array:
+        """Tokens each sequence holds, `(B,)` (every layer's cache agrees)."""
+        return self.blocks[0].attention.pos[...]
+
+    def _embed(self, tokens, positions):
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.positions is not None:
+            x = x + jnp.take(self.positions[...], positions, axis=0)
+        return x
+
+    def _logits(self, x):
+        x = self.final_norm(x)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        return (x @ head).astype(jnp.float32)
+
+    def __call__(self, tokens):
+        """The full causal forward of `tokens` `(B, T)` int32, no cache: logits `(B, T, V)` float32."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        x = self._embed(tokens, positions)
+        for block in self.blocks:
+            x = block.forward(x, block.attention)
+        return self._logits(x)
+
+    def prefill(self, tokens, lengths=None):
+        """Appends `tokens` `(B, T)` (right-padded, `lengths` real per sequence) to every cache: logits `(B, T, V)`."""
+        positions = self.pos[:, None] + jnp.arange(tokens.shape[1])[None, :]
+        x = self._embed(tokens, positions)
+        for block in self.blocks:
+            x = block.forward(x, lambda h, attention=block.attention: attention.prefill(h, lengths))
+        return self._logits(x)
+
+    def step(self, tokens, active=None):
+        """Appends one token per sequence `(B,)`: logits `(B, V)`."""
+        x = self._embed(tokens, self.pos)
+        for block in self.blocks:
+            x = block.forward(x, lambda h, attention=block.attention: attention.step(h, active))
+        return self._logits(x)
+
+    def reset(self, which=None):
+        for block in self.blocks:
+            block.attention.reset(which)
+
+    def truncate(self, keep):
+        for block in self.blocks:
+            block.attention.truncate(keep)
+
+    def fork(self, source, targets):
+        for block in self.blocks:
+            block.attention.fork(source, targets)
+
+    def reorder(self, order):
+        for block in self.blocks:
+            block.attention.reorder(order)

@@ -1,0 +1,134 @@
+"""kvattn.models against Hugging Face transformers, on tiny checkpoints transformers produced.
+
+The checkpoints and transformers' outputs live in tests/fixtures/hf/, made by
+tools/make_hf_fixtures.py (which needs torch; this suite does not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvattn import models
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+# float32 against transformers' float32: |kvattn - transformers| <= RTOL * max|logits| per position.
+RTOL = 1e-4
+
+
+def expected(family):
+    return dict(np.load(FIXTURES / family / "expected.npz"))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(request):
+    family = request.param
+    want = expected(family)
+    model = models.from_pretrained(FIXTURES / family, max_len=64, batch_size=len(want["lengths"]))
+    return family, model, want
+
+
+def test_logits_equal_transformers(loaded):
+    family, model, want = loaded
+    for row, length in enumerate(want["lengths"]):
+        got = model(jnp.asarray(want["prompts"][row : row + 1, :length]))[0]
+        reference = want["logits"][row, :length]
+        scale = np.abs(reference).max()
+        np.testing.assert_allclose(got, reference, atol=RTOL * scale, rtol=0, err_msg=f"{family} prompt {row}")
+    # The fixture is meaningful: the top-1 margins along the greedy paths dwarf the tolerance.
+    assert want["min_gap"].min() > 10 * RTOL * np.abs(want["logits"]).max()
+
+
+def test_batched_ragged_prefill_equals_transformers(loaded):
+    family, model, want = loaded
+    model.reset()
+    logits = model.prefill(jnp.asarray(want["prompts"]), jnp.asarray(want["lengths"]))
+    for row, length in enumerate(want["lengths"]):
+        reference = want["logits"][row, :length]
+        np.testing.assert_allclose(logits[row, :length], reference, atol=RTOL * np.abs(reference).max(), rtol=0)
+    model.reset()
+
+
+def test_greedy_generation_equals_transformers_token_for_token(loaded):
+    family, model, want = loaded
+    model.reset()
+    result = models.generate(model, want["prompts"], want["greedy"].shape[1], lengths=want["lengths"])
+    np.testing.assert_array_equal(np.asarray(result.tokens), want["greedy"], err_msg=family)
+    assert np.asarray(result.counts).tolist() == [want["greedy"].shape[1]] * len(want["lengths"])
+    assert np.asarray(model.pos).tolist() == (want["lengths"] + want["greedy"].shape[1]).tolist()
+    for path in (FIXTURES / family / "made_with.json",):
+        assert min(json.loads(path.read_text())["distinct_greedy_tokens"]) >= 8  # the paths vary
+    model.reset()
+
+
+def test_stop_tokens_end_sequences_early():
+    want = expected("llama")
+    model = models.from_pretrained(FIXTURES / "llama", max_len=64, batch_size=3)
+    stop = int(want["greedy"][1, 4])
+    result = models.generate(model, want["prompts"], 12, lengths=want["lengths"], stop_tokens=(stop,))
+    for row in range(3):
+        hits = np.flatnonzero(want["greedy"][row, :12] == stop)
+        count = int(hits[0]) + 1 if hits.size else 12
+        assert int(result.counts[row]) == count
+        np.testing.assert_array_equal(result.tokens[row, :count], want["greedy"][row, :count])
+        assert not np.asarray(result.tokens[row, count:]).any()
+
+
+def test_sampling_is_seeded_and_stays_in_the_top_k():
+    want = expected("qwen2")
+    model = models.from_pretrained(FIXTURES / "qwen2", max_len=64, batch_size=3)
+    args = dict(lengths=want["lengths"], temperature=1.0, top_k=3, rng=jax.random.key(5))
+    first = models.generate(model, want["prompts"], 6, **args).tokens
+    model.reset()
+    again = models.generate(model, want["prompts"], 6, **args).tokens
+    np.testing.assert_array_equal(first, again)
+    model.reset()
+    other = models.generate(model, want["prompts"], 6, **{**args, "rng": jax.random.key(6)}).tokens
+    assert not np.array_equal(first, other)
+    model.reset()
+    logits = model.prefill(jnp.asarray(want["prompts"]), jnp.asarray(want["lengths"]))
+    for row, length in enumerate(want["lengths"]):
+        top3 = np.argsort(np.asarray(logits[row, length - 1]))[-3:]
+        assert int(first[row, 0]) in top3
+
+
+def test_unsupported_configurations_are_named(tmp_path):
+    config = json.loads((FIXTURES / "llama" / "config.json").read_text())
+    with pytest.raises(models.UnsupportedConfigError, match="hidden_act='gelu'"):
+        models.from_hf_config({**config, "hidden_act": "gelu"})
+    with pytest.raises(models.UnsupportedConfigError, match="model_type='falcon'"):
+        models.from_hf_config({**config, "model_type": "falcon"})
+    with pytest.raises(models.UnsupportedConfigError, match="mlp_bias=True"):
+        models.from_hf_config({**config, "mlp_bias": True})
+
+
+def test_cli_streams_greedy_tokens_from_a_checkpoint(tmp_path, capsys):
+    """`kvattn generate DIR --prompt TEXT` encodes with tokenizer.json, streams the greedy tokens, reports tokens/s."""
+    import shutil
+
+    from tokenizers import Tokenizer, models as tokenizer_models, pre_tokenizers
+
+    from kvattn.cli import main
+
+    want = expected("llama")
+    directory = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "llama", directory)
+    vocab = {f"t{i}": i for i in range(97)}
+    tokenizer = Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    length = int(want["lengths"][0])
+    text = " ".join(f"t{i}" for i in want["prompts"][0, :length])
+    assert main(["generate", str(directory), "--prompt", text, "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "".join(f"t{i}" for i in want["greedy"][0, :6])
+    assert "tokens/s" in err
+    ids = [str(i) for i in want["prompts"][0, :length]]
+    assert main(["generate", str(FIXTURES / "llama"), "--prompt-ids", *ids, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out.split() == [str(i) for i in want["greedy"][0, :6]]

@@ -1,0 +1,128 @@
+"""Makes the tiny Hugging Face checkpoints and expected outputs that tests/test_models.py checks kvattn against.
+
+Dev-only: needs torch and transformers (`pip install -e '.[fixtures]'`, or any
+environment with them). The outputs are committed under tests/fixtures/hf/,
+so the test suite itself needs neither. Run from the repository root:
+
+    python tools/make_hf_fixtures.py
+
+For each family: a random model (weights scaled up from transformers'
+initialisation, so that greedy decoding does not settle on one token),
+saved with `save_pretrained` (config.json + model.safetensors), and
+`expected.npz` holding the prompts, transformers' float32 logits of each
+prompt, its greedy continuation, and the smallest top-1/top-2 logit gap
+along those paths (the margin that makes a token-for-token comparison
+meaningful).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
+NEW_TOKENS = 32
+PROMPT_LENGTHS = (5, 9, 3)
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128, tie_word_embeddings=False)
+
+FAMILIES = {
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel,
+             dict(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=128)),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(COMMON, num_key_value_heads=2, rope_theta=500.0, rope_scaling={
+                  "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16})),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(COMMON, num_key_value_heads=1, sliding_window=8)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(COMMON, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+}
+
+
+def perturb(model: torch.nn.Module, generator: torch.Generator, embed_scale: float, gain: float) -> None:
+    """Larger weights than the 0.02-std default, and norm gains away from 1, so outputs depend on the input.
+
+    Tied embeddings at full scale make a model predict its own input token
+    (the residual stream's embedding meets itself in the output
+    projection), so their scale is a knob the search below turns.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim == 1 and ("norm" in name or "ln" in name):
+                param.copy_(1.0 + 0.3 * noise if name.endswith("weight") else 0.1 * noise)
+            elif param.ndim == 1:
+                param.copy_(0.3 * noise)
+            elif "embed" in name or "wte" in name or "wpe" in name:
+                param.copy_(embed_scale * noise)
+            else:
+                param.copy_(noise * gain / param.shape[-1] ** 0.5)
+
+
+def run(model, config, seed: int):
+    """transformers' logits and greedy continuations of the prompts, and the smallest top-1/top-2 gaps."""
+    rng = np.random.default_rng(seed)
+    prompts = np.zeros((len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)), np.int32)
+    logits, continuations, gaps = [], [], []
+    for row, length in enumerate(PROMPT_LENGTHS):
+        prompt = rng.integers(0, config.vocab_size, size=length)
+        prompts[row, :length] = prompt
+        ids = torch.tensor(prompt[None], dtype=torch.long)
+        with torch.no_grad():
+            full = model(ids).logits[0].float().numpy()
+            # An explicit mask: left to infer it, transformers would mask prompt tokens equal to pad_token_id.
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0, output_logits=True,
+                                       return_dict_in_generate=True)
+        padded = np.zeros((max(PROMPT_LENGTHS), config.vocab_size), np.float32)
+        padded[:length] = full
+        logits.append(padded)
+        continuations.append(generated.sequences[0, length:].numpy().astype(np.int32))
+        steps = np.stack([step[0].float().numpy() for step in generated.logits])
+        top2 = np.sort(steps, axis=-1)[:, -2:]
+        gaps.append(float((top2[:, 1] - top2[:, 0]).min()))
+    return prompts, logits, continuations, gaps
+
+
+def make(name: str) -> None:
+    config_class, model_class, kwargs = FAMILIES[name]
+    config = config_class(**kwargs)
+    config._attn_implementation = "eager"
+    # Search a few seeds and scales for a model whose greedy paths vary and keep a clear top-1 margin.
+    best = None
+    for attempt in range(40):
+        torch.manual_seed(attempt)
+        model = model_class(config).eval()
+        perturb(model, torch.Generator().manual_seed(attempt), embed_scale=(1.0, 0.5, 0.25)[attempt % 3],
+                gain=(1.5, 3.0, 6.0, 10.0)[attempt // 3 % 4])
+        outputs = run(model, config, attempt)
+        score = min(min(len(set(c.tolist())) for c in outputs[2]), 12) + min(outputs[3]) * 10
+        if best is None or score > best[0]:
+            best = (score, model, outputs)
+        if min(len(set(c.tolist())) for c in outputs[2]) >= 8 and min(outputs[3]) >= 0.05:
+            break
+    _, model, (prompts, logits, continuations, gaps) = best
+    target = OUT / name
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target, safe_serialization=True)
+    np.savez(target / "expected.npz", prompts=prompts, lengths=np.array(PROMPT_LENGTHS, np.int32),
+             logits=np.stack(logits), greedy=np.stack(continuations), min_gap=np.array(gaps, np.float32))
+    distinct = [len(set(c.tolist())) for c in continuations]
+    (target / "made_with.json").write_text(json.dumps(
+        {"torch": torch.__version__, "transformers": transformers.__version__, "distinct_greedy_tokens": distinct,
+         "min_top2_gap": gaps}, indent=1))
+    print(name, "distinct greedy tokens per prompt:", distinct, "min top-1/top-2 gaps:", [round(g, 3) for g in gaps])
+
+
+if __name__ == "__main__":
+    for family in sys.argv[1:] or FAMILIES:
+        make(family)
