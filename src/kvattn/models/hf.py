@@ -69,9 +69,8 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     unused = sorted(set(tensors) - set(_used(tensors, weights)))
     if unused:
         raise ValueError(f"checkpoint tensors kvattn.models does not know: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
-    params = nnx.state(model, nnx.Param)
-    flat = dict(nnx.to_flat_state(params))
-    for key, variable in flat.items():
+    # `nnx.state` hands out the model's own Variables: assigning to them loads the model.
+    for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name = "/".join(map(str, key))
         if name not in weights:
             raise ValueError(f"the checkpoint has no tensor for {name}")
@@ -79,7 +78,6 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
         if value.shape != variable[...].shape:
             raise ValueError(f"{name}: the checkpoint's {weights[name][0]} has shape {value.shape}, expected {variable[...].shape}")
         variable[...] = jnp.asarray(value, dtype)
-    nnx.update(model, params)
     return model
 
 
@@ -88,20 +86,26 @@ def _used(tensors: dict, weights: dict) -> set[str]:
     return {name for name in tensors if name in used}
 
 
-def _strip(tensors: dict, prefix: str) -> dict:
-    return {name[len(prefix):] if name.startswith(prefix) else name: name for name in tensors}
+class _Mapping:
+    """kvattn parameter path -> (checkpoint name, converted value), built with `put`."""
+
+    def __init__(self, tensors: dict, prefix: str):
+        self.tensors = tensors
+        # Checkpoints name tensors with or without the base model's prefix ("model.", "transformer.").
+        self.names = {name[len(prefix):] if name.startswith(prefix) else name: name for name in tensors}
+        self.out: dict[str, tuple[str, np.ndarray]] = {}
+
+    def put(self, target: str, source: str, convert=lambda a: a) -> None:
+        if source not in self.names:
+            raise ValueError(f"the checkpoint has no tensor {source!r} (for {target})")
+        self.out[target] = (self.names[source], convert(self.tensors[self.names[source]]))
 
 
 def _llama(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
     """kvattn parameter path -> (checkpoint name, value) for the Llama family."""
-    names = _strip(tensors, "model.")
+    mapping = _Mapping(tensors, "model.")
+    put = mapping.put
     heads, kv_heads, head_dim, hidden = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-    out = {}
-
-    def put(target, source, convert=lambda a: a):
-        if source not in names:
-            raise ValueError(f"the checkpoint has no tensor {source!r} (for {target})")
-        out[target] = (names[source], convert(tensors[names[source]]))
 
     put("embed", "embed_tokens.weight")
     put("final_norm/weight", "norm.weight")
@@ -123,19 +127,14 @@ def _llama(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
             put(f"{block}attention/key_ln/scale", f"{layer}self_attn.k_norm.weight")
         for target, source in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             put(f"{block}mlp/{target}/kernel", f"{layer}mlp.{source}.weight", lambda w: w.T)
-    return out
+    return mapping.out
 
 
 def _gpt2(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
     """kvattn parameter path -> (checkpoint name, value) for GPT-2 (Conv1D weights are `(in, out)`)."""
-    names = _strip(tensors, "transformer.")
+    mapping = _Mapping(tensors, "transformer.")
+    put = mapping.put
     heads, head_dim, hidden = config.num_heads, config.head_dim, config.hidden_size
-    out = {}
-
-    def put(target, source, convert=lambda a: a):
-        if source not in names:
-            raise ValueError(f"the checkpoint has no tensor {source!r} (for {target})")
-        out[target] = (names[source], convert(tensors[names[source]]))
 
     put("embed", "wte.weight")
     put("positions", "wpe.weight")
@@ -152,9 +151,8 @@ def _gpt2(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
             columns = slice(part * hidden, (part + 1) * hidden)
             put(f"{block}attention/{target}/kernel", f"{layer}attn.c_attn.weight",
                 lambda w, c=columns: w[:, c].reshape(hidden, heads, head_dim))
-            out[f"{block}attention/{target}/bias"] = (
-                names[f"{layer}attn.c_attn.bias"], tensors[names[f"{layer}attn.c_attn.bias"]][columns].reshape(heads, head_dim)
-            )
+            put(f"{block}attention/{target}/bias", f"{layer}attn.c_attn.bias",
+                lambda b, c=columns: b[c].reshape(heads, head_dim))
         put(f"{block}attention/out/kernel", f"{layer}attn.c_proj.weight", lambda w: w.reshape(heads, head_dim, hidden))
         put(f"{block}attention/out/bias", f"{layer}attn.c_proj.bias")
         put(f"{block}mlp/up/kernel", f"{layer}mlp.c_fc.weight")
@@ -164,8 +162,8 @@ def _gpt2(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
     # GPT-2 checkpoints may keep non-parameter buffers (the causal mask) under attn.bias / attn.masked_bias.
     for name in tensors:
         if name.endswith(("attn.bias", "attn.masked_bias")):
-            out[f"buffer:{name}"] = (name, tensors[name])
-    return out
+            mapping.out[f"buffer:{name}"] = (name, tensors[name])
+    return mapping.out
 
 
 
