@@ -114,8 +114,16 @@ def make(name: str) -> None:
     target = OUT / name
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target, safe_serialization=True)
+    # The same prompts through transformers in bfloat16, the reference for kvattn's bfloat16 models.
+    half = model.to(torch.bfloat16)
+    logits_bf16 = np.zeros_like(np.stack(logits))
+    for row, length in enumerate(PROMPT_LENGTHS):
+        with torch.no_grad():
+            ids = torch.tensor(prompts[row : row + 1, :length], dtype=torch.long)
+            logits_bf16[row, :length] = half(ids).logits[0].float().numpy()
     np.savez(target / "expected.npz", prompts=prompts, lengths=np.array(PROMPT_LENGTHS, np.int32),
-             logits=np.stack(logits), greedy=np.stack(continuations), min_gap=np.array(gaps, np.float32))
+             logits=np.stack(logits), greedy=np.stack(continuations), min_gap=np.array(gaps, np.float32),
+             logits_bf16=logits_bf16)
     distinct = [len(set(c.tolist())) for c in continuations]
     (target / "made_with.json").write_text(json.dumps(
         {"torch": torch.__version__, "transformers": transformers.__version__, "distinct_greedy_tokens": distinct,

@@ -101,8 +101,12 @@ def weights_fingerprint(layer: nnx.Module) -> str:
     return digest.hexdigest()
 
 
-def save_cache(layer: MultiHeadAttention, path: str | os.PathLike) -> None:
+def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
     """Writes the layer's KV cache (its `nnx.Cache` variables) to a snapshot file, atomically.
+
+    `layer` may also be any module holding kvattn layers (a whole
+    `kvattn.models.DecoderLM`): every layer's cache goes into the one file,
+    under its path, with each layer's configuration recorded.
 
     The bytes go to a temporary file beside `path`, are flushed and fsynced,
     and only then renamed onto `path`: a crash mid-save leaves any earlier
@@ -140,7 +144,7 @@ def save_cache(layer: MultiHeadAttention, path: str | os.PathLike) -> None:
     multihost_utils.sync_global_devices(f"kvattn.save_cache done {path}")
 
 
-def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weight_mismatch: bool = False) -> None:
+def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_mismatch: bool = False) -> None:
     """Replaces the layer's KV cache with a snapshot's, after checking everything.
 
     The whole file is validated before the layer is touched: its safetensors
@@ -154,9 +158,9 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
     devices and sharding of the cache they replace.
 
     Args:
-      layer: the layer to receive the cache; it must be configured like the
-        layer that saved it (batch_size, max_len or window, heads,
-        cache_dtype, cache_layout...).
+      layer: the layer (or module holding kvattn layers) to receive the
+        cache; it must be configured like the one that saved it (batch_size,
+        max_len or window, heads, cache_dtype, cache_layout, options...).
       path: a file written by `save_cache`.
       allow_weight_mismatch: load even if the snapshot was filled by other
         weights (its keys and values then do not match this layer's).
@@ -192,8 +196,11 @@ def load_cache(layer: MultiHeadAttention, path: str | os.PathLike, *, allow_weig
     flat = nnx.to_flat_state(nnx.state(layer, nnx.Cache))
     variables = {_path_name(var_path): variable for var_path, variable in flat}
     _check_tensors_fit_layer(tensors, {name: variable[...] for name, variable in variables.items()})
-    _check_pos(tensors["pos"], layer.max_len)
-    _check_unfilled_slots_zero(tensors, layer.config)
+    for prefix, attention in _layers(layer).items():
+        own = {name[len(prefix) + 1 :] if prefix else name: array for name, array in tensors.items()
+               if not prefix or name.startswith(prefix + "/")}
+        _check_pos(own["pos"], attention.max_len)
+        _check_unfilled_slots_zero(own, attention.config)
     if not allow_weight_mismatch:
         _check_weights(info.weights_fingerprint, weights_fingerprint(layer))
     # Everything is checked and on its devices before the first assignment.
@@ -237,9 +244,22 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
         return _parse_info(files.header(length_bytes + file.read(header_length), total_size))
 
 
-def _layer_config(layer: MultiHeadAttention) -> dict:
-    """The configuration a snapshot records and a loading layer must match (`CONFIG_FIELDS`)."""
-    return layer.config.recorded()
+def _layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
+    """The kvattn layers whose caches a snapshot of `module` holds, by path ("" for a lone layer)."""
+    if isinstance(module, MultiHeadAttention):
+        return {"": module}
+    found = {_path_name(path): sub for path, sub in nnx.iter_modules(module) if isinstance(sub, MultiHeadAttention)}
+    if not found:
+        raise TypeError(f"a cache snapshot needs a kvattn.MultiHeadAttention or a module holding them, got {module!r}")
+    return found
+
+
+def _layer_config(module: nnx.Module) -> dict:
+    """The configuration a snapshot records: a layer's `CONFIG_FIELDS`, or `{"layers": {path: fields}}`."""
+    layers = _layers(module)
+    if list(layers) == [""]:
+        return layers[""].config.recorded()
+    return {"layers": {prefix: layer.config.recorded() for prefix, layer in layers.items()}}
 
 
 # ------------------------------------------------------------------- writing
@@ -268,11 +288,10 @@ def _parse_info(header: dict) -> SnapshotInfo:
         )
     version = int(metadata["format_version"])
     config = _loads_object(metadata, "config")
-    fields = _V1_FIELDS if version == 1 else CONFIG_FIELDS
-    if sorted(config) != sorted(fields):
-        raise SnapshotError(f"corrupted snapshot: config has fields {sorted(config)}, expected {sorted(fields)}")
-    if version == 1:
-        config = {**_defaults_after_v1(config), **config}
+    if version > 1 and sorted(config) == ["layers"] and isinstance(config["layers"], dict) and config["layers"]:
+        config = {"layers": {prefix: _fields(fields, version) for prefix, fields in config["layers"].items()}}
+    else:
+        config = _fields(config, version)
     tensors = _loads_object(metadata, "tensors")
     pieces = _pieces(metadata)
     for name, spec in tensors.items():
@@ -294,6 +313,15 @@ def _pieces(metadata: dict) -> tuple[str, ...]:
     if not isinstance(pieces, list) or not pieces or not all(isinstance(p, str) for p in pieces):
         raise SnapshotError(f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}")
     return tuple(pieces)
+
+
+def _fields(config, version: int) -> dict:
+    """One layer's recorded configuration, checked; a version 1 one completed with the later defaults."""
+    fields = _V1_FIELDS if version == 1 else CONFIG_FIELDS
+    if not isinstance(config, dict) or sorted(config) != sorted(fields):
+        found = sorted(config) if isinstance(config, dict) else config
+        raise SnapshotError(f"corrupted snapshot: config has fields {found}, expected {sorted(fields)}")
+    return {**_defaults_after_v1(config), **config} if version == 1 else config
 
 
 def _defaults_after_v1(config: dict) -> dict:
@@ -352,10 +380,20 @@ def _check_tensors_match_metadata(tensors: dict[str, np.ndarray], specs: dict) -
 
 
 def _check_config(saved: dict, expected: dict) -> None:
+    if "layers" in saved or "layers" in expected:
+        saved_layers, expected_layers = saved.get("layers", {"": saved}), expected.get("layers", {"": expected})
+        if sorted(saved_layers) != sorted(expected_layers):
+            raise SnapshotError(
+                f"snapshot holds the caches of layers {sorted(saved_layers)}, the module has {sorted(expected_layers)}"
+            )
+        pairs = [(f"{prefix}: ", saved_layers[prefix], expected_layers[prefix]) for prefix in sorted(expected_layers)]
+    else:
+        pairs = [("", saved, expected)]
     differences = [
-        f"{field}={saved[field]!r} (layer has {expected[field]!r})"
+        f"{where}{field}={fields[field]!r} (layer has {wanted[field]!r})"
+        for where, fields, wanted in pairs
         for field in CONFIG_FIELDS
-        if type(saved[field]) is not type(expected[field]) or saved[field] != expected[field]
+        if type(fields[field]) is not type(wanted[field]) or fields[field] != wanted[field]
     ]
     if differences:
         raise SnapshotError(
