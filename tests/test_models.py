@@ -176,3 +176,19 @@ def test_bfloat16_models_stay_as_close_to_float32_as_transformers_own_bfloat16(f
         between.append(np.abs(got - half).max() / scale)
     assert max(ours) <= 3 * max(theirs), (family, ours, theirs)
     assert max(between) <= 0.2, (family, between)
+
+
+def test_generate_compiles_once_per_batch_and_prompt_bucket():
+    import sys
+
+    generate_module = sys.modules["kvattn.models.generate"]  # the module; `models.generate` is the function
+
+    want = expected("gpt2")
+    model = models.from_pretrained(FIXTURES / "gpt2", max_len=64, batch_size=3)
+    models.generate(model, want["prompts"][:, :5], 4, lengths=np.minimum(want["lengths"], 5))
+    compiled = generate_module._program._cache_size()
+    for width in (6, 7, 8):  # other prompt widths and lengths in the same bucket of 8
+        model.reset()
+        prompts = want["prompts"][:, :width]
+        models.generate(model, prompts, 4, lengths=np.minimum(want["lengths"], width))
+    assert generate_module._program._cache_size() == compiled
