@@ -199,3 +199,33 @@ def test_options_time_every_variant_against_the_plain_layer(options_run):
 def test_options_refuse_settings_they_cannot_use(tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         main(["bench", "--options", "--quick", "--out-dir", str(tmp_path), *extra])
+
+
+def test_model_bench_times_every_contender_and_reports_transformers_unavailable(tmp_path, capsys):
+    # This interpreter has no torch: the transformers rows say so instead of failing the run.
+    out_dir = tmp_path / "model"
+    argv = ["bench", "--model", "--quick", "--batch-sizes", "1", "2", "--out-dir", str(out_dir),
+            "--torch-python", sys.executable]
+    assert main(argv) == 0
+    capsys.readouterr()
+    results = json.loads((out_dir / "model.json").read_text())
+    assert (out_dir / "model.md").stat().st_size > 0 and (out_dir / "checkpoint" / "model.safetensors").exists()
+    rows = {(r["batch_size"], r["contender"]): r for r in results["rows"]}
+    contenders = ("limit", "kvattn.models.generate", "plain_cache", "transformers_dynamic", "transformers_static")
+    assert set(rows) == {(b, c) for b in (1, 2) for c in contenders}
+    for batch in (1, 2):
+        for name in ("transformers_dynamic", "transformers_static"):
+            assert "transformers not installed" in rows[batch, name]["unavailable"]
+        ours = rows[batch, "kvattn.models.generate"]
+        assert ours["first_token_ms"] > 0 and ours["whole_ms"] > 0 and math.isfinite(ours["decode_ms_per_token"])
+        assert ours["compiles_while_timed"] == 0
+        assert rows[batch, "limit"]["decode_ms_per_token"] > 0 and rows[batch, "limit"]["bandwidth_gbs"] > 0
+        plain = rows[batch, "plain_cache"]
+        assert plain["decode_ms_per_token"] > 0 and plain["compiles_while_timed"] == 0
+        assert plain["agrees_with_kvattn"] == 1.0  # the hand-rolled decoder produces the same greedy tokens
+    assert {t["measure"] for t in results["targets"]} >= {"compilations while timed", "speedup over plain_cache"}
+
+
+def test_model_options_apply_only_with_model(tmp_path):
+    with pytest.raises(SystemExit, match="only with --model"):
+        main(["bench", "--quick", "--new-tokens", "4", "--out-dir", str(tmp_path)])

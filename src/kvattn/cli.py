@@ -1,4 +1,4 @@
-"""`kvattn demo`, `kvattn bench` and `kvattn generate`: parse arguments, call the library by keyword."""
+"""`kvattn demo`, `kvattn bench` (`--options`, `--model`) and `kvattn generate`: parse arguments, call the library."""
 
 from __future__ import annotations
 
@@ -43,6 +43,19 @@ def _parser() -> argparse.ArgumentParser:
         help="instead of the contenders, time kvattn.decode with rotary positions, QK-norm and bfloat16 compute "
         "against the plain layer (defaults: kvattn.bench.run_options's; one layout; writes options.json, options.md)",
     )
+    bench.add_argument(
+        "--model",
+        action="store_true",
+        help="instead of the contenders, time whole-model decoding of a random Llama-shaped checkpoint (about 125M "
+        "parameters) against transformers and a plain hand-rolled cache (defaults: kvattn.bench.model.run_model's; "
+        "writes model.json, model.md)",
+    )
+    bench.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), help="--model only")
+    bench.add_argument("--prompt-len", type=int, help="--model only")
+    bench.add_argument("--new-tokens", type=int, help="--model only")
+    bench.add_argument("--num-layers", type=int, help="--model only: fewer layers than 12")
+    bench.add_argument("--torch-python", help="--model only: the Python that runs transformers (default: this one)")
+    bench.add_argument("--torch-threads", type=int, help="--model only: torch.set_num_threads")
     generate = commands.add_parser("generate", help="generate text from a Hugging Face checkpoint directory")
     generate.add_argument("checkpoint", help="directory with config.json and model.safetensors (and tokenizer.json)")
     prompt = generate.add_mutually_exclusive_group(required=True)
@@ -126,8 +139,20 @@ def _run(args: argparse.Namespace) -> int:
     from kvattn.bench import run, run_options
 
     options = {
-        name: value for name, value in vars(args).items() if name not in ("command", "options") and value is not None
+        name: value for name, value in vars(args).items()
+        if name not in ("command", "options", "model") and value is not None
     }
+    model_only = {"dtypes", "prompt_len", "new_tokens", "num_layers", "torch_python", "torch_threads"}
+    if args.model:
+        from kvattn.bench.model import run_model
+
+        if args.options or set(options) - model_only - {"batch_sizes", "repeats", "out_dir", "quick"}:
+            raise SystemExit("kvattn bench --model takes --batch-sizes, --repeats, --out-dir, --quick and the "
+                             f"--model options, got {sorted(options)}")
+        run_model(**options)
+        return 0
+    if set(options) & model_only:
+        raise SystemExit(f"kvattn bench: {sorted(set(options) & model_only)} apply only with --model")
     for name in ("batch_sizes", "filled", "layouts"):
         if name in options:
             options[name] = tuple(options[name])

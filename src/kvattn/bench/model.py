@@ -1,0 +1,504 @@
+"""`kvattn bench --model`: whole-model decoding of a Llama-shaped checkpoint against transformers and a plain cache.
+
+One run writes a Llama-shaped Hugging Face checkpoint with random weights
+(config.json + model.safetensors, written with numpy, no torch), then times,
+for every batch size and dtype, on one random prompt:
+
+  kvattn.models.generate  the whole generation as one compiled program
+  plain_cache             the same weights in the decoder that model
+                          collections hand-roll: per layer a `(B, S, K, H)`
+                          buffer written with `dynamic_update_slice` and read
+                          whole, one jitted (cache-donated) step per token
+                          called from Python
+  transformers_dynamic    transformers' `generate` (torch, CPU), greedy, its
+  transformers_static     dynamic cache / `cache_implementation="static"`,
+                          run by `torch_python` in a subprocess (torch is not
+                          a kvattn dependency); reported as unavailable when
+                          that interpreter cannot import it
+  limit                   bytes one decode step must read (every weight but
+                          the embedding table, plus the K/V filled on
+                          average over the generation) over the bandwidth of
+                          a jitted mat-vec reading as many bytes
+
+Generation contenders are timed end to end, after an untimed warm-up, as
+`t(n)`, the median over `repeats` of one call producing `n` new tokens:
+decode time per token is `(t(new_tokens) - t(1)) / (new_tokens - 1)` and the
+time to first token is `t(1)` (prompt processing; for kvattn it also holds
+one step, which its loop runs after the last token). The plain cache steps
+the prompt in token by token (untimed) and is timed directly over the
+`new_tokens - 1` steps after its first. Every contender decodes greedily,
+and its tokens are compared with kvattn's ("greedy agreement": the share of
+positions equal to kvattn's up to each sequence's first difference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LLAMA_125M", "run_model", "write_llama_checkpoint"]
+
+# About 125M parameters, Llama-shaped with grouped queries.
+LLAMA_125M = dict(
+    vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048
+)
+QUICK_MODEL = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def write_llama_checkpoint(directory: str | os.PathLike, *, vocab_size: int, hidden_size: int, num_layers: int,
+                           num_heads: int, num_kv_heads: int, intermediate_size: int, max_position_embeddings: int,
+                           seed: int = 0) -> Path:
+    """Writes a Llama checkpoint with random float32 weights (normal, std 0.02; norms ones), in transformers' names.
+
+    Returns:
+      The directory, holding `config.json` and `model.safetensors`.
+    """
+    import safetensors.numpy
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    head_dim = hidden_size // num_heads
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab_size,
+        "hidden_size": hidden_size, "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads, "head_dim": head_dim, "intermediate_size": intermediate_size,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": normal(vocab_size, hidden_size),
+               "model.norm.weight": np.ones(hidden_size, np.float32),
+               "lm_head.weight": normal(vocab_size, hidden_size)}
+    for i in range(num_layers):
+        layer = f"model.layers.{i}."
+        tensors[layer + "input_layernorm.weight"] = np.ones(hidden_size, np.float32)
+        tensors[layer + "post_attention_layernorm.weight"] = np.ones(hidden_size, np.float32)
+        # torch Linear weights are (out, in).
+        tensors[layer + "self_attn.q_proj.weight"] = normal(num_heads * head_dim, hidden_size)
+        tensors[layer + "self_attn.k_proj.weight"] = normal(num_kv_heads * head_dim, hidden_size)
+        tensors[layer + "self_attn.v_proj.weight"] = normal(num_kv_heads * head_dim, hidden_size)
+        tensors[layer + "self_attn.o_proj.weight"] = normal(hidden_size, num_heads * head_dim)
+        tensors[layer + "mlp.gate_proj.weight"] = normal(intermediate_size, hidden_size)
+        tensors[layer + "mlp.up_proj.weight"] = normal(intermediate_size, hidden_size)
+        tensors[layer + "mlp.down_proj.weight"] = normal(hidden_size, intermediate_size)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+def _median_time(call, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _time_kvattn(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """`kvattn.models.generate` timed at 1 and `new_tokens` new tokens (interleaved), caches emptied before each."""
+    import jax
+
+    from kvattn import models
+
+    # The package re-exports the function `generate` under its module's name.
+    generate_module = sys.modules["kvattn.models.generate"]
+
+    def once(count):
+        model.reset()
+        jax.block_until_ready(model.pos)
+        start = time.perf_counter()
+        out = models.generate(model, prompts, count)
+        jax.block_until_ready(out.tokens)
+        return time.perf_counter() - start, out
+
+    once(1), once(new_tokens)  # compile both programs, untimed
+    compiled = generate_module._program._cache_size()
+    firsts, wholes = [], []
+    for _ in range(repeats):
+        firsts.append(once(1)[0])
+        elapsed, out = once(new_tokens)
+        wholes.append(elapsed)
+    first, whole = statistics.median(firsts), statistics.median(wholes)
+    return {
+        "first_token_ms": 1e3 * first, "whole_ms": 1e3 * whole,
+        "decode_ms_per_token": 1e3 * (whole - first) / (new_tokens - 1),
+        "compiles_while_timed": generate_module._program._cache_size() - compiled,
+        "tokens": np.asarray(out.tokens).tolist(),
+    }
+
+
+def _plain_weights(model) -> dict[str, Any]:
+    """The loaded model's weights as plain arrays: one dict per layer, as hand-rolled decoders keep them."""
+    layers = [
+        {
+            "attention_norm": b.attention_norm.weight[...], "mlp_norm": b.mlp_norm.weight[...],
+            "query": b.attention.query.kernel[...], "key": b.attention.key.kernel[...],
+            "value": b.attention.value.kernel[...], "out": b.attention.out.kernel[...],
+            "gate": b.mlp.gate.kernel[...], "up": b.mlp.up.kernel[...], "down": b.mlp.down.kernel[...],
+        }
+        for b in model.blocks
+    ]
+    return {"embed": model.embed[...], "lm_head": model.lm_head[...], "final_norm": model.final_norm.weight[...],
+            "layers": layers}
+
+
+def _plain_step_fn(config):
+    """The hand-rolled decode step: `(weights, caches, tokens (B,), pos) -> (next tokens, caches)`."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvattn.rope import apply_rope
+
+    eps, group = config.norm_eps, config.num_heads // config.num_kv_heads
+
+    def rms(x, weight):
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return normed.astype(x.dtype) * weight[None, :]
+
+    def step(weights, caches, tokens, pos):
+        keys, values = caches  # per layer, (B, S, K, H) each
+        x = jnp.take(weights["embed"], tokens, axis=0)  # B D
+        positions = jnp.broadcast_to(pos, (tokens.shape[0], 1))
+        visible = jnp.arange(keys[0].shape[1]) <= pos  # the whole buffer is read; the unfilled tail is masked
+        new_keys, new_values = [], []
+        for layer, layer_keys, layer_values in zip(weights["layers"], keys, values):
+            h = rms(x, layer["attention_norm"])
+            q = apply_rope(jnp.einsum("BD,DNH->BNH", h, layer["query"])[:, None], positions, config.rope)
+            k = apply_rope(jnp.einsum("BD,DKH->BKH", h, layer["key"])[:, None], positions, config.rope)
+            v = jnp.einsum("BD,DKH->BKH", h, layer["value"])[:, None]
+            layer_keys = jax.lax.dynamic_update_slice(layer_keys, k.astype(layer_keys.dtype), (0, pos, 0, 0))
+            layer_values = jax.lax.dynamic_update_slice(layer_values, v.astype(layer_values.dtype), (0, pos, 0, 0))
+            new_keys.append(layer_keys)
+            new_values.append(layer_values)
+            q = q[:, 0].reshape(q.shape[0], config.num_kv_heads, group, config.head_dim)  # B K G H
+            scores = jnp.einsum("BKGH,BSKH->BKGS", q, layer_keys).astype(jnp.float32) / math.sqrt(config.head_dim)
+            scores = jnp.where(visible[None, None, None, :], scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(layer_values.dtype)
+            attended = jnp.einsum("BKGS,BSKH->BKGH", probs, layer_values).reshape(q.shape[0], config.num_heads, -1)
+            x = x + jnp.einsum("BNH,NHD->BD", attended.astype(x.dtype), layer["out"])
+            h = rms(x, layer["mlp_norm"])
+            x = x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+        logits = (rms(x, weights["final_norm"]) @ weights["lm_head"]).astype(jnp.float32)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), (new_keys, new_values)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def _time_plain(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any]:
+    """The hand-rolled plain cache: the prompt stepped in token by token (untimed), then greedy decoding timed."""
+    import jax
+    import jax.numpy as jnp
+
+    config = model.config
+    weights = _plain_weights(model)
+    dtype = weights["embed"].dtype
+    batch, prompt_len = prompts.shape
+    shape = (batch, prompt_len + new_tokens, config.num_kv_heads, config.head_dim)
+    step = _plain_step_fn(config)
+
+    def prefilled():
+        caches = tuple([jnp.zeros(shape, dtype) for _ in range(config.num_layers)] for _ in range(2))
+        for pos in range(prompt_len):
+            token, caches = step(weights, caches, jnp.asarray(prompts[:, pos]), jnp.int32(pos))
+        return jax.block_until_ready((token, caches))
+
+    def decode(token, caches):
+        out = [token]
+        for pos in range(prompt_len, prompt_len + new_tokens - 1):
+            token, caches = step(weights, caches, token, jnp.int32(pos))
+            out.append(token)
+        return jax.block_until_ready(out)
+
+    decode(*prefilled())  # warm-up
+    compiled = step._cache_size()
+    times = []
+    for _ in range(repeats):
+        token, caches = prefilled()
+        start = time.perf_counter()
+        out = decode(token, caches)
+        times.append(time.perf_counter() - start)
+    return {
+        "decode_ms_per_token": 1e3 * statistics.median(times) / (new_tokens - 1),
+        "compiles_while_timed": step._cache_size() - compiled,
+        "tokens": np.stack([np.asarray(t) for t in out], axis=1).tolist(),
+    }
+
+
+def _bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second of `kvattn.bench.baselines.matvec` over a float32 matrix of about `num_bytes`."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvattn.bench.baselines import matvec
+
+    columns = 4096
+    rows = max(1, num_bytes // (4 * columns))
+    matrix = jax.random.normal(jax.random.key(0), (rows, columns), jnp.float32)
+    vector = jnp.ones((columns,), jnp.float32)
+    jax.block_until_ready(matvec(matrix, vector))
+    seconds = _median_time(lambda: jax.block_until_ready(matvec(matrix, vector)), max(repeats, 5))
+    return rows * columns * 4 / seconds
+
+
+def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, itemsize: int) -> int:
+    """Bytes a decode step reads: every weight but the embedding table, and the K/V filled on average."""
+    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    per_layer = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+                 + 3 * hidden * config.intermediate_size + 2 * hidden)
+    weights = config.num_layers * per_layer + hidden + hidden * config.vocab_size
+    filled = prompt_len + (new_tokens + 1) / 2
+    kv = 2 * config.num_layers * batch * filled * kv_heads * head_dim
+    return int((weights + kv) * itemsize)
+
+
+_TRANSFORMERS_SCRIPT = r"""
+import json, statistics, sys, time
+args = json.loads(sys.argv[1])
+try:
+    import torch, transformers
+except ImportError as error:
+    print(json.dumps({"unavailable": f"transformers not installed ({error})"}))
+    sys.exit(0)
+torch.set_num_threads(args["threads"])
+model = transformers.AutoModelForCausalLM.from_pretrained(args["checkpoint"], dtype=getattr(torch, args["dtype"]))
+model.eval()
+prompts = torch.tensor(args["prompts"], dtype=torch.long)
+mask = torch.ones_like(prompts)
+out = {"torch": torch.__version__, "transformers": transformers.__version__, "rows": {}}
+for name, cache in args["caches"].items():
+    def once(count):
+        options = dict(max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0)
+        if cache:
+            options["cache_implementation"] = cache
+        start = time.perf_counter()
+        with torch.inference_mode():
+            tokens = model.generate(prompts, attention_mask=mask, **options)
+        return time.perf_counter() - start, tokens
+    try:
+        once(1), once(args["new_tokens"])
+        firsts, wholes = [], []
+        for _ in range(args["repeats"]):
+            firsts.append(once(1)[0])
+            elapsed, tokens = once(args["new_tokens"])
+            wholes.append(elapsed)
+    except Exception as error:
+        out["rows"][name] = {"unavailable": f"{type(error).__name__}: {error}"[:300]}
+        continue
+    first, whole = statistics.median(firsts), statistics.median(wholes)
+    out["rows"][name] = {
+        "first_token_ms": 1e3 * first, "whole_ms": 1e3 * whole,
+        "decode_ms_per_token": 1e3 * (whole - first) / (args["new_tokens"] - 1),
+        "tokens": tokens[:, prompts.shape[1]:].tolist(),
+    }
+print(json.dumps(out))
+"""
+
+TRANSFORMERS_CACHES = {"transformers_dynamic": None, "transformers_static": "static"}
+
+
+def _time_transformers(python: str, checkpoint: Path, prompts, dtype: str, new_tokens: int, repeats: int,
+                       threads: int) -> dict[str, Any]:
+    """transformers' `generate` on the checkpoint, run by `python` in a subprocess; rows or `unavailable`."""
+    args = dict(checkpoint=str(checkpoint), prompts=np.asarray(prompts).tolist(), dtype=dtype, new_tokens=new_tokens,
+                repeats=repeats, threads=threads, caches=TRANSFORMERS_CACHES)
+    try:
+        done = subprocess.run([python, "-c", _TRANSFORMERS_SCRIPT, json.dumps(args)], capture_output=True, text=True,
+                              check=False)
+    except OSError as error:
+        return {"unavailable": f"cannot run {python}: {error}"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"unavailable": f"{python} failed ({done.returncode}): {done.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def _agreement(tokens, reference) -> float:
+    """Fraction of positions where two greedy generations agree, up to their first difference per sequence."""
+    tokens, reference = np.asarray(tokens), np.asarray(reference)
+    same = np.cumprod(tokens == reference, axis=1)
+    return float(same.mean())
+
+
+def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new_tokens: int, repeats: int,
+                  torch_python: str, torch_threads: int, seed: int = 0, progress=None) -> dict[str, Any]:
+    """Every row of the model benchmark (see the module docstring); `progress(rows)` after each contender."""
+    import jax.numpy as jnp
+
+    from kvattn import models
+
+    rows, notes = [], []
+    rng = np.random.default_rng(seed)
+    for dtype in dtypes:
+        for batch in batch_sizes:
+            model = models.from_pretrained(checkpoint, max_len=prompt_len + new_tokens, batch_size=batch, dtype=dtype)
+            prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
+            itemsize = jnp.dtype(dtype).itemsize
+            step_bytes = _step_bytes(model.config, batch, prompt_len, new_tokens, itemsize)
+            bandwidth = _bandwidth(step_bytes, repeats)
+            base = dict(dtype=dtype, batch_size=batch)
+            rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / bandwidth,
+                             step_bytes=step_bytes, bandwidth_gbs=bandwidth / 1e9))
+            ours = _time_kvattn(model, prompts, new_tokens, repeats)
+            rows.append(dict(base, contender="kvattn.models.generate", **ours))
+            if progress:
+                progress(rows)
+            plain = _time_plain(model, prompts, new_tokens, repeats)
+            plain["agrees_with_kvattn"] = _agreement(plain["tokens"], ours["tokens"])
+            rows.append(dict(base, contender="plain_cache", **plain))
+            if progress:
+                progress(rows)
+            theirs = _time_transformers(torch_python, checkpoint, prompts, dtype, new_tokens, repeats, torch_threads)
+            if "unavailable" in theirs:
+                for name in TRANSFORMERS_CACHES:
+                    rows.append(dict(base, contender=name, unavailable=theirs["unavailable"]))
+            else:
+                notes.append(f"torch {theirs['torch']}, transformers {theirs['transformers']}")
+                for name, row in theirs["rows"].items():
+                    if "tokens" in row:
+                        row["agrees_with_kvattn"] = _agreement(row["tokens"], ours["tokens"])
+                    rows.append(dict(base, contender=name, **row))
+            if progress:
+                progress(rows)
+            del model
+    return {"rows": _finished(rows), "targets": _targets(rows), "notes": sorted(set(notes))}
+
+
+def _finished(rows) -> list[dict[str, Any]]:
+    """The rows without their generated tokens, with tokens per second."""
+    out = []
+    for row in rows:
+        row = {name: value for name, value in row.items() if name != "tokens"}
+        if "decode_ms_per_token" in row:
+            row["tokens_per_s"] = row["batch_size"] * 1e3 / row["decode_ms_per_token"]
+        out.append(row)
+    return out
+
+
+def _targets(rows) -> list[dict[str, Any]]:
+    """Issue #13's targets, each with the two figures it compares and whether it was met."""
+
+    def figure(dtype, batch, contender):
+        for row in rows:
+            if (row["dtype"], row["batch_size"], row["contender"]) == (dtype, batch, contender):
+                return row.get("decode_ms_per_token")
+        return None
+
+    targets = []
+    for dtype, batch in sorted({(r["dtype"], r["batch_size"]) for r in rows}):
+        ours = figure(dtype, batch, "kvattn.models.generate")
+        theirs = [t for t in (figure(dtype, batch, n) for n in TRANSFORMERS_CACHES) if t is not None]
+        checks = [("speedup over transformers' best", min(theirs) if theirs else None, 1.5 if batch == 1 else 2.0)]
+        if batch == 1:
+            checks.append(("share of the bandwidth limit", figure(dtype, batch, "limit"), 0.75))
+        else:
+            checks.append(("speedup over plain_cache", figure(dtype, batch, "plain_cache"), 1.5))
+        for measure, other, wanted in checks:
+            got = None if other is None else other / ours
+            targets.append(dict(dtype=dtype, batch_size=batch, measure=measure, wanted=wanted, got=got,
+                                met=None if got is None else got >= wanted))
+        compiles = next(r["compiles_while_timed"] for r in rows
+                        if (r["dtype"], r["batch_size"], r["contender"]) == (dtype, batch, "kvattn.models.generate"))
+        targets.append(dict(dtype=dtype, batch_size=batch, measure="compilations while timed", wanted=0,
+                            got=compiles, met=compiles == 0))
+    return targets
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as Markdown tables."""
+    lines = ["| dtype | B | contender | decode ms/token | tokens/s | first token ms | greedy agreement |",
+             "|---|---|---|---|---|---|---|"]
+    for row in results["rows"]:
+        if "unavailable" in row:
+            lines.append(f"| {row['dtype']} | {row['batch_size']} | {row['contender']} | unavailable: "
+                         f"{row['unavailable']} | | | |")
+            continue
+        first = f"{row['first_token_ms']:.1f}" if "first_token_ms" in row else ""
+        agree = f"{row['agrees_with_kvattn']:.2f}" if "agrees_with_kvattn" in row else ""
+        name = row["contender"]
+        if name == "limit":
+            name = f"limit ({row['step_bytes'] / 1e6:.0f} MB at {row['bandwidth_gbs']:.1f} GB/s)"
+        lines.append(f"| {row['dtype']} | {row['batch_size']} | {name} | {row['decode_ms_per_token']:.2f} | "
+                     f"{row['tokens_per_s']:.1f} | {first} | {agree} |")
+    lines += ["", "| dtype | B | kvattn.models.generate | wanted | got | met |", "|---|---|---|---|---|---|"]
+    for t in results["targets"]:
+        if t["measure"].startswith("compilations"):
+            wanted, got = "0", str(t["got"])
+        else:
+            wanted, got = f">= {t['wanted']}", "n/a" if t["got"] is None else f"{t['got']:.2f}"
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
+        lines.append(f"| {t['dtype']} | {t['batch_size']} | {t['measure']} | {wanted} | {got} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _partial(path: Path, rows) -> None:
+    """The rows measured so far, so a long run shows its progress (removed when the run ends)."""
+    path.write_text(json.dumps(_finished(rows), indent=2) + "\n")
+    last = rows[-1]
+    print(f"measured {last['contender']} (B={last['batch_size']}, {last['dtype']})", file=sys.stderr, flush=True)
+
+
+def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128, new_tokens: int = 128,
+              repeats: int = 3, num_layers: int | None = None, torch_python: str | None = None,
+              torch_threads: int = 2, out_dir: str | os.PathLike = "bench-results", quick: bool = False
+              ) -> dict[str, Any]:
+    """Writes the random Llama checkpoint, measures every contender and writes `model.json` and `model.md`.
+
+    Args:
+      batch_sizes: batch sizes to measure.
+      dtypes: "float32" and/or "bfloat16" (weights, compute and caches).
+      prompt_len, new_tokens: prompt length and tokens generated per sequence.
+      repeats: timed runs per figure (median reported).
+      num_layers: fewer layers than `LLAMA_125M`'s 12, when time is short.
+      torch_python: the interpreter that runs transformers (default: this one).
+      torch_threads: `torch.set_num_threads` for transformers.
+      out_dir: where the checkpoint (`checkpoint/`), `model.json` and `model.md` go.
+      quick: tiny sizes (a smoke test).
+
+    Returns:
+      The results, as written to `model.json`.
+    """
+    from kvattn.bench.provenance import load_average, machine_info, source_revision, versions
+
+    sizes = dict(QUICK_MODEL if quick else LLAMA_125M)
+    if quick:
+        prompt_len, new_tokens, repeats = min(prompt_len, 8), min(new_tokens, 16), 1
+    if num_layers is not None:
+        sizes["num_layers"] = num_layers
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be at least 2 (decode time is t(new_tokens) - t(1)), got {new_tokens}")
+    out = Path(out_dir)
+    checkpoint = write_llama_checkpoint(out / "checkpoint", max_position_embeddings=prompt_len + new_tokens, **sizes)
+    started = time.perf_counter()
+    load = load_average()
+    measured = measure_model(checkpoint=checkpoint, batch_sizes=tuple(batch_sizes), dtypes=tuple(dtypes),
+                             prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+                             torch_python=torch_python or sys.executable, torch_threads=torch_threads,
+                             progress=lambda rows: _partial(out / "model.partial.json", rows))
+    results = {
+        "config": dict(sizes, batch_sizes=list(batch_sizes), dtypes=list(dtypes), prompt_len=prompt_len,
+                       new_tokens=new_tokens, repeats=repeats, torch_threads=torch_threads),
+        "machine": machine_info(), "versions": versions(), "source": source_revision(),
+        "load_average": {"before": load, "after": load_average()}, **measured,
+        "elapsed_s": time.perf_counter() - started,
+    }
+    (out / "model.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "model.partial.json").unlink(missing_ok=True)
+    (out / "model.md").write_text(markdown(results))
+    print(markdown(results))
+    return results
