@@ -205,16 +205,17 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
     # This interpreter has no torch: the transformers rows say so instead of failing the run.
     out_dir = tmp_path / "model"
     argv = ["bench", "--model", "--quick", "--batch-sizes", "1", "2", "--out-dir", str(out_dir),
-            "--torch-python", sys.executable]
+            "--torch-python", sys.executable, "--torch-compile"]
     assert main(argv) == 0
     capsys.readouterr()
     results = json.loads((out_dir / "model.json").read_text())
     assert (out_dir / "model.md").stat().st_size > 0 and (out_dir / "checkpoint" / "model.safetensors").exists()
     rows = {(r["batch_size"], r["contender"]): r for r in results["rows"]}
-    contenders = ("limit", "kvattn.models.generate", "plain_cache", "transformers_dynamic", "transformers_static")
+    transformers = ("transformers_dynamic", "transformers_static", "transformers_static_compiled")
+    contenders = ("limit", "kvattn.models.generate", "plain_cache", *transformers)
     assert set(rows) == {(b, c) for b in (1, 2) for c in contenders}
     for batch in (1, 2):
-        for name in ("transformers_dynamic", "transformers_static"):
+        for name in transformers:
             assert "transformers not installed" in rows[batch, name]["unavailable"]
         ours = rows[batch, "kvattn.models.generate"]
         assert ours["first_token_ms"] > 0 and ours["whole_ms"] > 0 and math.isfinite(ours["decode_ms_per_token"])

@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-layers", type=int, help="--model only: fewer layers than 12")
     bench.add_argument("--torch-python", help="--model only: the Python that runs transformers (default: this one)")
     bench.add_argument("--torch-threads", type=int, help="--model only: torch.set_num_threads")
+    bench.add_argument("--torch-compile", action="store_true", default=None,
+                       help="--model only: also time transformers' static cache under torch.compile")
     generate = commands.add_parser("generate", help="generate text from a Hugging Face checkpoint directory")
     generate.add_argument("checkpoint", help="directory with config.json and model.safetensors (and tokenizer.json)")
     prompt = generate.add_mutually_exclusive_group(required=True)
@@ -142,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         name: value for name, value in vars(args).items()
         if name not in ("command", "options", "model") and value is not None
     }
-    model_only = {"dtypes", "prompt_len", "new_tokens", "num_layers", "torch_python", "torch_threads"}
+    model_only = {"dtypes", "prompt_len", "new_tokens", "num_layers", "torch_python", "torch_threads", "torch_compile"}
     if args.model:
         from kvattn.bench.model import run_model
 

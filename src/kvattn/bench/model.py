@@ -15,6 +15,9 @@ for every batch size and dtype, on one random prompt:
                           run by `torch_python` in a subprocess (torch is not
                           a kvattn dependency); reported as unavailable when
                           that interpreter cannot import it
+  transformers_static_compiled
+                          with `torch_compile`: the static cache, its forward
+                          under `torch.compile(mode="reduce-overhead")`
   limit                   bytes one decode step must read (every weight but
                           the embedding table, plus the K/V filled on
                           average over the generation) over the bandwidth of
@@ -281,7 +284,9 @@ model.eval()
 prompts = torch.tensor(args["prompts"], dtype=torch.long)
 mask = torch.ones_like(prompts)
 out = {"torch": torch.__version__, "transformers": transformers.__version__, "rows": {}}
-for name, cache in args["caches"].items():
+forward = model.forward
+for name, (cache, compiled) in args["caches"].items():
+    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True) if compiled else forward
     def once(count):
         options = dict(max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0)
         if cache:
@@ -309,14 +314,16 @@ for name, cache in args["caches"].items():
 print(json.dumps(out))
 """
 
-TRANSFORMERS_CACHES = {"transformers_dynamic": None, "transformers_static": "static"}
+# name: (cache_implementation, whether the forward goes through torch.compile)
+TRANSFORMERS_CACHES = {"transformers_dynamic": (None, False), "transformers_static": ("static", False)}
+TRANSFORMERS_COMPILED = {"transformers_static_compiled": ("static", True)}
 
 
 def _time_transformers(python: str, checkpoint: Path, prompts, dtype: str, new_tokens: int, repeats: int,
-                       threads: int) -> dict[str, Any]:
+                       threads: int, caches: dict) -> dict[str, Any]:
     """transformers' `generate` on the checkpoint, run by `python` in a subprocess; rows or `unavailable`."""
     args = dict(checkpoint=str(checkpoint), prompts=np.asarray(prompts).tolist(), dtype=dtype, new_tokens=new_tokens,
-                repeats=repeats, threads=threads, caches=TRANSFORMERS_CACHES)
+                repeats=repeats, threads=threads, caches=caches)
     try:
         done = subprocess.run([python, "-c", _TRANSFORMERS_SCRIPT, json.dumps(args)], capture_output=True, text=True,
                               check=False)
@@ -336,13 +343,15 @@ def _agreement(tokens, reference) -> float:
 
 
 def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new_tokens: int, repeats: int,
-                  torch_python: str, torch_threads: int, seed: int = 0, progress=None) -> dict[str, Any]:
+                  torch_python: str, torch_threads: int, torch_compile: bool = False, seed: int = 0,
+                  progress=None) -> dict[str, Any]:
     """Every row of the model benchmark (see the module docstring); `progress(rows)` after each contender."""
     import jax.numpy as jnp
 
     from kvattn import models
 
     rows, notes = [], []
+    caches = dict(TRANSFORMERS_CACHES, **(TRANSFORMERS_COMPILED if torch_compile else {}))
     rng = np.random.default_rng(seed)
     for dtype in dtypes:
         for batch in batch_sizes:
@@ -363,9 +372,10 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             rows.append(dict(base, contender="plain_cache", **plain))
             if progress:
                 progress(rows)
-            theirs = _time_transformers(torch_python, checkpoint, prompts, dtype, new_tokens, repeats, torch_threads)
+            theirs = _time_transformers(torch_python, checkpoint, prompts, dtype, new_tokens, repeats, torch_threads,
+                                        caches)
             if "unavailable" in theirs:
-                for name in TRANSFORMERS_CACHES:
+                for name in caches:
                     rows.append(dict(base, contender=name, unavailable=theirs["unavailable"]))
             else:
                 notes.append(f"torch {theirs['torch']}, transformers {theirs['transformers']}")
@@ -402,7 +412,8 @@ def _targets(rows) -> list[dict[str, Any]]:
     targets = []
     for dtype, batch in sorted({(r["dtype"], r["batch_size"]) for r in rows}):
         ours = figure(dtype, batch, "kvattn.models.generate")
-        theirs = [t for t in (figure(dtype, batch, n) for n in TRANSFORMERS_CACHES) if t is not None]
+        names = (*TRANSFORMERS_CACHES, *TRANSFORMERS_COMPILED)
+        theirs = [t for t in (figure(dtype, batch, n) for n in names) if t is not None]
         checks = [("speedup over transformers' best", min(theirs) if theirs else None, 1.5 if batch == 1 else 2.0)]
         if batch == 1:
             checks.append(("share of the bandwidth limit", figure(dtype, batch, "limit"), 0.75))
@@ -440,7 +451,7 @@ def markdown(results: dict[str, Any]) -> str:
         if t["measure"].startswith("compilations"):
             wanted, got = "0", str(t["got"])
         else:
-            wanted, got = f">= {t['wanted']}", "n/a" if t["got"] is None else f"{t['got']:.2f}"
+            wanted, got = f">= {t['wanted']}", "n/a" if t["got"] is None else f"{t['got']:.3g}"
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
         lines.append(f"| {t['dtype']} | {t['batch_size']} | {t['measure']} | {wanted} | {got} | {met} |")
     return "\n".join(lines) + "\n"
@@ -455,7 +466,8 @@ def _partial(path: Path, rows) -> None:
 
 def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128, new_tokens: int = 128,
               repeats: int = 3, num_layers: int | None = None, torch_python: str | None = None,
-              torch_threads: int = 2, out_dir: str | os.PathLike = "bench-results", quick: bool = False
+              torch_threads: int = 2, torch_compile: bool = False, out_dir: str | os.PathLike = "bench-results",
+              quick: bool = False
               ) -> dict[str, Any]:
     """Writes the random Llama checkpoint, measures every contender and writes `model.json` and `model.md`.
 
@@ -467,6 +479,8 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
       num_layers: fewer layers than `LLAMA_125M`'s 12, when time is short.
       torch_python: the interpreter that runs transformers (default: this one).
       torch_threads: `torch.set_num_threads` for transformers.
+      torch_compile: also time transformers' static cache with its forward
+        under `torch.compile(mode="reduce-overhead", fullgraph=True)`.
       out_dir: where the checkpoint (`checkpoint/`), `model.json` and `model.md` go.
       quick: tiny sizes (a smoke test).
 
@@ -489,10 +503,12 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
     measured = measure_model(checkpoint=checkpoint, batch_sizes=tuple(batch_sizes), dtypes=tuple(dtypes),
                              prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
                              torch_python=torch_python or sys.executable, torch_threads=torch_threads,
+                             torch_compile=torch_compile,
                              progress=lambda rows: _partial(out / "model.partial.json", rows))
     results = {
         "config": dict(sizes, batch_sizes=list(batch_sizes), dtypes=list(dtypes), prompt_len=prompt_len,
-                       new_tokens=new_tokens, repeats=repeats, torch_threads=torch_threads),
+                       new_tokens=new_tokens, repeats=repeats, torch_threads=torch_threads,
+                       torch_compile=torch_compile),
         "machine": machine_info(), "versions": versions(), "source": source_revision(),
         "load_average": {"before": load, "after": load_average()}, **measured,
         "elapsed_s": time.perf_counter() - started,
