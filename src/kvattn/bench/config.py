@@ -71,6 +71,15 @@ class BenchConfig:
         layer = kvattn.AttentionConfig(self.num_heads, self.in_features, max_len=self.max_len, cache_dtype=self.dtype)
         return layer.cache_bytes_per_token
 
+    def layer(self, batch_size: int, layout: str, cache_dtype: str | None = None, **options) -> kvattn.MultiHeadAttention:
+        """The benchmarked layer at these sizes (seeded weights, shared by every contender), with `options`."""
+        from flax import nnx
+
+        return kvattn.MultiHeadAttention(
+            self.num_heads, self.in_features, max_len=self.max_len, batch_size=batch_size, cache_layout=layout,
+            cache_dtype=cache_dtype or self.dtype, rngs=nnx.Rngs(0), **options,
+        )
+
     def kv_bytes(self, batch_size: int, filled: int) -> int:
         """Bytes of keys and values a step must read at `filled` slots."""
         return batch_size * filled * self.cache_bytes_per_token

@@ -32,8 +32,8 @@ class BatchBench:
     def __init__(self, config: BenchConfig, batch_size: int):
         self.config = config
         self.batch_size = batch_size
-        self.layers = {layout: self._kvattn_layer(layout) for layout in config.layouts}
-        filler_layer = self._kvattn_layer(DEFAULT_LAYOUT, "float32")  # states are saved in float32
+        self.layers = {layout: config.layer(batch_size, layout) for layout in config.layouts}
+        filler_layer = config.layer(batch_size, DEFAULT_LAYOUT, "float32")  # states are saved in float32
         # Every contender runs the very same weights.
         self.params = nnx.state(self.layers[config.layouts[0]], nnx.Param)
         self.weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(self.params))
@@ -44,17 +44,6 @@ class BatchBench:
         stream_len = config.max_len + min(PREFILL_CHUNK, config.max_len)
         self.stream = jax.random.normal(jax.random.key(1), (batch_size, stream_len, config.in_features))
         self.filler = CacheFiller(filler_layer, self.stream)
-
-    def _kvattn_layer(self, layout: str, dtype: str | None = None) -> kvattn.MultiHeadAttention:
-        return kvattn.MultiHeadAttention(
-            self.config.num_heads,
-            self.config.in_features,
-            max_len=self.config.max_len,
-            batch_size=self.batch_size,
-            cache_layout=layout,
-            cache_dtype=dtype or self.config.dtype,
-            rngs=nnx.Rngs(0),
-        )
 
     def measure_filled(self, filled: int, progress: Progress) -> list[dict[str, Any]]:
         """Every contender's row at filled length `filled`."""

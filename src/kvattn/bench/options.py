@@ -59,32 +59,21 @@ class OptionsBench:
         self.config = config
         self.batch_size = batch_size
         self.layout = config.layouts[0]
-        plain = self._layer({}, config.dtype, self.layout)
+        plain = config.layer(self.batch_size, self.layout)
         params = nnx.state(plain, nnx.Param)
         # Past max_len by one chunk, so the fillers' prefill chunks are all full.
         stream_len = config.max_len + min(PREFILL_CHUNK, config.max_len)
         self.stream = jax.random.normal(jax.random.key(1), (batch_size, stream_len, config.in_features))
         self.layers, self.fillers = {}, {}
         for name, (options, _) in VARIANTS.items():
-            timed = plain if name == "plain" else self._layer(options, config.dtype, self.layout)
-            filler = self._layer(options, "float32", DEFAULT_LAYOUT)  # states are saved slots-major, in float32
+            timed = plain if name == "plain" else config.layer(self.batch_size, self.layout, **options)
+            # States are saved slots-major, in float32.
+            filler = config.layer(self.batch_size, DEFAULT_LAYOUT, "float32", **options)
             for layer in (timed, filler):
                 dtype = jnp.dtype(layer.config.param_dtype)
                 nnx.update(layer, jax.tree.map(lambda leaf, dtype=dtype: leaf.astype(dtype), params))
             self.layers[name] = timed
             self.fillers[name] = CacheFiller(filler, self.stream)
-
-    def _layer(self, options: dict[str, Any], cache_dtype: str, layout: str) -> kvattn.MultiHeadAttention:
-        return kvattn.MultiHeadAttention(
-            self.config.num_heads,
-            self.config.in_features,
-            max_len=self.config.max_len,
-            batch_size=self.batch_size,
-            cache_layout=layout,
-            cache_dtype=cache_dtype,
-            rngs=nnx.Rngs(0),
-            **options,
-        )
 
     def weight_bytes(self, name: str) -> int:
         return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(self.layers[name], nnx.Param)))

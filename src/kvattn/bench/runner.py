@@ -54,19 +54,8 @@ def run(
     Returns:
       The results, as written to `results.json`.
     """
-    for module in extra.MODULES:
-        extra.require(module)  # a missing extra fails before the measuring, not after it
-    sizes = dict(
-        in_features=in_features,
-        num_heads=num_heads,
-        max_len=max_len,
-        batch_sizes=tuple(batch_sizes),
-        filled=tuple(sorted(set(filled))),
-        repeats=repeats,
-        generation_repeats=generation_repeats,
-    )
-    if quick:
-        sizes.update(QUICK_SIZES)
+    sizes = _sizes(in_features, num_heads, max_len, batch_sizes, filled, repeats, quick)
+    sizes.setdefault("generation_repeats", generation_repeats)
     config = BenchConfig(layouts=tuple(layouts), dtype=dtype, **sizes)
     config.validate()
     started = time.perf_counter()
@@ -164,18 +153,7 @@ def run_options(
     Returns:
       The results, as written to `options.json`.
     """
-    for module in extra.MODULES:
-        extra.require(module)
-    sizes = dict(
-        in_features=in_features,
-        num_heads=num_heads,
-        max_len=max_len,
-        batch_sizes=tuple(batch_sizes),
-        filled=tuple(sorted(set(filled))),
-        repeats=repeats,
-    )
-    if quick:
-        sizes.update(QUICK_SIZES)
+    sizes = _sizes(in_features, num_heads, max_len, batch_sizes, filled, repeats, quick)
     sizes["generation_repeats"] = 0
     config = BenchConfig(layouts=(layout,), dtype=dtype, **sizes)
     config.validate()
@@ -214,3 +192,14 @@ def _provenance(config: BenchConfig, load_before: Any) -> dict[str, Any]:
         "versions": versions(),
         "source": source_revision(),
     }
+
+
+def _sizes(in_features, num_heads, max_len, batch_sizes, filled, repeats, quick) -> dict:
+    """The sizes of a run (the tiny `QUICK_SIZES` with `quick`), after checking the extra is installed."""
+    for module in extra.MODULES:
+        extra.require(module)  # a missing extra fails before the measuring, not after it
+    sizes = dict(
+        in_features=in_features, num_heads=num_heads, max_len=max_len, batch_sizes=tuple(batch_sizes),
+        filled=tuple(sorted(set(filled))), repeats=repeats,
+    )
+    return sizes | QUICK_SIZES if quick else sizes
