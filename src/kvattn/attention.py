@@ -20,6 +20,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 
 from kvattn import cache as cache_ops
+from kvattn import paged as paged_ops
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
 from kvattn.rope import RoPE
@@ -127,6 +128,8 @@ class MultiHeadAttention(nnx.Module):
         qk_norm_eps: float = 1e-6,
         logit_softcap: float | None = None,
         rope: RoPE | None = None,
+        num_pages: int | None = None,
+        page_size: int | None = None,
         kernel_init=default_kernel_init,
         bias_init=initializers.zeros_init(),
         out_kernel_init=None,
@@ -138,7 +141,8 @@ class MultiHeadAttention(nnx.Module):
             batch_size=batch_size, use_bias=use_bias, cache_dtype=cache_dtype, cache_layout=cache_layout,
             length_buckets=length_buckets, data_axis=data_axis, model_axis=model_axis, qkv_features=qkv_features,
             out_features=out_features, dtype=dtype, param_dtype=param_dtype, normalize_qk=normalize_qk,
-            qk_norm_eps=qk_norm_eps, logit_softcap=logit_softcap, rope=rope,
+            qk_norm_eps=qk_norm_eps, logit_softcap=logit_softcap, rope=rope, num_pages=num_pages,
+            page_size=page_size,
         )
 
         def linear(name, in_f, out_f, kernel_axes, bias_axes, kernel_init=kernel_init, bias_init=bias_init, **kw):
@@ -168,16 +172,28 @@ class MultiHeadAttention(nnx.Module):
             )
             self.query_ln, self.key_ln = norm(), norm()
 
+        def cache(shape, axes, dtype):
+            return nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes))
+
+        dtype = jnp.dtype(config.cache_dtype)
+        if config.paged:
+            # One pool for the whole batch: pages `(P, page, K, H)` (heads-major `(P, K, page, H)`).
+            if config.cache_layout == "slots_major":
+                pages, page_axes = (config.num_pages, config.page_size, num_kv_heads), (None, None, model_axis)
+            else:
+                pages, page_axes = (config.num_pages, num_kv_heads, config.page_size), (None, model_axis, None)
+            self.k_pages = cache((*pages, head_dim), (*page_axes, None), dtype)
+            self.v_pages = cache((*pages, head_dim), (*page_axes, None), dtype)
+            if config.cache_dtype == "int8":
+                self.k_page_scale = cache(pages, page_axes, jnp.float32)
+                self.v_page_scale = cache(pages, page_axes, jnp.float32)
+            return
+
         lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
         if config.cache_layout == "slots_major":
             slots, slot_axes = (config.num_slots, num_kv_heads), (None, model_axis)
         else:
             slots, slot_axes = (num_kv_heads, config.num_slots), (model_axis, None)
-
-        def cache(shape, axes, dtype):
-            return nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes))
-
-        dtype = jnp.dtype(config.cache_dtype)
         self.k_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
         self.v_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
         self.pos = cache(lead, lead_axes, jnp.int32)
@@ -236,7 +252,7 @@ class MultiHeadAttention(nnx.Module):
         ys = causal_self_attention(self.weights, flat, config=self.config)
         return ys.reshape(*lead, *ys.shape[-2:])
 
-    def step(self, x, active=None):
+    def step(self, x, active=None, *, pages=None):
         """Decodes one token per sequence through the cache.
 
         Projects only `x`, writes its key and value at slot `pos`, advances
@@ -246,6 +262,9 @@ class MultiHeadAttention(nnx.Module):
           x: the new token `(D,)`, or `(B, D)` for a batched layer.
           active: batched layers only, optional bool `(B,)`: inactive sequences
             neither write nor advance, and return zeros.
+          pages: a paged layer only, and required there: the `PageBatch` of
+            `PageManager.reserve` for this call (its tables, positions and
+            copy-on-write copies).
 
         Returns:
           The new token's feature vector, same shape as `x`. NaN for a
@@ -253,9 +272,9 @@ class MultiHeadAttention(nnx.Module):
         """
         x = check.tokens(self.config, x, "x", rank=1)
         lengths = None if active is None else check.mask(self.config, active, "active").astype(jnp.int32)
-        return self._extend(x[..., None, :], lengths)[..., 0, :]
+        return self._extend(x[..., None, :], lengths, pages)[..., 0, :]
 
-    def prefill(self, xs, lengths=None):
+    def prefill(self, xs, lengths=None, *, pages=None):
         """Writes a chunk of tokens into the cache in one call.
 
         Each token attends causally to the cache and to the chunk up to
@@ -268,6 +287,7 @@ class MultiHeadAttention(nnx.Module):
             `0 <= lengths[b] <= T`: sequence b takes its first `lengths[b]`
             tokens. Padding never enters the cache or any attention, and its
             outputs are zeros, whatever it holds.
+          pages: a paged layer only, as in `step`.
 
         Returns:
           The feature vector of every token, same shape as `xs`.
@@ -276,7 +296,7 @@ class MultiHeadAttention(nnx.Module):
         check.nonempty(xs)
         if lengths is not None:
             lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2])
-        return self._extend(xs, lengths)
+        return self._extend(xs, lengths, pages)
 
     def reset(self, which=None):
         """Empties the cache: `pos = 0` and zeroed buffers, as freshly built.
@@ -303,6 +323,7 @@ class MultiHeadAttention(nnx.Module):
         Not available with `window`: the ring has already overwritten the
         tokens that would slide back into view.
         """
+        check.contiguous(self.config, "truncate")
         if self.config.window is not None:
             raise ValueError("truncate is not supported on a windowed layer; reset() it or keep decoding")
         cache = self.cache
@@ -321,6 +342,7 @@ class MultiHeadAttention(nnx.Module):
             range poisons the targets (see the class docstring).
           targets: indices or bool mask `(B,)` of the sequences to overwrite.
         """
+        check.contiguous(self.config, "fork")
         check.require_batched(self.config, "fork")
         source = check.sequence_index(self.config, source, "source")
         self._set_cache(cache_ops.fork(self.cache, source, check.which(self.config, targets)))
@@ -332,22 +354,50 @@ class MultiHeadAttention(nnx.Module):
           order: int `(B,)` of source indices; repeats allowed. Under jit, an
             index out of range poisons its sequence (see the class docstring).
         """
+        check.contiguous(self.config, "reorder")
         check.require_batched(self.config, "reorder")
         order = check.per_sequence_ints(self.config, order, "order", upper=self.config.batch_size - 1)
         self._set_cache(cache_ops.reorder(self.cache, order))
 
     # ---------------------------------------------------------------- internal
 
-    def _extend(self, xs, lengths):
+    def _extend(self, xs, lengths, pages=None):
         """Appends `xs` `([B,] T, D)` to the cache and attends; the core of step and prefill."""
         xs_b = self._batched(xs)
-        cache = self.cache
         if lengths is None:
             lengths = jnp.full(xs_b.shape[:1], xs_b.shape[1], jnp.int32)
+        if self.config.paged or pages is not None:
+            return self._extend_paged(xs_b, lengths, pages)
+        cache = self.cache
         check.capacity(self.config, check.state(self.config, cache.pos), lengths)
         ys, cache = extend(self.weights, cache, xs_b, lengths, config=self.config)
         self._set_cache(cache)
         return ys if self.config.batch_size is not None else ys[0]
+
+    def _extend_paged(self, xs, lengths, pages):
+        table, pos, copy_from, copy_to = check.page_batch(self.config, pages, lengths)
+        cache = self.paged_cache(table, pos, copy_from, copy_to)
+        ys, cache = extend(self.weights, cache, xs, lengths, config=self.config)
+        self.set_pool(cache)
+        return ys
+
+    def paged_cache(self, table, pos, copy_from=None, copy_to=None) -> paged_ops.PagedKVCache:
+        """The page pool bound to one call's tables, positions and copies (a paged layer)."""
+        int8 = self.config.cache_dtype == "int8"
+        return paged_ops.PagedKVCache(
+            k=cache_ops.Stored(self.k_pages[...], self.k_page_scale[...] if int8 else None),
+            v=cache_ops.Stored(self.v_pages[...], self.v_page_scale[...] if int8 else None),
+            table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=self.config.layout,
+            window=self.config.window,
+        )
+
+    def set_pool(self, cache: paged_ops.PagedKVCache):
+        """Writes a paged cache's pool back into the `nnx.Cache` variables."""
+        self.k_pages[...] = cache.k.values
+        self.v_pages[...] = cache.v.values
+        if self.config.cache_dtype == "int8":
+            self.k_page_scale[...] = cache.k.scale
+            self.v_page_scale[...] = cache.v.scale
 
     @property
     def weights(self) -> Weights:
@@ -381,6 +431,7 @@ class MultiHeadAttention(nnx.Module):
         Unbatched, its arrays lack the batch axis that the `KVCache` legend
         names; `cache` adds it.
         """
+        check.contiguous(self.config, "a contiguous cache view")
         int8 = self.config.cache_dtype == "int8"
         return cache_ops.KVCache(
             k=cache_ops.Stored(self.k_cache[...], self.k_scale[...] if int8 else None),

@@ -87,6 +87,12 @@ class AttentionConfig:
       length_buckets: static prefix lengths a step may read (see
         `default_length_buckets`); None picks the default, `()` none.
       data_axis, model_axis: mesh axes that split sequences and heads.
+      num_pages, page_size: a paged cache (give both): one pool of
+        `num_pages` pages of `page_size` tokens shared by the `batch_size`
+        sequences, each holding up to `max_len` tokens through its page
+        table (see `kvattn.paged`). `window` may then be given with
+        `max_len`: it limits what a token sees, and the host frees the pages
+        that fall out of it.
 
     >>> AttentionConfig(2, 8, max_len=np.int64(16), cache_dtype=np.dtype("int8")).max_len
     16
@@ -115,6 +121,8 @@ class AttentionConfig:
     qk_norm_eps: float = _recorded(1e-6)
     logit_softcap: float | None = _recorded(None)
     rope: RoPE | None = _recorded(None)
+    num_pages: int | None = None
+    page_size: int | None = None
 
     def __post_init__(self):
         def put(name, value):
@@ -122,7 +130,21 @@ class AttentionConfig:
 
         put("num_heads", positive_int("num_heads", self.num_heads))
         put("in_features", positive_int("in_features", self.in_features))
-        if (self.max_len is None) == (self.window is None):
+        if (self.num_pages is None) != (self.page_size is None):
+            raise ValueError(
+                f"a paged cache needs both num_pages and page_size, got num_pages={self.num_pages!r} "
+                f"and page_size={self.page_size!r}"
+            )
+        if self.num_pages is not None:
+            put("num_pages", positive_int("num_pages", self.num_pages))
+            put("page_size", positive_int("page_size", self.page_size))
+            if self.num_pages < 2 or self.max_len is None or self.batch_size is None:
+                raise ValueError(
+                    "a paged cache needs num_pages >= 2 (page 0 is the null page), max_len (tokens per sequence) "
+                    f"and batch_size (sequences), got num_pages={self.num_pages}, max_len={self.max_len!r}, "
+                    f"batch_size={self.batch_size!r}"
+                )
+        elif (self.max_len is None) == (self.window is None):
             raise ValueError(
                 f"give exactly one of max_len (a bounded cache) or window (a ring), "
                 f"got max_len={self.max_len!r} and window={self.window!r}"
@@ -181,8 +203,18 @@ class AttentionConfig:
         return self.use_bias if isinstance(self.use_bias, bool) else projection in self.use_bias
 
     @property
+    def paged(self) -> bool:
+        """Whether the cache is a page pool (`num_pages`, `page_size`)."""
+        return self.num_pages is not None
+
+    @property
+    def pages_per_sequence(self) -> int:
+        """A paged cache's table width: the blocks of `max_len` tokens."""
+        return -(-self.max_len // self.page_size)
+
+    @property
     def num_slots(self) -> int:
-        """Slots per sequence: `max_len`, or the ring's `window`."""
+        """Slots per sequence: `max_len`, or the ring's `window` (a paged cache's `max_len` with any window)."""
         return self.window if self.max_len is None else self.max_len
 
     @property

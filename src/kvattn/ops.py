@@ -185,6 +185,7 @@ def cached_attention(
     window: int | None = None,
     block_diagonal: bool = True,
     logit_softcap: float | None = None,
+    slot_positions: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk whose keys and values are already written to the cache.
 
@@ -212,6 +213,9 @@ def cached_attention(
       window: attend to at most this many positions (a ring cache).
       block_diagonal: as in `attention`.
       logit_softcap: as in `attention`.
+      slot_positions: the position each slot holds, when the cache is a
+        gathered view rather than slots `0..S-1` or a ring (a paged cache);
+        `window` then masks by position, with no ring.
 
     Returns:
       The attended values of every query head.
@@ -221,7 +225,7 @@ def cached_attention(
     query_t = jnp.arange(num_new)[None, :]
     real = query_t < new_len[:, None]  # B T
     num_slots = k_cache.shape[layout.index("S")]
-    visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window)
+    visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window, slot_positions)
     weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
     ctx = _read_values(weights, v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
@@ -287,18 +291,23 @@ def _grouped_queries(q, num_kv_heads):
     return q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
 
 
-def _slot_visibility(filled, query_pos, num_slots, window):
+def _slot_visibility(filled, query_pos, num_slots, window, slot_positions=None):
     """Which cache slots `(B, T, S)` queries at positions `query_pos` `(B, T)` see.
 
     `filled[b]` tokens have been written. Without a window, slot s holds
     position s and is filled when `s < filled`. In a ring of W slots, slot s
     holds the latest position `p < filled` with `p % W == s`, filled when
-    that p >= 0. A query at position q sees filled positions `p <= q`, and
-    with a window only those with `p > q - W`.
+    that p >= 0. Given `slot_positions` `(B, S)`, slot s holds that position
+    (a paged view), filled when it is `< filled`. A query at position q sees
+    filled positions `p <= q`, and with a window only those with `p > q - W`.
     """
-    slot = jnp.arange(num_slots)[None, None, :]
     filled = filled[:, None, None]
     query_pos = query_pos[:, :, None]
+    if slot_positions is not None:
+        position = slot_positions[:, None, :]
+        visible = (position < filled) & (position <= query_pos)
+        return visible if window is None else visible & (position > query_pos - window)
+    slot = jnp.arange(num_slots)[None, None, :]
     if window is None:
         return (slot < filled) & (slot <= query_pos)
     position = filled - 1 - (filled - 1 - slot) % window

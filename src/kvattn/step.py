@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kvattn import cache as cache_ops
 from kvattn import ops
+from kvattn import paged as paged_ops
 from kvattn.config import AttentionConfig
 from kvattn.rope import apply_rope
 
@@ -170,11 +171,15 @@ def extend(
       `(ys, cache)`: outputs `(B, T, D)` and the advanced cache.
     """
     num_new = xs.shape[1]
-    if write_first and cache.window is not None and num_new > 1:
+    paged = isinstance(cache, paged_ops.PagedKVCache)
+    if write_first and cache.window is not None and num_new > 1 and not paged:
         raise ValueError(f"a ring chunk of {num_new} tokens must be read first; use write_first only for steps")
     real = jnp.arange(num_new)[None, :] < lengths[:, None]
     xs = jnp.where(real[:, :, None], xs, jnp.zeros((), xs.dtype))
-    fits = cache_ops.capacity_ok(cache.pos, lengths, config.capacity)
+    if paged:
+        fits = cache_ops.capacity_ok(cache.pos, lengths, cache.capacity) & paged_ops.mapped(cache, lengths)
+    else:
+        fits = cache_ops.capacity_ok(cache.pos, lengths, config.capacity)
     written = jnp.where(fits, lengths, 0)
     old_pos = cache.pos
     q, k, v = attention_inputs(config, weights, xs, old_pos[:, None] + jnp.arange(num_new)[None, :])
@@ -182,29 +187,56 @@ def extend(
         layout=cache.layout, window=cache.window, block_diagonal=not config.heads_split,
         logit_softcap=config.logit_softcap,
     )
-    if write_first:
-        cache = cache_ops.append(cache, k, v, written)
-
-        def attend(kv):
-            (k_cache, k_scale), (v_cache, v_scale) = kv
-            return ops.cached_attention(q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options)
+    if paged:
+        cache = paged_ops.append(cache, k, v, written)
+        ctx = _paged_attention(q, cache, old_pos, written, options)
     else:
+        if write_first:
+            cache = cache_ops.append(cache, k, v, written)
 
         def attend(kv):
             (k_cache, k_scale), (v_cache, v_scale) = kv
+            if write_first:
+                return ops.cached_attention(
+                    q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
+                )
             return ops.attention(
                 q, k, v, lengths, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
             )
 
-    ctx = ops.bucketed(attend, (cache.k, cache.v), _filled(cache), config.length_buckets, cache.layout)
+        ctx = ops.bucketed(attend, (cache.k, cache.v), _filled(cache), config.length_buckets, cache.layout)
     ys = output(config, weights, ctx, xs)
     ys = jnp.where(real[:, :, None], ys, jnp.zeros((), ys.dtype))  # padding tokens
     ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
-    if not write_first:
+    if not (write_first or paged):
         # Stored after attention has read the old slots (`after`), so XLA can
         # update the donated buffers in place.
         cache = cache_ops.append(cache, k, v, written, after=ys)
     return ys, cache
+
+
+def _paged_attention(q, cache: paged_ops.PagedKVCache, old_pos, written, options):
+    """Attention of the new queries over a paged cache they are already written to.
+
+    Reads a view of as many blocks as the batch's longest sequence needs
+    (one `lax.switch` branch per static count, as `ops.bucketed` does for
+    the contiguous cache).
+    """
+    filled = old_pos + written
+    sizes = paged_ops.view_blocks(cache, q.shape[1])
+
+    def branch(num_blocks):
+        def attend(cache):
+            (k_view, k_scale), (v_view, v_scale), slot_positions = paged_ops.view(cache, num_blocks, old_pos, filled)
+            return ops.cached_attention(
+                q, written, k_view, v_view, old_pos, k_scale=k_scale, v_scale=v_scale,
+                slot_positions=slot_positions, **options,
+            )
+
+        return attend
+
+    needed = (jnp.max(filled) + cache.page_size - 1) // cache.page_size
+    return jax.lax.switch(ops.bucket_index(sizes, needed), [branch(n) for n in sizes], cache)
 
 
 def _filled(cache: cache_ops.KVCache):

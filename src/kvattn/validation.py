@@ -218,3 +218,45 @@ def capacity(config: AttentionConfig, pos: np.ndarray | None, lengths) -> None:
             f"cache overflow{where}: pos {pos[over].tolist()} + {lengths[over].tolist()} new tokens "
             f"exceeds {limit}; nothing was written. Call reset() or build the layer with a larger max_len."
         )
+
+
+def contiguous(config: AttentionConfig, name: str) -> None:
+    """Refuses an operation on a paged layer, whose sequences the host `PageManager` owns."""
+    if config.paged:
+        raise ValueError(
+            f"{name} is not a paged layer's operation: its sequences live in pages that the host "
+            "kvattn.PageManager owns (use its free/truncate/fork/reorder), and each call gets a PageBatch"
+        )
+
+
+def page_batch(config: AttentionConfig, pages, lengths) -> tuple:
+    """A `PageBatch`'s arrays as int32 (`table`, `pos`, `copy_from`, `copy_to`), checked when not traced.
+
+    Eagerly it also checks that every block the call writes has a page (the
+    host reserved them), raising `CacheOverflowError` for a sequence past
+    `max_len` and `ValueError` for a missing reservation, before any state changes.
+    """
+    if not config.paged:
+        raise ValueError("pages= is only for a paged layer (built with num_pages and page_size)")
+    if pages is None:
+        raise ValueError("a paged layer needs pages=: the PageBatch that PageManager.reserve(counts) returns")
+    batch, width = config.batch_size, config.pages_per_sequence
+    table = _ints(pages.table, "pages.table", ((batch, width),), 0, config.num_pages - 1, half_open=True)
+    pos = _ints(pages.pos, "pages.pos", ((batch,),), 0, config.max_len)
+    copies = getattr(pages, "copy_from", None)
+    if copies is not None:
+        copy_from = _ints(pages.copy_from, "pages.copy_from", (np.shape(copies),), 0, config.num_pages - 1)
+        copy_to = _ints(pages.copy_to, "pages.copy_to", (np.shape(copies),), 1, config.num_pages)
+        copies = (copy_from, copy_to)
+    if not is_traced(table, pos, lengths):
+        capacity(config, pos, lengths)
+        lengths = np.broadcast_to(host(lengths), pos.shape)
+        for b in np.flatnonzero(lengths):
+            blocks = np.arange(pos[b] // config.page_size, (pos[b] + lengths[b] - 1) // config.page_size + 1)
+            if np.any(table[b, blocks] == 0):
+                raise ValueError(
+                    f"sequence {b} writes positions {pos[b]}..{pos[b] + lengths[b] - 1}, but blocks "
+                    f"{blocks[table[b, blocks] == 0].tolist()} of its page table have no page; reserve them with "
+                    "PageManager.reserve before the call. Nothing was changed."
+                )
+    return (jnp.asarray(table), jnp.asarray(pos), *(copies or (None, None)))

@@ -1,0 +1,211 @@
+"""The paged KV cache type: one pool of fixed-size pages shared by a batch, read through page tables.
+
+A `PagedKVCache` is the device half of paging (the host half, which decides
+which page holds what, is `kvattn.pages.PageManager`). Its arrays:
+
+- the pool: keys and values as `Stored` pages, `(P, page, K, H)`
+  ("slots_major") or `(P, K, page, H)` ("heads_major"), with int8's scales
+  `(P, page, K)` / `(P, K, page)`. Page 0 is the null page: table entries
+  that map nothing point at it, and nothing is ever written to it.
+- `table` `(B, M)` int32: sequence b's logical block j (positions
+  `j*page .. (j+1)*page - 1`) lives in page `table[b, j]`.
+- `pos` `(B,)` int32: tokens each sequence held before this call.
+- `copy_from`, `copy_to` `(C,)` int32: copy-on-write copies to make before
+  any write (a destination `>= P` is padding and dropped).
+
+All of them have fixed shapes, so one compiled program serves every mix of
+requests; only their values change as sequences come and go.
+
+Attention reads a sequence through a *view*: its blocks gathered into a
+contiguous `(B, S, K, H)` buffer (or `(B, K, S, H)`), with every slot that
+holds no token of the sequence (unfilled, unmapped, outside the window)
+zeroed, so whatever a free page holds (NaN included) never reaches an
+output. The view then goes through the same `ops.cached_attention`, hence
+the same masked softmax, as the contiguous cache. Positions are logical:
+slot s of a view starting at block f holds position `f*page + s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from kvattn.cache import Stored, encode
+from kvattn.ops import SLOTS_MAJOR
+
+__all__ = ["NULL_PAGE", "PagedKVCache", "append", "apply_copies", "empty_pool", "mapped", "view", "view_blocks"]
+
+NULL_PAGE = 0
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("k", "v", "table", "pos", "copy_from", "copy_to"),
+    meta_fields=("layout", "window"),
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A page pool bound to one call's page tables, positions and pending copies.
+
+    `layout` names the axes of a gathered view (`"BSKH"` for a pool
+    `(P, page, K, H)`, `"BKSH"` for `(P, K, page, H)`); `window`, if set,
+    limits what a query sees to the last `window` positions (pages that fall
+    out of it are freed by the host, not overwritten in a ring).
+    """
+
+    k: Any
+    v: Any
+    table: Any
+    pos: Any
+    copy_from: Any = None
+    copy_to: Any = None
+    layout: str = SLOTS_MAJOR
+    window: int | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.k.values.shape[1 if self.layout == SLOTS_MAJOR else 2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.values.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence may hold: its table's blocks times the page size."""
+        return self.table.shape[1] * self.page_size
+
+    def replace(self, **changes) -> PagedKVCache:
+        return dataclasses.replace(self, **changes)
+
+
+def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str = SLOTS_MAJOR):
+    """Zeroed key and value pools (`Stored`, with int8 scales)."""
+    shape = (num_pages, page_size, num_kv_heads) if layout == SLOTS_MAJOR else (num_pages, num_kv_heads, page_size)
+
+    def one():
+        scale = jnp.zeros(shape, jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
+        return Stored(jnp.zeros((*shape, head_dim), dtype), scale)
+
+    return one(), one()
+
+
+def apply_copies(cache: PagedKVCache) -> PagedKVCache:
+    """Makes the pending copy-on-write copies (`copy_to[i] <- copy_from[i]`) and clears them."""
+    if cache.copy_from is None:
+        return cache
+
+    def copy(pool):
+        return pool.at[cache.copy_to].set(pool[cache.copy_from], mode="drop")
+
+    return cache.replace(
+        k=jax.tree.map(copy, cache.k), v=jax.tree.map(copy, cache.v), copy_from=None, copy_to=None
+    )
+
+
+def mapped(cache: PagedKVCache, lengths: Int[Array, " B"]) -> Bool[Array, " B"]:
+    """Whether every block sequence b writes (positions `pos[b] .. pos[b] + lengths[b] - 1`) has a page.
+
+    The host reserves pages before a call; a sequence it did not reserve
+    for writes nothing and gets NaN outputs rather than writing to the null
+    page (never a silent skip).
+    """
+    blocks = jnp.arange(cache.table.shape[1])[None, :]
+    first = cache.pos[:, None] // cache.page_size
+    last = (cache.pos[:, None] + lengths[:, None] - 1) // cache.page_size
+    written = (blocks >= first) & (blocks <= last)
+    return jnp.all(~written | (cache.table != NULL_PAGE), axis=1)
+
+
+def _slots(cache: PagedKVCache, positions: Int[Array, "B T"], keep: Bool[Array, "B T"]):
+    """Pages and in-page offsets of `positions`; positions not kept go to page `P` (dropped)."""
+    blocks = jnp.clip(positions // cache.page_size, 0, cache.table.shape[1] - 1)
+    pages = jnp.take_along_axis(cache.table, blocks, axis=1)
+    keep = keep & (pages != NULL_PAGE)
+    return jnp.where(keep, pages, cache.num_pages), positions % cache.page_size
+
+
+def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> PagedKVCache:
+    """Writes the first `lengths[b]` new keys and values `(B, T, K, H)` of each sequence and advances `pos`.
+
+    Pending copies are made first. The caller has checked capacity and
+    mapping and passes zero `lengths` for sequences that must not change.
+    """
+    cache = apply_copies(cache)
+    offsets = jnp.arange(k_new.shape[1])[None, :]
+    pages, slots = _slots(cache, cache.pos[:, None] + offsets, offsets < lengths[:, None])
+    pages, slots = pages.reshape(-1), slots.reshape(-1)
+
+    def put(stored: Stored, new):
+        new = encode(new, stored.values.dtype)
+        new = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), new)  # (B*T, K[, H])
+        if cache.layout == SLOTS_MAJOR:
+            return jax.tree.map(lambda pool, x: pool.at[pages, slots].set(x, mode="drop"), stored, new)
+        return jax.tree.map(lambda pool, x: pool.at[pages, :, slots].set(x, mode="drop"), stored, new)
+
+    return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new), pos=cache.pos + lengths)
+
+
+# Views start at this many tokens: shorter ones save too little to be worth a branch.
+_SMALLEST_VIEW = 64
+
+
+def view_blocks(cache: PagedKVCache, num_new: int) -> tuple[int, ...]:
+    """Static block counts a view may take (one compiled branch each), increasing; see `view`.
+
+    Without a window: doublings up to the table width, the smallest holding
+    the batch's filled blocks picked at run time (a view is a copy anyway,
+    so a shorter one always pays). With one: a single count covering the
+    window and the chunk.
+    """
+    width = cache.table.shape[1]
+    if cache.window is not None:
+        return (min(width, math.ceil((cache.window - 1 + num_new) / cache.page_size) + 1),)
+    sizes, size = [], max(1, _SMALLEST_VIEW // cache.page_size)
+    while size < width:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, width)
+
+
+def view(cache: PagedKVCache, num_blocks: int, query_start: Int[Array, " B"], filled: Int[Array, " B"]):
+    """Each sequence's blocks gathered into a contiguous view, and the position each slot holds.
+
+    Without a window the view is blocks `0 .. num_blocks - 1`; with one it
+    starts at the block holding the earliest position a query at
+    `query_start[b]` can see. Slots that hold no token (at or past
+    `filled[b]`, or in an unmapped block) are zeroed.
+
+    Returns:
+      `(k, v, slot_positions)`: `Stored` views `(B, S, K, H)` (or
+      `(B, K, S, H)`), `S = num_blocks * page`, and int32 `(B, S)`.
+    """
+    page, width = cache.page_size, cache.table.shape[1]
+    first = jnp.zeros_like(query_start)
+    if cache.window is not None:
+        first = jnp.maximum(query_start - cache.window + 1, 0) // page
+    blocks = first[:, None] + jnp.arange(num_blocks)[None, :]  # B nb
+    pages = jnp.take_along_axis(cache.table, jnp.clip(blocks, 0, width - 1), axis=1)
+    pages = jnp.where(blocks < width, pages, NULL_PAGE)
+    slot_positions = (blocks[:, :, None] * page + jnp.arange(page)[None, None, :]).reshape(blocks.shape[0], -1)
+    holds = (slot_positions < filled[:, None]) & jnp.repeat(pages != NULL_PAGE, page, axis=1)
+
+    def gather(pool):
+        taken = pool[pages]  # B nb page K [H]  or  B nb K page [H]
+        if cache.layout != SLOTS_MAJOR:
+            taken = jnp.moveaxis(taken, 2, 1)  # B K nb page [H]
+            merged = taken.reshape(taken.shape[0], taken.shape[1], -1, *taken.shape[4:])
+            mask = holds[:, None, :]
+        else:
+            merged = taken.reshape(taken.shape[0], -1, *taken.shape[3:])
+            mask = holds
+        mask = mask.reshape(mask.shape + (1,) * (merged.ndim - mask.ndim))
+        return jnp.where(mask, merged, jnp.zeros((), merged.dtype))
+
+    return jax.tree.map(gather, cache.k), jax.tree.map(gather, cache.v), slot_positions
