@@ -271,7 +271,8 @@ class MultiHeadAttention(nnx.Module):
           sequence that overflowed under jit (see the class docstring).
         """
         x = check.tokens(self.config, x, "x", rank=1)
-        lengths = None if active is None else check.mask(self.config, active, "active").astype(jnp.int32)
+        rows = x.shape[0] if self.config.paged else None
+        lengths = None if active is None else check.mask(self.config, active, "active", rows).astype(jnp.int32)
         return self._extend(x[..., None, :], lengths, pages)[..., 0, :]
 
     def prefill(self, xs, lengths=None, *, pages=None):
@@ -295,7 +296,8 @@ class MultiHeadAttention(nnx.Module):
         xs = check.tokens(self.config, xs, "xs", rank=2)
         check.nonempty(xs)
         if lengths is not None:
-            lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2])
+            rows = xs.shape[0] if self.config.paged else None
+            lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2], batch=rows)
         return self._extend(xs, lengths, pages)
 
     def reset(self, which=None):
@@ -375,7 +377,7 @@ class MultiHeadAttention(nnx.Module):
         return ys if self.config.batch_size is not None else ys[0]
 
     def _extend_paged(self, xs, lengths, pages):
-        table, pos, copy_from, copy_to = check.page_batch(self.config, pages, lengths)
+        table, pos, copy_from, copy_to = check.page_batch(self.config, pages, lengths, xs.shape[0])
         cache = self.paged_cache(table, pos, copy_from, copy_to)
         ys, cache = extend(self.weights, cache, xs, lengths, config=self.config)
         self.set_pool(cache)

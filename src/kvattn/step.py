@@ -135,7 +135,7 @@ def causal_self_attention(weights: Weights, xs, *, config: AttentionConfig):
 @functools.partial(jax.jit, static_argnames=("config", "write_first"))
 def extend(
     weights: Weights | FusedWeights,
-    cache: cache_ops.KVCache,
+    cache: cache_ops.KVCache | paged_ops.PagedKVCache,
     xs,
     lengths,
     *,

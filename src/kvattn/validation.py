@@ -79,7 +79,8 @@ def require_batched(config: AttentionConfig, name: str) -> None:
 def tokens(config: AttentionConfig, x, name: str, rank: int) -> jax.Array:
     """Floating tokens of rank `rank` per sequence (plus the batch axis of a batched layer), ending in D."""
     x = _floating(config, x, name, (rank + lead(config),))
-    if config.batch_size is not None and x.shape[0] != config.batch_size:
+    # A paged layer's calls take any rows: each brings its own page tables.
+    if config.batch_size is not None and not config.paged and x.shape[0] != config.batch_size:
         raise ValueError(f"{name} must have batch_size={config.batch_size} rows, got shape {x.shape}")
     return x
 
@@ -111,12 +112,13 @@ def nonempty(xs: jax.Array, name: str = "xs") -> None:
         raise ValueError(f"{name} needs at least one token, got shape {xs.shape}")
 
 
-def mask(config: AttentionConfig, value, name: str) -> jax.Array:
-    """A bool `(B,)` mask."""
+def mask(config: AttentionConfig, value, name: str, batch: int | None = None) -> jax.Array:
+    """A bool `(B,)` mask (`batch` rows, by default the layer's `batch_size`)."""
     require_batched(config, name)
+    batch = config.batch_size if batch is None else batch
     value = jnp.asarray(value)
-    if value.dtype != jnp.bool_ or value.shape != (config.batch_size,):
-        raise ValueError(f"{name} must be bool ({config.batch_size},), got {value.dtype} {value.shape}")
+    if value.dtype != jnp.bool_ or value.shape != (batch,):
+        raise ValueError(f"{name} must be bool ({batch},), got {value.dtype} {value.shape}")
     return value
 
 
@@ -140,10 +142,10 @@ def _ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bo
     return values.astype(np.int32)
 
 
-def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int) -> jax.Array:
-    """Int `(B,)`, each in `[0, upper]` when not traced, as int32."""
+def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int, batch: int | None = None) -> jax.Array:
+    """Int `(B,)` (`batch` rows, by default `batch_size`), each in `[0, upper]` when not traced, as int32."""
     require_batched(config, name)
-    return jnp.asarray(_ints(value, name, ((config.batch_size,),), 0, upper))
+    return jnp.asarray(_ints(value, name, ((config.batch_size if batch is None else batch,),), 0, upper))
 
 
 def sequence_index(config: AttentionConfig, value, name: str) -> jax.Array:
@@ -229,8 +231,8 @@ def contiguous(config: AttentionConfig, name: str) -> None:
         )
 
 
-def page_batch(config: AttentionConfig, pages, lengths) -> tuple:
-    """A `PageBatch`'s arrays as int32 (`table`, `pos`, `copy_from`, `copy_to`), checked when not traced.
+def page_batch(config: AttentionConfig, pages, lengths, batch: int) -> tuple:
+    """A `PageBatch`'s arrays for `batch` rows as int32 (`table`, `pos`, `copy_from`, `copy_to`), checked when not traced.
 
     Eagerly it also checks that every block the call writes has a page (the
     host reserved them), raising `CacheOverflowError` for a sequence past
@@ -240,7 +242,7 @@ def page_batch(config: AttentionConfig, pages, lengths) -> tuple:
         raise ValueError("pages= is only for a paged layer (built with num_pages and page_size)")
     if pages is None:
         raise ValueError("a paged layer needs pages=: the PageBatch that PageManager.reserve(counts) returns")
-    batch, width = config.batch_size, config.pages_per_sequence
+    width = config.pages_per_sequence
     table = _ints(pages.table, "pages.table", ((batch, width),), 0, config.num_pages - 1, half_open=True)
     pos = _ints(pages.pos, "pages.pos", ((batch,),), 0, config.max_len)
     copies = getattr(pages, "copy_from", None)

@@ -4,8 +4,10 @@ from kvattn.models.config import ModelConfig, UnsupportedConfigError, from_hf_co
 from kvattn.models.decoder import DecoderLM
 from kvattn.models.generate import Generated, generate, stream
 from kvattn.models.hf import from_pretrained, load_safetensors
+from kvattn.models.serving import Completion, Server
 
 __all__ = [
+    "Completion",
     "DecoderLM",
     "Generated",
     "ModelConfig",
@@ -14,5 +16,6 @@ __all__ = [
     "from_pretrained",
     "generate",
     "load_safetensors",
+    "Server",
     "stream",
 ]

@@ -6,6 +6,9 @@ MLP), a final norm and the output projection (tied to the embedding when
 the checkpoint ties them). Every block's attention owns its KV cache, so the
 model decodes with `prefill(tokens, lengths)` and `step(tokens)` like one
 layer does, and `model(tokens)` is the full causal forward without a cache.
+Built with `num_pages` and `page_size`, every layer holds a page pool
+instead, and the calls take `pages=` (a `kvattn.PageBatch`, which one
+`kvattn.PageManager` hands out for all layers): see `kvattn.models.serving`.
 """
 
 from __future__ import annotations
@@ -106,11 +109,14 @@ class DecoderLM(nnx.Module):
       batch_size: sequences decoded together.
       dtype: computation and parameter dtype (float32 or bfloat16).
       cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
+      num_pages, page_size: a paged cache per layer (see
+        `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence
+        slots, and a sliding window frees pages instead of using a ring.
       rngs: only for initial values; `from_pretrained` overwrites them.
     """
 
     def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
-                 cache_dtype=None, rngs: nnx.Rngs):
+                 cache_dtype=None, num_pages: int | None = None, page_size: int | None = None, rngs: nnx.Rngs):
         self.config = config
         dtype = jnp.dtype(dtype)
         self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
@@ -120,6 +126,8 @@ class DecoderLM(nnx.Module):
         )
         window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
         capacity = dict(window=window) if window else dict(max_len=max_len)
+        if num_pages is not None:
+            capacity = dict(max_len=max_len, window=window, num_pages=num_pages, page_size=page_size)
 
         def attention():
             return MultiHeadAttention(
@@ -159,19 +167,19 @@ class DecoderLM(nnx.Module):
             x = block.forward(x, block.attention)
         return self._logits(x)
 
-    def prefill(self, tokens, lengths=None):
+    def prefill(self, tokens, lengths=None, *, pages=None):
         """Appends `tokens` `(B, T)` (right-padded, `lengths` real per sequence) to every cache: logits `(B, T, V)`."""
-        positions = self.pos[:, None] + jnp.arange(tokens.shape[1])[None, :]
-        x = self._embed(tokens, positions)
+        pos = self.pos if pages is None else jnp.asarray(pages.pos)
+        x = self._embed(tokens, pos[:, None] + jnp.arange(tokens.shape[1])[None, :])
         for block in self.blocks:
-            x = block.forward(x, lambda h, attention=block.attention: attention.prefill(h, lengths))
+            x = block.forward(x, lambda h, attention=block.attention: attention.prefill(h, lengths, pages=pages))
         return self._logits(x)
 
-    def step(self, tokens, active=None):
+    def step(self, tokens, active=None, *, pages=None):
         """Appends one token per sequence `(B,)`: logits `(B, V)`."""
-        x = self._embed(tokens, self.pos)
+        x = self._embed(tokens, self.pos if pages is None else jnp.asarray(pages.pos))
         for block in self.blocks:
-            x = block.forward(x, lambda h, attention=block.attention: attention.step(h, active))
+            x = block.forward(x, lambda h, attention=block.attention: attention.step(h, active, pages=pages))
         return self._logits(x)
 
     def reset(self, which=None):

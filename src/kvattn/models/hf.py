@@ -43,7 +43,7 @@ def load_safetensors(directory: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None,
-                    cache_dtype=None) -> DecoderLM:
+                    cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> DecoderLM:
     """A `DecoderLM` holding a Hugging Face checkpoint's weights.
 
     Args:
@@ -53,6 +53,8 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       batch_size: sequences decoded together.
       dtype: computation and weight dtype; defaults to float32.
       cache_dtype: the caches' storage; defaults to `dtype`.
+      num_pages, page_size: paged caches instead of contiguous ones (see
+        `DecoderLM` and `kvattn.models.serving`).
 
     Raises:
       UnsupportedConfigError: the configuration asks for something kvattn
@@ -63,7 +65,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     config = from_hf_config(json.loads((path / "config.json").read_text()))
     dtype = jnp.dtype(dtype or jnp.float32)
     model = DecoderLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, cache_dtype=cache_dtype,
-                      rngs=nnx.Rngs(0))
+                      num_pages=num_pages, page_size=page_size, rngs=nnx.Rngs(0))
     tensors = load_safetensors(path)
     weights = (_gpt2 if config.family == "gpt2" else _llama)(config, tensors)
     unused = sorted(set(tensors) - set(_used(tensors, weights)))
