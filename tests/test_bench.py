@@ -230,3 +230,20 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
 def test_model_options_apply_only_with_model(tmp_path):
     with pytest.raises(SystemExit, match="only with --model"):
         main(["bench", "--quick", "--new-tokens", "4", "--out-dir", str(tmp_path)])
+
+
+def test_paged_bench_measures_every_target(tmp_path, capsys):
+    out_dir = tmp_path / "paged"
+    assert main(["bench", "--paged", "--quick", "--out-dir", str(out_dir)]) == 0
+    capsys.readouterr()
+    result = json.loads((out_dir / "paged.json").read_text())
+    assert (out_dir / "paged.md").stat().st_size > 0
+    assert len(result["targets"]) == 7 and all(math.isfinite(t["value"]) for t in result["targets"])
+    # Counted, not timed: these hold at any size.
+    assert result["memory"]["allocated_over_used"] <= 1 + result["sizes"]["page_size"] / 16
+    assert result["forks"]["pages"] == result["forks"]["expected"] < result["forks"]["copied"]
+    assert result["prefix_hit"]["cached_tokens"] > 0
+    contenders = {(r["contender"], r["filled"]) for r in result["decode"]}
+    assert contenders == {(c, t) for c in ("contiguous", "paged", "calibration") for t in result["sizes"]["filled"]}
+    with pytest.raises(SystemExit, match="--paged takes"):
+        main(["bench", "--paged", "--quick", "--batch-sizes", "2"])

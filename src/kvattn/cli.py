@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
         "parameters) against transformers and a plain hand-rolled cache (defaults: kvattn.bench.model.run_model's; "
         "writes model.json, model.md)",
     )
+    bench.add_argument(
+        "--paged",
+        action="store_true",
+        help="instead of the contenders, measure the paged cache against the contiguous one: memory, concurrency, "
+        "forks, prefix-cache hits, decode steps at B=8 and host bookkeeping (writes paged.json, paged.md)",
+    )
     bench.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), help="--model only")
     bench.add_argument("--prompt-len", type=int, help="--model only")
     bench.add_argument("--new-tokens", type=int, help="--model only")
@@ -142,8 +148,15 @@ def _run(args: argparse.Namespace) -> int:
 
     options = {
         name: value for name, value in vars(args).items()
-        if name not in ("command", "options", "model") and value is not None
+        if name not in ("command", "options", "model", "paged") and value is not None
     }
+    if args.paged:
+        from kvattn.bench.paged import run_paged
+
+        if args.options or args.model or set(options) - {"repeats", "out_dir", "quick"}:
+            raise SystemExit(f"kvattn bench --paged takes --repeats, --out-dir and --quick, got {sorted(options)}")
+        run_paged(**options)
+        return 0
     model_only = {"dtypes", "prompt_len", "new_tokens", "num_layers", "torch_python", "torch_threads", "torch_compile"}
     if args.model:
         from kvattn.bench.model import run_model
