@@ -20,12 +20,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvattn
-from kvattn import cache as cache_ops
-from kvattn import models
+from hypothesis import given
+
+from kvattn import models, ops
 from kvattn.models import serving
 from kvattn.pages import OutOfPagesError, PageManager
 from kvattn.step import extend
 from tests.reference import ReferenceCache, assert_close, weights_of
+from tests.reference import attention as reference_attention
 
 BATCH, IN_FEATURES, NUM_HEADS, NUM_KV_HEADS, MAX_LEN = 3, 8, 4, 2, 16
 CHUNK = 3  # one prefill width: each layer compiles prefill once
@@ -62,6 +64,57 @@ def poison_free_pages(layer, manager):
 
 def tokens(rng, *shape):
     return jnp.asarray(rng.standard_normal((*shape, IN_FEATURES)).astype(np.float32))
+
+
+# ------------------------------------------------- the chunked (online) softmax
+
+
+@functools.cache
+def chunked_attention(chunk: int, window: int | None, softcap: float | None):
+    """`ops.chunked_cached_attention` reading slots `chunk` at a time, compiled once per setting."""
+
+    @jax.jit
+    def attend(q, k, v, new_len, cache_len):
+        batch, num_slots = k.shape[:2]
+        filled = cache_len + new_len
+
+        def read_chunk(index):
+            slots = index * chunk + jnp.arange(chunk)
+            inside = slots < num_slots
+            slots = jnp.minimum(slots, num_slots - 1)
+            held = inside[None, :] & (slots[None, :] < filled[:, None])
+            clean = jnp.where(held[:, :, None, None], v[:, slots], 0.0)  # a masked slot must hold no NaN
+            positions = jnp.broadcast_to(jnp.where(inside, slots, num_slots), (batch, chunk))
+            return k[:, slots], clean, None, None, positions
+
+        return ops.chunked_cached_attention(
+            q, new_len, read_chunk, (jnp.max(filled) + chunk - 1) // chunk, cache_len, window=window,
+            logit_softcap=softcap,
+        )
+
+    return attend
+
+
+@pytest.mark.parametrize(("chunk", "window", "softcap"), [(1, None, None), (2, 4, 2.0), (5, None, 2.0)])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_chunked_attention_equals_the_reference(chunk, window, softcap, data):
+    """Slots read a few at a time (fully masked chunks included) equal one softmax over all of them."""
+    batch, num_new, num_heads, num_kv_heads, head_dim, num_slots = 3, 3, 4, 2, 4, 10
+    cache_len = np.array(data.draw(st.lists(st.integers(0, num_slots - num_new), min_size=batch, max_size=batch)))
+    new_len = np.array(data.draw(st.lists(st.integers(0, num_new), min_size=batch, max_size=batch)))
+    keys = jax.random.split(jax.random.key(data.draw(st.integers(0, 99))), 3)
+    q = jax.random.normal(keys[0], (batch, num_new, num_heads, head_dim))
+    k = jax.random.normal(keys[1], (batch, num_slots, num_kv_heads, head_dim))
+    v = jax.random.normal(keys[2], (batch, num_slots, num_kv_heads, head_dim))
+    out = chunked_attention(chunk, window, softcap)(q, k, v, jnp.asarray(new_len), jnp.asarray(cache_len))
+    for b in range(batch):
+        real, held = new_len[b], slice(0, cache_len[b] + new_len[b])
+        if real:
+            query_pos = cache_len[b] + np.arange(real)
+            expected = reference_attention(q[b, :real], k[b, held], v[b, held], query_pos, window, softcap)
+            np.testing.assert_allclose(out[b, :real], expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out[b, real:], 0.0)
 
 
 # ------------------------------------------------- the step against the contiguous step

@@ -37,7 +37,9 @@ __all__ = [
     "bucket_index",
     "bucketed",
     "cached_attention",
+    "chunked_cached_attention",
     "layer_norm",
+    "masked_scores",
     "masked_softmax",
     "project",
     "project_out",
@@ -244,11 +246,75 @@ def masked_softmax(
     exactly zero. A padding row sees nothing, so its softmax is NaN: it is
     replaced by exact zeros.
     """
+    weights = jax.nn.softmax(masked_scores(scores, visible, real, logit_softcap), axis=-1)
+    return jnp.where(real[:, :, None, None, None], weights, 0.0)
+
+
+def masked_scores(
+    scores: Float[Array, "B T K G S"],
+    visible: Bool[Array, "B T S"],
+    real: Bool[Array, "B T"],
+    logit_softcap: float | None = None,
+) -> Float[Array, "B T K G S"]:
+    """The logits `masked_softmax` normalises: soft-capped, `-inf` wherever a query does not see the key."""
     if logit_softcap is not None:
         scores = logit_softcap * jnp.tanh(scores / logit_softcap)
     visible = visible & real[:, :, None]
-    weights = jax.nn.softmax(jnp.where(visible[:, :, None, None, :], scores, -jnp.inf), axis=-1)
-    return jnp.where(real[:, :, None, None, None], weights, 0.0)
+    return jnp.where(visible[:, :, None, None, :], scores, -jnp.inf)
+
+
+def chunked_cached_attention(
+    q: Float[Array, "B T N H"],
+    new_len: Int[Array, " B"],
+    read_chunk: Callable[[Int[Array, ""]], tuple],
+    num_chunks: Int[Array, ""],
+    cache_len: Int[Array, " B"],
+    layout: str = SLOTS_MAJOR,
+    *,
+    window: int | None = None,
+    block_diagonal: bool = True,
+    logit_softcap: float | None = None,
+) -> Float[Array, "B T N H"]:
+    """`cached_attention` over a cache read in chunks of slots, with a running (online) softmax.
+
+    `read_chunk(c)` returns chunk c as `(k, v, k_scale, v_scale,
+    slot_positions)`, the arguments `cached_attention` takes for a whole
+    cache; `num_chunks` (traced) says how many to read, so the cost follows
+    the filled length. Each chunk is masked by `masked_scores`, as
+    everywhere; the running maximum, sum and weighted values then combine
+    the chunks, so no chunk outlives its iteration: a paged cache gathers
+    each chunk of pages into a buffer that stays in the CPU cache instead of
+    copying out the whole sequence.
+    """
+    batch, num_new, num_heads, head_dim = q.shape
+    num_kv_heads = read_chunk(jnp.int32(0))[0].shape[layout.index("K")]
+    q = _grouped_queries(q, num_kv_heads)
+    real = jnp.arange(num_new)[None, :] < new_len[:, None]
+    query_pos = cache_len[:, None] + jnp.arange(num_new)[None, :]
+    stats_shape = (batch, num_new, num_kv_heads, num_heads // num_kv_heads)
+
+    def body(chunk, carry):
+        running_max, total, values = carry
+        k, v, k_scale, v_scale, slot_positions = read_chunk(chunk)
+        visible = _slot_visibility(cache_len + new_len, query_pos, None, window, slot_positions)
+        scores = masked_scores(_read_scores(q, k, k_scale, layout, block_diagonal), visible, real, logit_softcap)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+        # A row that has seen nothing yet keeps -inf: shift by 0 there, so exp gives exact zeros, never NaN.
+        shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.exp(scores - shift[..., None])
+        rescale = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - shift), 0.0)
+        total = total * rescale + jnp.sum(weights, axis=-1)
+        values = values * rescale[..., None] + _read_values(weights, v, v_scale, layout, block_diagonal)
+        return new_max, total, values
+
+    carry = (
+        jnp.full(stats_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
+        jnp.zeros((*stats_shape, head_dim), jnp.float32),
+    )
+    _, total, values = jax.lax.fori_loop(0, num_chunks, body, carry)
+    ctx = jnp.where(real[:, :, None, None, None], values / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
 def _read_scores(q, k_cache, k_scale, layout, block_diagonal):

@@ -39,7 +39,17 @@ from jaxtyping import Array, Bool, Int
 from kvattn.cache import Stored, encode
 from kvattn.ops import SLOTS_MAJOR
 
-__all__ = ["NULL_PAGE", "PagedKVCache", "append", "apply_copies", "empty_pool", "mapped", "view", "view_blocks"]
+__all__ = [
+    "NULL_PAGE",
+    "PagedKVCache",
+    "append",
+    "apply_copies",
+    "blocks_per_chunk",
+    "empty_pool",
+    "first_block",
+    "mapped",
+    "view",
+]
 
 NULL_PAGE = 0
 
@@ -152,44 +162,35 @@ def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> Page
     return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new), pos=cache.pos + lengths)
 
 
-# Views start at this many tokens: shorter ones save too little to be worth a branch.
-_SMALLEST_VIEW = 64
+# Attention reads a sequence in chunks of about this many tokens: small enough
+# that a gathered chunk stays in the CPU cache, large enough to amortise a loop
+# iteration.
+CHUNK_TOKENS = 512
 
 
-def view_blocks(cache: PagedKVCache, num_new: int) -> tuple[int, ...]:
-    """Static block counts a view may take (one compiled branch each), increasing; see `view`.
-
-    Without a window: doublings up to the table width, the smallest holding
-    the batch's filled blocks picked at run time (a view is a copy anyway,
-    so a shorter one always pays). With one: a single count covering the
-    window and the chunk.
-    """
-    width = cache.table.shape[1]
-    if cache.window is not None:
-        return (min(width, math.ceil((cache.window - 1 + num_new) / cache.page_size) + 1),)
-    sizes, size = [], max(1, _SMALLEST_VIEW // cache.page_size)
-    while size < width:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, width)
+def blocks_per_chunk(cache: PagedKVCache) -> int:
+    return max(1, min(cache.table.shape[1], CHUNK_TOKENS // cache.page_size))
 
 
-def view(cache: PagedKVCache, num_blocks: int, query_start: Int[Array, " B"], filled: Int[Array, " B"]):
-    """Each sequence's blocks gathered into a contiguous view, and the position each slot holds.
+def first_block(cache: PagedKVCache, query_start: Int[Array, " B"]) -> Int[Array, " B"]:
+    """The first block a query at `query_start[b]` can see: 0, or the window's first."""
+    if cache.window is None:
+        return jnp.zeros_like(query_start)
+    return jnp.maximum(query_start - cache.window + 1, 0) // cache.page_size
 
-    Without a window the view is blocks `0 .. num_blocks - 1`; with one it
-    starts at the block holding the earliest position a query at
-    `query_start[b]` can see. Slots that hold no token (at or past
-    `filled[b]`, or in an unmapped block) are zeroed.
+
+def view(cache: PagedKVCache, num_blocks: int, first: Int[Array, " B"], filled: Int[Array, " B"]):
+    """Blocks `first[b] .. first[b] + num_blocks - 1` of each sequence gathered into a contiguous view.
+
+    Slots that hold no token (at or past `filled[b]`, past the table, or in
+    an unmapped block) are zeroed, so whatever a free page holds never
+    reaches an output.
 
     Returns:
       `(k, v, slot_positions)`: `Stored` views `(B, S, K, H)` (or
       `(B, K, S, H)`), `S = num_blocks * page`, and int32 `(B, S)`.
     """
     page, width = cache.page_size, cache.table.shape[1]
-    first = jnp.zeros_like(query_start)
-    if cache.window is not None:
-        first = jnp.maximum(query_start - cache.window + 1, 0) // page
     blocks = first[:, None] + jnp.arange(num_blocks)[None, :]  # B nb
     pages = jnp.take_along_axis(cache.table, jnp.clip(blocks, 0, width - 1), axis=1)
     pages = jnp.where(blocks < width, pages, NULL_PAGE)

@@ -218,25 +218,20 @@ def extend(
 def _paged_attention(q, cache: paged_ops.PagedKVCache, old_pos, written, options):
     """Attention of the new queries over a paged cache they are already written to.
 
-    Reads a view of as many blocks as the batch's longest sequence needs
-    (one `lax.switch` branch per static count, as `ops.bucketed` does for
-    the contiguous cache).
+    Reads each sequence's blocks a chunk at a time, as many chunks as the
+    batch's longest sequence needs (`ops.chunked_cached_attention`).
     """
     filled = old_pos + written
-    sizes = paged_ops.view_blocks(cache, q.shape[1])
+    first = paged_ops.first_block(cache, old_pos)
+    chunk = paged_ops.blocks_per_chunk(cache)
+    needed = jnp.max((filled + cache.page_size - 1) // cache.page_size - first)
+    num_chunks = (needed + chunk - 1) // chunk
 
-    def branch(num_blocks):
-        def attend(cache):
-            (k_view, k_scale), (v_view, v_scale), slot_positions = paged_ops.view(cache, num_blocks, old_pos, filled)
-            return ops.cached_attention(
-                q, written, k_view, v_view, old_pos, k_scale=k_scale, v_scale=v_scale,
-                slot_positions=slot_positions, **options,
-            )
+    def read_chunk(index):
+        (k, k_scale), (v, v_scale), slot_positions = paged_ops.view(cache, chunk, first + index * chunk, filled)
+        return k, v, k_scale, v_scale, slot_positions
 
-        return attend
-
-    needed = (jnp.max(filled) + cache.page_size - 1) // cache.page_size
-    return jax.lax.switch(ops.bucket_index(sizes, needed), [branch(n) for n in sizes], cache)
+    return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
 
 
 def _filled(cache: cache_ops.KVCache):
