@@ -374,3 +374,58 @@ def test_server_refuses_what_can_never_fit():
         server.submit([1] * 40, 20)
     with pytest.raises(ValueError, match="token ids"):
         server.submit([], 3)
+
+
+# ------------------------------------------------------------------ sequence snapshots
+
+
+def test_a_saved_sequence_continues_in_another_pool(tmp_path):
+    """Saved from a page-8 pool, loaded into a page-1 pool: the next steps equal the original's."""
+    source, _ = layers(8, num_pages=16)
+    target, _ = layers(1, num_pages=33)
+    rng = np.random.default_rng(5)
+    managers = [manager_for(source), manager_for(target)]
+    slot = managers[0].add()
+    counts = np.zeros(BATCH, np.int32)
+    counts[slot] = CHUNK
+    source.prefill(tokens(rng, BATCH, CHUNK), jnp.asarray(counts), pages=managers[0].reserve(counts))
+    path = tmp_path / "sequence.safetensors"
+    kvattn.save_sequence(source, managers[0], slot, path, tokens=[7, 8, 9])
+    managers[1].add()  # the restored sequence lands in another slot
+    restored, recorded = kvattn.load_sequence(target, managers[1], path)
+    assert restored == 1 and recorded == [7, 8, 9] and managers[1].lengths[restored] == CHUNK
+    managers[1].check()
+    x = jnp.broadcast_to(tokens(rng, 1), (BATCH, IN_FEATURES))  # the same token in every row
+    for layer, manager, row in ((source, managers[0], slot), (target, managers[1], restored)):
+        counts = np.zeros(BATCH, np.int32)
+        counts[row] = 1
+        got = layer.step(x, jnp.asarray(counts > 0), pages=manager.reserve(counts))
+        if layer is source:
+            want = got[row]
+        else:
+            np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_sequence_snapshot_changes_nothing(tmp_path):
+    source, _ = layers(8, num_pages=16)
+    manager = manager_for(source)
+    slot = manager.add()
+    counts = np.zeros(BATCH, np.int32)
+    counts[slot] = 2
+    source.prefill(tokens(np.random.default_rng(6), BATCH, CHUNK), jnp.asarray(counts), pages=manager.reserve(counts))
+    path = tmp_path / "sequence.safetensors"
+    kvattn.save_sequence(source, manager, slot, path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # a flipped bit in the last tensor
+    path.write_bytes(bytes(data))
+    before = (manager.refcount.copy(), manager.tables.copy(), manager.live.copy())
+    with pytest.raises(kvattn.SnapshotError, match="sha256|checksum"):
+        kvattn.load_sequence(source, manager, path)
+    kvattn.save_sequence(source, manager, slot, path)
+    for _ in range(BATCH - 1):
+        manager.add()
+    with pytest.raises(OutOfPagesError):
+        kvattn.load_sequence(source, manager, path)  # no slot left
+    with pytest.raises(ValueError, match="save_sequence"):
+        kvattn.save_cache(source, tmp_path / "pool.safetensors")
+    assert np.array_equal(manager.refcount, before[0]) and np.array_equal(manager.tables, before[1])

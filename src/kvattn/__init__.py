@@ -5,6 +5,8 @@ from kvattn.config import AttentionConfig
 from kvattn.rope import RoPE
 from kvattn.decoding import Decoder, Generation, attend, decode, generate
 from kvattn.sharding import make_mesh, shard
+from kvattn.pages import OutOfPagesError, PageBatch, PageManager
+from kvattn.paged_snapshot import load_sequence, save_sequence
 from kvattn.snapshot import SnapshotError, SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 
 __all__ = [
@@ -14,6 +16,9 @@ __all__ = [
     "Generation",
     "InvalidStateError",
     "MultiHeadAttention",
+    "OutOfPagesError",
+    "PageBatch",
+    "PageManager",
     "RoPE",
     "SnapshotError",
     "SnapshotInfo",
@@ -21,8 +26,10 @@ __all__ = [
     "decode",
     "generate",
     "load_cache",
+    "load_sequence",
     "make_mesh",
     "save_cache",
+    "save_sequence",
     "shard",
     "snapshot_info",
     "weights_fingerprint",

@@ -48,7 +48,9 @@ __all__ = [
     "empty_pool",
     "first_block",
     "mapped",
+    "read_sequence",
     "view",
+    "write_sequence",
 ]
 
 NULL_PAGE = 0
@@ -210,3 +212,33 @@ def view(cache: PagedKVCache, num_blocks: int, first: Int[Array, " B"], filled: 
         return jnp.where(mask, merged, jnp.zeros((), merged.dtype))
 
     return jax.tree.map(gather, cache.k), jax.tree.map(gather, cache.v), slot_positions
+
+
+def read_sequence(stored: Stored, pages, length: int, layout: str = SLOTS_MAJOR) -> Stored:
+    """The first `length` tokens held in `pages` (a sequence's table entries), as `(length, K, H)` (scales `(length, K)`).
+
+    Host-side sizes (`length` is a Python int); the layout of the result
+    never depends on the pool's.
+    """
+    def take(pool):
+        taken = pool[jnp.asarray(pages)]  # n page K [H]  or  n K page [H]
+        if layout != SLOTS_MAJOR:
+            taken = jnp.swapaxes(taken, 1, 2)
+        return taken.reshape(-1, *taken.shape[2:])[:length]
+
+    return jax.tree.map(take, stored)
+
+
+def write_sequence(stored: Stored, pages, values: Stored, layout: str = SLOTS_MAJOR) -> Stored:
+    """`stored` with `values` (`(length, K, H)`, as `read_sequence` gives) written into `pages`, from their start."""
+    length = values.values.shape[0]
+    page_size = stored.values.shape[1 if layout == SLOTS_MAJOR else 2]
+    positions = jnp.arange(length)
+    page = jnp.asarray(pages)[positions // page_size]
+
+    def put(pool, new):
+        if layout == SLOTS_MAJOR:
+            return pool.at[page, positions % page_size].set(new.astype(pool.dtype))
+        return pool.at[page, :, positions % page_size].set(new.astype(pool.dtype))
+
+    return jax.tree.map(put, stored, values)

@@ -121,6 +121,7 @@ def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
     `load_cache`'s example shows a round trip.
     """
     path = Path(path)
+    _contiguous(layer)
     arrays = _flat_arrays(layer, nnx.Cache)
     metadata = {
         "format": FORMAT_NAME,
@@ -185,6 +186,7 @@ def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_misma
       >>> int(layer.pos[...])
       5
     """
+    _contiguous(layer)
     data = Path(path).read_bytes()
     info = _parse_info(files.header(data, total_size=len(data)))
     if info.pieces:
@@ -252,6 +254,15 @@ def _layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
     if not found:
         raise TypeError(f"a cache snapshot needs a kvattn.MultiHeadAttention or a module holding them, got {module!r}")
     return found
+
+
+def _contiguous(module: nnx.Module) -> None:
+    paged = sorted(prefix or "(the layer)" for prefix, layer in _layers(module).items() if layer.config.paged)
+    if paged:
+        raise ValueError(
+            f"a paged layer's pool serves many sequences, with the host PageManager's tables: save one sequence "
+            f"with kvattn.save_sequence instead (paged: {paged})"
+        )
 
 
 def _layer_config(module: nnx.Module) -> dict:

@@ -1,0 +1,208 @@
+"""One paged sequence on disk: save the keys and values a slot holds in every paged layer, load them into a new slot.
+
+A sequence snapshot is a safetensors file (no pickle) holding, for each
+paged layer under its path, `k` and `v` `(length, K, H)` in the storage
+dtype (and `k_scale`, `v_scale` `(length, K)` for int8), token by token
+whatever the pool's page size or layout, and in its string metadata:
+
+  format               "kvattn.sequence_snapshot"
+  format_version       "1"
+  length               tokens the sequence holds
+  tokens               JSON: the token ids, when the caller gave them, else null
+  config               JSON: path -> the layer's recorded configuration (as
+                       `kvattn.save_cache` records it), less `batch_size`
+  tensors              JSON: name -> {"dtype", "shape", "sha256"}
+  weights_fingerprint  `kvattn.weights_fingerprint` of the saving module
+
+Loading checks all of it, then claims a slot and pages from the
+`PageManager` (raising `OutOfPagesError` first if they cannot be had), so a
+failed load changes neither the manager nor any layer. A sequence may be
+restored into a pool with another page size or layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from kvattn import paged
+from kvattn import snapshot_files as files
+from kvattn.cache import Stored
+from kvattn.pages import NULL_PAGE, OutOfPagesError, PageManager
+from kvattn.snapshot import (
+    _check_spec, _check_tensors_match_metadata, _check_weights, _layers, _loads_object, _tensor_spec,
+    weights_fingerprint,
+)
+from kvattn.snapshot_files import SnapshotError
+
+__all__ = ["load_sequence", "save_sequence"]
+
+FORMAT_NAME = "kvattn.sequence_snapshot"
+FORMAT_VERSION = 1
+_METADATA_KEYS = ("format", "format_version", "length", "tokens", "config", "tensors", "weights_fingerprint")
+
+
+def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str | os.PathLike, *,
+                  tokens=None) -> None:
+    """Writes what `slot` holds in every paged layer of `module` to a snapshot file, atomically.
+
+    Args:
+      module: a paged `MultiHeadAttention`, or a module holding them (a
+        paged `DecoderLM`), whose pools hold the slot's pages.
+      manager: the `PageManager` that owns the slot.
+      slot: a live slot.
+      path: the file to create or replace; its directory must exist.
+      tokens: optionally the token ids the slot holds, recorded so that a
+        loader can register the pages for prefix caching.
+    """
+    layers = _paged_layers(module)
+    slot = int(slot)
+    if not 0 <= slot < manager.max_sequences or not manager.live[slot]:
+        raise ValueError(f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})")
+    length = int(manager.lengths[slot])
+    if manager.window is not None and length > 0 and manager.tables[slot, 0] == NULL_PAGE:
+        raise ValueError(f"slot {slot} has released the pages that left its window; a windowed sequence cannot be saved")
+    if tokens is not None:
+        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        if len(tokens) != length:
+            raise ValueError(f"tokens must list the slot's {length} tokens, got {len(tokens)}")
+    pages = manager.tables[slot, : -(-length // manager.page_size)]
+    tensors = {}
+    for prefix, layer in layers.items():
+        for name, stored in zip("kv", _pool(layer), strict=True):
+            held = paged.read_sequence(stored, pages, length, layer.config.layout)
+            tensors[_name(prefix, name)] = np.asarray(held.values)
+            if held.scale is not None:
+                tensors[_name(prefix, f"{name}_scale")] = np.asarray(held.scale)
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "length": str(length),
+        "tokens": files.dumps(tokens),
+        "config": files.dumps(_sequence_config(layers)),
+        "tensors": files.dumps({name: _tensor_spec(array) for name, array in tensors.items()}),
+        "weights_fingerprint": weights_fingerprint(module),
+    }
+    files.write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=metadata))
+
+
+def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathLike, *,
+                  allow_weight_mismatch: bool = False) -> tuple[int, list[int] | None]:
+    """Restores a saved sequence into a new slot, after checking everything.
+
+    Args:
+      module: paged layers configured like the saving ones (their page size
+        and layout may differ).
+      manager: the `PageManager` to take a slot and pages from.
+      path: a file written by `save_sequence`.
+      allow_weight_mismatch: load even if other weights filled the snapshot.
+
+    Returns:
+      `(slot, tokens)`: the slot now holding the sequence, and the token ids
+      the snapshot recorded (None if it recorded none).
+
+    Raises:
+      SnapshotError: the file is not a valid snapshot for these layers.
+      OutOfPagesError: no slot, or too few pages, for the sequence.
+    """
+    layers = _paged_layers(module)
+    data = Path(path).read_bytes()
+    metadata = files.header(data, total_size=len(data)).get("__metadata__")
+    length, tokens, specs, fingerprint = _parse(metadata)
+    tensors = files.decode_tensors(data)
+    _check_tensors_match_metadata(tensors, specs)
+    saved_config, config = _loads_object(metadata, "config"), _sequence_config(layers)
+    if saved_config != config:
+        raise SnapshotError(f"snapshot was saved by differently configured layers: {saved_config} in the file, {config} here")
+    expected = {}
+    for prefix, layer in layers.items():
+        shape = (length, layer.config.num_kv_heads, layer.config.head_dim)
+        for name in "kv":
+            expected[_name(prefix, name)] = (np.dtype(layer.config.cache_dtype), shape)
+            if layer.config.cache_dtype == "int8":
+                expected[_name(prefix, f"{name}_scale")] = (np.dtype(np.float32), shape[:2])
+    got = {name: (array.dtype, array.shape) for name, array in tensors.items()}
+    if got != expected:
+        raise SnapshotError(f"snapshot tensors {got} do not fit these layers, which expect {expected}")
+    if not allow_weight_mismatch:
+        _check_weights(fingerprint, weights_fingerprint(module))
+    if manager.admission(length) != "now":
+        raise OutOfPagesError(
+            f"cannot load a {length}-token sequence now: it needs a free slot and {manager.pages_for(length)} pages; "
+            f"{manager.num_free + manager.num_cached} can be had"
+        )
+    pools = {}
+    slot = manager.add()
+    counts = np.zeros(manager.max_sequences, np.int32)
+    counts[slot] = length
+    pages = manager.reserve(counts).table[slot, : -(-length // manager.page_size)]
+    for prefix, layer in layers.items():
+        pools[prefix] = [
+            paged.write_sequence(
+                stored, pages, Stored(tensors[_name(prefix, name)], tensors.get(_name(prefix, f"{name}_scale"))),
+                layer.config.layout,
+            )
+            for name, stored in zip("kv", _pool(layer), strict=True)
+        ]
+    for prefix, layer in layers.items():
+        k, v = jax.block_until_ready(pools[prefix])
+        layer.set_pool(paged.PagedKVCache(k, v, None, None))
+    return slot, tokens
+
+
+def _paged_layers(module: nnx.Module) -> dict:
+    layers = _layers(module)
+    unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.paged)
+    if unpaged:
+        raise ValueError(f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}")
+    return layers
+
+
+def _sequence_config(layers: dict) -> dict:
+    """What must agree between the saving and the loading layers: all but the number of slots."""
+    return {prefix: {k: v for k, v in layer.config.recorded().items() if k != "batch_size"}
+            for prefix, layer in layers.items()}
+
+
+def _pool(layer) -> tuple[Stored, Stored]:
+    cache = layer.paged_cache(None, None)
+    return cache.k, cache.v
+
+
+def _name(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _parse(metadata) -> tuple[int, list[int] | None, dict, str]:
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise SnapshotError(f"not a kvattn sequence snapshot: expected format {FORMAT_NAME!r}, got {found!r}")
+    missing = [key for key in _METADATA_KEYS if not isinstance(metadata.get(key), str)]
+    if missing:
+        raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {_METADATA_KEYS}")
+    if metadata["format_version"] != str(FORMAT_VERSION):
+        raise SnapshotError(f"unsupported sequence snapshot format_version {metadata['format_version']!r}; "
+                            f"this kvattn reads version {FORMAT_VERSION}")
+    if not metadata["length"].isdigit():
+        raise SnapshotError(f"corrupted snapshot: length {metadata['length']!r} is not a token count")
+    length = int(metadata["length"])
+    try:
+        tokens = json.loads(metadata["tokens"])
+    except ValueError as error:
+        raise SnapshotError(f"corrupted snapshot: tokens is not JSON ({error})") from None
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != length
+                               or not all(isinstance(t, int) for t in tokens)):
+        raise SnapshotError(f"corrupted snapshot: tokens must be null or {length} ints")
+    specs = _loads_object(metadata, "tensors")
+    for name, spec in specs.items():
+        _check_spec(name, spec)
+    fingerprint = metadata["weights_fingerprint"]
+    if not files.is_sha256(fingerprint):
+        raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
+    return length, tokens, specs, fingerprint
