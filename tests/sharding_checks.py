@@ -43,6 +43,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 with install_import_hook("kvattn", "beartype.beartype"):
     import kvattn
+    import kvattn.step
     from kvattn.sharding import make_mesh, shard, shardings
 
 DEVICES = 8
@@ -267,6 +268,39 @@ def check_indivisible_heads() -> str:
     raise AssertionError("shard accepted num_kv_heads=1 over a model axis of 4")
 
 
+def check_paged_over_heads() -> str:
+    """A paged layer's pool split over kv heads: outputs equal one device's, the pool stays put, no gather."""
+    mesh = make_mesh(model=4)
+
+    def build(**axes):
+        return kvattn.MultiHeadAttention(8, IN_FEATURES, num_kv_heads=4, max_len=MAX_LEN, batch_size=2, num_pages=9,
+                                         page_size=4, rngs=nnx.Rngs(0), **axes)
+
+    layer, single = shard(build(model_axis="model"), mesh), build()
+    expected = NamedSharding(mesh, P(None, None, "model", None))
+    manager = kvattn.PageManager(9, 4, 2, MAX_LEN // 4)
+    manager.add(), manager.add()
+    manager.fork(0, 1)
+    xs = jax.random.normal(jax.random.key(1), (2, 6, IN_FEATURES))
+    lengths = np.array([3, 2], np.int32)
+    calls = [(xs[:, :3], lengths), (xs[:, 3:4], np.ones(2, np.int32)), (xs[:, 4:5], np.ones(2, np.int32))]
+    for index, (chunk, counts) in enumerate(calls):
+        batch = manager.reserve(counts)
+        assert_close(layer.prefill(chunk, jnp.asarray(counts), pages=batch),
+                     single.prefill(chunk, jnp.asarray(counts), pages=batch), f"paged call {index}")
+        for array in (layer.k_pages[...], layer.v_pages[...]):
+            if not array.sharding.is_equivalent_to(expected, array.ndim):
+                raise AssertionError(f"pool placed as {array.sharding} after call {index}, expected {expected}")
+    batch = manager.reserve(np.ones(2, np.int32))
+    cache = layer.paged_cache(*(jnp.asarray(a) for a in batch))
+    hlo = kvattn.step.extend.lower(layer.weights, cache, xs[:, 5:6], jnp.ones(2, jnp.int32),
+                                   config=layer.config).compile().as_text()
+    moved = [str(c) for c in collectives(hlo) if c.op != "all-reduce" or c.size > 2 * IN_FEATURES]
+    if moved:
+        raise AssertionError(f"the paged step moves more than out's partial sums: {moved}")
+    return "pool split over kv heads; collectives: " + "; ".join(str(c) for c in collectives(hlo))
+
+
 # -------------------------------------------------------------------- main
 
 
@@ -286,6 +320,7 @@ def main(argv: list[str]) -> int:
     checks += [(f"int8 built on mesh {layout}", functools.partial(check_built_on_mesh, layout)) for layout in layouts]
     if "heads_major" in layouts:
         checks.append(("indivisible heads", check_indivisible_heads))
+    checks.append(("paged over heads", check_paged_over_heads))
     failed = 0
     for name, check in checks:
         start = time.perf_counter()

@@ -83,6 +83,12 @@ def test_data_placement_communicates_one_scalar(report, case):
     assert "cache stays put" in summary and summary.endswith("collectives: all-reduce []")
 
 
+def test_paged_pool_splits_over_kv_heads(report):
+    """Prefill and steps with the pool split over 4 devices equal one device's; only out's partial sums cross."""
+    summary = outcome(report, "paged over heads")
+    assert collectives_of(summary) == [f"all-reduce [2,{IN_FEATURES}]"]
+
+
 def test_indivisible_heads_are_refused_before_anything_moves(report):
     message = outcome(report, "indivisible heads")
     assert "expected a multiple of 4, got 1" in message and "num_kv_heads" in message
