@@ -44,7 +44,7 @@ __all__ = [
     "PagedKVCache",
     "append",
     "apply_copies",
-    "blocks_per_chunk",
+    "chunk_sizes",
     "empty_pool",
     "first_block",
     "mapped",
@@ -164,14 +164,16 @@ def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> Page
     return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new), pos=cache.pos + lengths)
 
 
-# Attention reads a sequence in chunks of about this many tokens: small enough
-# that a gathered chunk stays in the CPU cache, large enough to amortise a loop
-# iteration.
-CHUNK_TOKENS = 512
+# Attention reads a sequence in chunks of pages gathered into a view: short
+# chunks while the batch's sequences are short (a chunk is gathered whole), long
+# ones past that (fewer loop iterations). Measured in BENCHMARKS.md.
+CHUNK_TOKENS = (256, 1024)
 
 
-def blocks_per_chunk(cache: PagedKVCache) -> int:
-    return max(1, min(cache.table.shape[1], CHUNK_TOKENS // cache.page_size))
+def chunk_sizes(cache: PagedKVCache) -> tuple[int, ...]:
+    """Blocks per chunk of each chunked reading, increasing (at most the table's width)."""
+    width = cache.table.shape[1]
+    return tuple(sorted({max(1, min(width, tokens // cache.page_size)) for tokens in CHUNK_TOKENS}))
 
 
 def first_block(cache: PagedKVCache, query_start: Int[Array, " B"]) -> Int[Array, " B"]:

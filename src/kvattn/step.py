@@ -219,19 +219,27 @@ def _paged_attention(q, cache: paged_ops.PagedKVCache, old_pos, written, options
     """Attention of the new queries over a paged cache they are already written to.
 
     Reads each sequence's blocks a chunk at a time, as many chunks as the
-    batch's longest sequence needs (`ops.chunked_cached_attention`).
+    batch's longest sequence needs (`ops.chunked_cached_attention`): short
+    chunks while the longest chunk would hold it whole, else long ones.
     """
     filled = old_pos + written
     first = paged_ops.first_block(cache, old_pos)
-    chunk = paged_ops.blocks_per_chunk(cache)
     needed = jnp.max((filled + cache.page_size - 1) // cache.page_size - first)
-    num_chunks = (needed + chunk - 1) // chunk
+    sizes = paged_ops.chunk_sizes(cache)
 
-    def read_chunk(index):
-        (k, k_scale), (v, v_scale), slot_positions = paged_ops.view(cache, chunk, first + index * chunk, filled)
-        return k, v, k_scale, v_scale, slot_positions
+    def read(chunk):
+        def attend(cache):
+            def read_chunk(index):
+                (k, k_scale), (v, v_scale), slot_positions = paged_ops.view(cache, chunk, first + index * chunk, filled)
+                return k, v, k_scale, v_scale, slot_positions
 
-    return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
+            num_chunks = (needed + chunk - 1) // chunk
+            return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
+
+        return attend
+
+    long = needed > sizes[-1]
+    return jax.lax.cond(long, read(sizes[-1]), read(sizes[0]), cache) if len(sizes) > 1 else read(sizes[0])(cache)
 
 
 def _filled(cache: cache_ops.KVCache):

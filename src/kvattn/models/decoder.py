@@ -127,7 +127,9 @@ class DecoderLM(nnx.Module):
         window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
         capacity = dict(window=window) if window else dict(max_len=max_len)
         if num_pages is not None:
-            capacity = dict(max_len=max_len, window=window, num_pages=num_pages, page_size=page_size)
+            # Heads-major pages: the views attention gathers are then read by plain batched dots.
+            capacity = dict(max_len=max_len, window=window, num_pages=num_pages, page_size=page_size,
+                            cache_layout="heads_major")
 
         def attention():
             return MultiHeadAttention(
