@@ -279,12 +279,13 @@ def check_paged_over_heads() -> str:
     layer, single = shard(build(model_axis="model"), mesh), build()
     expected = NamedSharding(mesh, P(None, None, "model", None))
     manager = kvattn.PageManager(9, 4, 2, MAX_LEN // 4)
-    manager.add(), manager.add()
-    manager.fork(0, 1)
+    manager.add()
     xs = jax.random.normal(jax.random.key(1), (2, 6, IN_FEATURES))
-    lengths = np.array([3, 2], np.int32)
-    calls = [(xs[:, :3], lengths), (xs[:, 3:4], np.ones(2, np.int32)), (xs[:, 4:5], np.ones(2, np.int32))]
+    calls = [(xs[:, :3], np.array([3, 0], np.int32)), (xs[:, 3:4], np.ones(2, np.int32)),
+             (xs[:, 4:5], np.ones(2, np.int32))]
     for index, (chunk, counts) in enumerate(calls):
+        if index == 1:
+            manager.fork(0, 1)  # the next call copies the shared partial page on the sharded pool
         batch = manager.reserve(counts)
         assert_close(layer.prefill(chunk, jnp.asarray(counts), pages=batch),
                      single.prefill(chunk, jnp.asarray(counts), pages=batch), f"paged call {index}")

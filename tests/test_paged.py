@@ -34,7 +34,8 @@ CHUNK = 3  # one prefill width: each layer compiles prefill once
 
 
 @functools.cache
-def layers(page_size: int, cache_dtype: str = "float32", window: int | None = None, num_pages: int = 12):
+def layers(page_size: int, cache_dtype: str = "float32", window: int | None = None, num_pages: int = 12,
+           cache_layout: str = "slots_major"):
     """A paged layer and a contiguous one with the same weights, built once per configuration."""
 
     def build(**paging):
@@ -44,7 +45,8 @@ def layers(page_size: int, cache_dtype: str = "float32", window: int | None = No
             rngs=nnx.Rngs(0), **capacity, **paging,
         )
 
-    return build(num_pages=num_pages, page_size=page_size, window=window), build()
+    paged_layer = build(num_pages=num_pages, page_size=page_size, window=window, cache_layout=cache_layout)
+    return paged_layer, build()
 
 
 def manager_for(layer) -> PageManager:
@@ -320,12 +322,18 @@ test_paged_machine = PagedMachine.TestCase
 # ------------------------------------------------------------------ serving
 
 
+def expected_fixture(family: str) -> dict:
+    from tests.test_models import expected
+
+    return expected(family)
+
+
 @functools.cache
 def fixture_run(family: str):
     """Greedy generation on a tiny checkpoint: contiguous `generate`, and a Server on a tight paged pool."""
-    from tests.test_models import FIXTURES, expected
+    from tests.test_models import FIXTURES
 
-    want = expected(family)
+    want = expected_fixture(family)
     prompts, lengths = want["prompts"], want["lengths"]
     reference = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=len(lengths))
     generated = np.asarray(models.generate(reference, prompts, 12, lengths=lengths).tokens)
@@ -352,9 +360,46 @@ def test_server_equals_generate_token_for_token(family):
 def test_a_prefix_hit_is_bit_identical_to_a_cold_run():
     _, completions, _ = fixture_run("llama")
     half = len(completions) // 2
+    assert any(hit.cached_tokens > 0 for hit in completions[half:])
     for cold, hit in zip(completions[:half], completions[half:], strict=True):
         assert hit.tokens == cold.tokens
         assert hit.logprobs == cold.logprobs  # exact: the same programs on the same pages
+
+
+def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
+    generated, _, server = fixture_run("llama")
+    prompt = np.asarray(expected_fixture("llama")["prompts"][0, :5])
+    server.submit(prompt, 1)
+    server.submit(prompt, 8, stop_tokens=(int(generated[0, 0]),))
+    for completion in server.run():
+        assert completion.tokens == [int(generated[0, 0])]
+    server.manager.check()
+
+
+def test_a_failed_device_call_loses_no_request(monkeypatch):
+    """The decode program consumes the pools, then fails: every request is recomputed and ends as if nothing failed."""
+    generated, _, server = fixture_run("llama")
+    want = expected_fixture("llama")
+    decode, calls = serving._decode_program, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        result = decode(*args, **kwargs)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return result
+
+    monkeypatch.setattr(serving, "_decode_program", failing)
+    for row, length in enumerate(want["lengths"]):
+        server.submit(want["prompts"][row, :length], 12)
+    with pytest.raises(RuntimeError, match="device lost"):
+        server.run()
+    assert server.manager.num_live == 0 and len(server._queue) == len(want["lengths"])
+    completions = server.run()
+    assert all(c.preemptions >= 1 for c in completions)
+    for completion in completions:
+        np.testing.assert_array_equal(completion.tokens, generated[completion.request - completions[0].request])
+    server.manager.check()
 
 
 def test_serving_compiles_once_over_many_admissions():
@@ -380,9 +425,9 @@ def test_server_refuses_what_can_never_fit():
 
 
 def test_a_saved_sequence_continues_in_another_pool(tmp_path):
-    """Saved from a page-8 pool, loaded into a page-1 pool: the next steps equal the original's."""
+    """Saved from a slots-major pool of 8-token pages, loaded into a heads-major one of 1-token pages: same next steps."""
     source, _ = layers(8, num_pages=16)
-    target, _ = layers(1, num_pages=33)
+    target, _ = layers(1, num_pages=33, cache_layout="heads_major")
     rng = np.random.default_rng(5)
     managers = [manager_for(source), manager_for(target)]
     slot = managers[0].add()
@@ -418,14 +463,24 @@ def test_a_bad_sequence_snapshot_changes_nothing(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 1  # a flipped bit in the last tensor
     path.write_bytes(bytes(data))
-    before = (manager.refcount.copy(), manager.tables.copy(), manager.live.copy())
+    def state():
+        return (manager.refcount.copy(), manager.tables.copy(), manager.live.copy(), manager.num_free,
+                np.asarray(source.k_pages[...]))
+
+    before = state()
     with pytest.raises(kvattn.SnapshotError, match="sha256|checksum"):
         kvattn.load_sequence(source, manager, path)
     kvattn.save_sequence(source, manager, slot, path)
+    other = PageManager(16, 4, BATCH, 4)
+    with pytest.raises(ValueError, match="is not layer"):
+        kvattn.load_sequence(source, other, path)  # a manager of another pool
     for _ in range(BATCH - 1):
         manager.add()
-    with pytest.raises(OutOfPagesError):
-        kvattn.load_sequence(source, manager, path)  # no slot left
+    with pytest.raises(OutOfPagesError, match="free slot"):
+        kvattn.load_sequence(source, manager, path)
+    for b in range(1, BATCH):
+        manager.free(b)
     with pytest.raises(ValueError, match="save_sequence"):
         kvattn.save_cache(source, tmp_path / "pool.safetensors")
-    assert np.array_equal(manager.refcount, before[0]) and np.array_equal(manager.tables, before[1])
+    for got, want in zip(state(), before, strict=True):
+        np.testing.assert_array_equal(got, want)

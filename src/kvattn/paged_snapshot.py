@@ -10,14 +10,16 @@ whatever the pool's page size or layout, and in its string metadata:
   length               tokens the sequence holds
   tokens               JSON: the token ids, when the caller gave them, else null
   config               JSON: path -> the layer's recorded configuration (as
-                       `kvattn.save_cache` records it), less `batch_size`
+                       `kvattn.save_cache` records it), less `batch_size`,
+                       `max_len` and `cache_layout`
   tensors              JSON: name -> {"dtype", "shape", "sha256"}
   weights_fingerprint  `kvattn.weights_fingerprint` of the saving module
 
 Loading checks all of it, then claims a slot and pages from the
 `PageManager` (raising `OutOfPagesError` first if they cannot be had), so a
 failed load changes neither the manager nor any layer. A sequence may be
-restored into a pool with another page size or layout.
+restored into a pool with another page size, layout, number of slots or
+`max_len` (at least its length).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
       tokens: optionally the token ids the slot holds, recorded so that a
         loader can register the pages for prefix caching.
     """
-    layers = _paged_layers(module)
+    layers = _paged_layers(module, manager)
     slot = int(slot)
     if not 0 <= slot < manager.max_sequences or not manager.live[slot]:
         raise ValueError(f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})")
@@ -111,7 +113,7 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
       SnapshotError: the file is not a valid snapshot for these layers.
       OutOfPagesError: no slot, or too few pages, for the sequence.
     """
-    layers = _paged_layers(module)
+    layers = _paged_layers(module, manager)
     data = Path(path).read_bytes()
     metadata = files.header(data, total_size=len(data)).get("__metadata__")
     length, tokens, specs, fingerprint = _parse(metadata)
@@ -120,6 +122,9 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
     saved_config, config = _loads_object(metadata, "config"), _sequence_config(layers)
     if saved_config != config:
         raise SnapshotError(f"snapshot was saved by differently configured layers: {saved_config} in the file, {config} here")
+    too_long = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if length > layer.config.max_len)
+    if too_long:
+        raise SnapshotError(f"the snapshot holds {length} tokens, more than max_len of layers {too_long}")
     expected = {}
     for prefix, layer in layers.items():
         shape = (length, layer.config.num_kv_heads, layer.config.head_dim)
@@ -132,41 +137,62 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
         raise SnapshotError(f"snapshot tensors {got} do not fit these layers, which expect {expected}")
     if not allow_weight_mismatch:
         _check_weights(fingerprint, weights_fingerprint(module))
-    if manager.admission(length) != "now":
+    num_pages = -(-length // manager.page_size)  # every page is written at once, window or not
+    if manager.live.all() or num_pages > manager.num_free + manager.num_cached:
         raise OutOfPagesError(
-            f"cannot load a {length}-token sequence now: it needs a free slot and {manager.pages_for(length)} pages; "
-            f"{manager.num_free + manager.num_cached} can be had"
+            f"cannot load a {length}-token sequence now: it needs a free slot and {num_pages} pages; "
+            f"{int((~manager.live).sum())} slots and {manager.num_free + manager.num_cached} pages can be had"
         )
-    pools = {}
     slot = manager.add()
-    counts = np.zeros(manager.max_sequences, np.int32)
-    counts[slot] = length
-    pages = manager.reserve(counts).table[slot, : -(-length // manager.page_size)]
+    try:
+        counts = np.zeros(manager.max_sequences, np.int32)
+        counts[slot] = length
+        pages = manager.reserve(counts).table[slot, :num_pages]
+        pools = {
+            prefix: [
+                paged.write_sequence(
+                    stored, pages, Stored(tensors[_name(prefix, name)], tensors.get(_name(prefix, f"{name}_scale"))),
+                    layer.config.layout,
+                )
+                for name, stored in zip("kv", _pool(layer), strict=True)
+            ]
+            for prefix, layer in layers.items()
+        }
+        jax.block_until_ready(pools)
+    except BaseException:
+        manager.free(slot)
+        raise
     for prefix, layer in layers.items():
-        pools[prefix] = [
-            paged.write_sequence(
-                stored, pages, Stored(tensors[_name(prefix, name)], tensors.get(_name(prefix, f"{name}_scale"))),
-                layer.config.layout,
-            )
-            for name, stored in zip("kv", _pool(layer), strict=True)
-        ]
-    for prefix, layer in layers.items():
-        k, v = jax.block_until_ready(pools[prefix])
+        k, v = pools[prefix]
         layer.set_pool(paged.PagedKVCache(k, v, None, None))
     return slot, tokens
 
 
-def _paged_layers(module: nnx.Module) -> dict:
+def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
+    """The module's kvattn layers, checked to be paged and to agree with the manager's pool."""
     layers = _layers(module)
     unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.paged)
     if unpaged:
         raise ValueError(f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}")
+    wanted = (manager.num_pages, manager.page_size, manager.max_pages_per_sequence)
+    for prefix, layer in layers.items():
+        config = layer.config
+        if (config.num_pages, config.page_size, config.pages_per_sequence) != wanted:
+            raise ValueError(
+                f"the manager's pool (num_pages, page_size, max_pages_per_sequence) = {wanted} is not layer "
+                f"{prefix or '(the layer)'}'s {(config.num_pages, config.page_size, config.pages_per_sequence)}"
+            )
     return layers
 
 
+# What may differ between the saving and the loading layers: how many slots and
+# tokens the pool holds, and its layout (a snapshot is stored token by token).
+_FREE_FIELDS = ("batch_size", "max_len", "cache_layout")
+
+
 def _sequence_config(layers: dict) -> dict:
-    """What must agree between the saving and the loading layers: all but the number of slots."""
-    return {prefix: {k: v for k, v in layer.config.recorded().items() if k != "batch_size"}
+    """What must agree between the saving and the loading layers."""
+    return {prefix: {k: v for k, v in layer.config.recorded().items() if k not in _FREE_FIELDS}
             for prefix, layer in layers.items()}
 
 

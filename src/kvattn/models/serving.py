@@ -22,6 +22,10 @@ fixed shapes, so requests come and go without a recompilation.
   pages are freed (its full pages stay in the prefix cache) and it goes back
   to the head of the queue with what it has generated so far, to be
   recomputed.
+- A device call that fails (or is interrupted) loses no request: every
+  running one goes back to the head of the queue with what it had generated,
+  the page bookkeeping and the prefix cache start afresh, and the error is
+  raised; the next `step()` recomputes them.
 
 The server works on its own copy of the model's page pools (donated from
 step to step); the model itself is never changed.
@@ -131,6 +135,7 @@ class Server:
         )
         self._graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each step may donate it
+        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
         self._sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
         self._key = jax.random.key(0) if rng is None else rng
         self._queue: deque[_Request] = deque()
@@ -148,16 +153,18 @@ class Server:
             raise ValueError(f"prompt must be a non-empty list of token ids in [0, {self.vocab_size}), got {prompt[:8]}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        total = len(prompt) + int(max_new_tokens) - 1
-        if self.manager.admission(total) == "never":
+        if not isinstance(salt, bytes):
+            raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
+        total = len(prompt) + int(max_new_tokens) - 1  # the last new token is never fed back
+        if total > self.config.max_len or self._pages_needed(total) > self.config.num_pages - 1:
             raise ValueError(
                 f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens can never fit: a sequence holds "
-                f"at most max_len={self.config.max_len} tokens in a pool of {self.config.num_pages - 1} pages of "
-                f"{self.config.page_size}"
+                f"at most max_len={self.config.max_len} tokens, in a pool of {self.config.num_pages - 1} pages of "
+                f"{self.config.page_size} (it needs {self._pages_needed(total)})"
             )
         index = self._submitted
         self._submitted += 1
-        self._queue.append(_Request(index, prompt, int(max_new_tokens), frozenset(stop_tokens), bytes(salt)))
+        self._queue.append(_Request(index, prompt, int(max_new_tokens), frozenset(stop_tokens), salt))
         return index
 
     @property
@@ -166,18 +173,15 @@ class Server:
 
     def step(self) -> list[Completion]:
         """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished."""
-        finished = []
         self._admit()
         for slot, request in enumerate(self._slots):
             if request is not None and self._prefilled[slot] < len(request.context):
                 self._prefill_chunk(slot)
+        finished = self._retire_finished()  # a first token may already end a request
         decoding = [s for s, r in enumerate(self._slots) if r is not None and self._prefilled[s] >= len(r.context)]
         if decoding:
             self._decode(decoding)
-        for slot, request in enumerate(self._slots):
-            if request is not None and self._finished(request):
-                finished.append(self._retire(slot))
-        return finished
+        return finished + self._retire_finished()
 
     def run(self) -> list[Completion]:
         """Steps until every submitted request has finished; their completions in `submit` order."""
@@ -188,10 +192,21 @@ class Server:
 
     # ---------------------------------------------------------------- internal
 
+    def _pages_needed(self, tokens: int) -> int:
+        """Pages a sequence holds at most while it grows to `tokens`, prefilled a chunk at a time."""
+        manager, window = self.manager, self.config.window
+        whole = -(-tokens // manager.page_size)
+        if window is None:
+            return whole
+        # A chunk is written at once, beside the window before it.
+        chunk = -(-(window - 1 + min(self.chunk, tokens)) // manager.page_size) + 1
+        return min(whole, max(manager.pages_for(tokens), chunk))
+
     def _admit(self):
         while self._queue and None in self._slots:
             request = self._queue[0]
-            if self.manager.admission(len(request.context) + 1) != "now":
+            needed = self._pages_needed(len(request.context))
+            if needed > self.manager.num_free + self.manager.num_cached:
                 return
             self._queue.popleft()
             slot = self.manager.add()
@@ -236,10 +251,9 @@ class Server:
         tokens = np.zeros((1, self.chunk), np.int32)
         tokens[0, : end - start] = context[start:end]
         self._key, key = jax.random.split(self._key)
-        token, logprob, self._pools = _prefill_program(
-            self._graphdef, self._params, self._pools, tokens, np.int32([end - start]),
-            batch.table[slot : slot + 1], batch.pos[slot : slot + 1], batch.copy_from, batch.copy_to, key,
-            self._sampling,
+        token, logprob = self._run(
+            _prefill_program, tokens, np.int32([end - start]), batch.table[slot : slot + 1], batch.pos[slot : slot + 1],
+            batch.copy_from, batch.copy_to, key,
         )
         self._prefilled[slot] = end
         if end == len(context):
@@ -259,16 +273,44 @@ class Server:
         for slot in np.flatnonzero(active):
             tokens[slot] = self._slots[slot].generated[-1]
         self._key, key = jax.random.split(self._key)
-        new, logprobs, self._pools = _decode_program(
-            self._graphdef, self._params, self._pools, tokens, active, batch.table, batch.pos, batch.copy_from,
-            batch.copy_to, key, self._sampling,
+        new, logprobs = self._run(
+            _decode_program, tokens, active, batch.table, batch.pos, batch.copy_from, batch.copy_to, key
         )
-        new, logprobs = np.asarray(new), np.asarray(logprobs)
         for slot in np.flatnonzero(active):
             request = self._slots[slot]
             self._prefilled[slot] += 1
             request.generated.append(int(new[slot]))
             request.logprobs.append(float(logprobs[slot]))
+
+    def _run(self, program, *args):
+        """One device call on the server's pools; on any failure, `_recover` and re-raise."""
+        try:
+            *outputs, pools = program(self._graphdef, self._params, self._pools, *args, sampling=self._sampling)
+            outputs = [np.asarray(output) for output in outputs]  # waits for the call to finish
+        except BaseException:
+            self._recover()
+            raise
+        self._pools = pools
+        return outputs
+
+    def _recover(self):
+        """After a failed device call: every running request back to the queue; pages and prefix cache afresh."""
+        running = sorted((r for r in self._slots if r is not None), key=lambda r: r.admitted_at, reverse=True)
+        for request in running:
+            request.preemptions += 1
+            self._queue.appendleft(request)
+        self._slots = [None] * self.config.batch_size
+        self._prefilled[:] = 0
+        config = self.config
+        self.manager = PageManager(
+            config.num_pages, config.page_size, config.batch_size, config.pages_per_sequence, window=config.window
+        )
+        if any(array.is_deleted() for array in jax.tree.leaves(self._pools)):  # donated to the failed call
+            self._pools = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._template)
+
+    def _retire_finished(self) -> list[Completion]:
+        return [self._retire(slot) for slot, request in enumerate(self._slots)
+                if request is not None and self._finished(request)]
 
     @staticmethod
     def _finished(request: _Request) -> bool:
