@@ -74,18 +74,21 @@ def memory(page_size: int, max_len: int, num_sequences: int, rng) -> dict[str, A
                 contiguous_allocated_over_used=num_sequences * max_len / lengths.sum())
 
 
-def concurrency(page_size: int, max_len: int, budget: int, rng, mean_fraction: float) -> dict[str, Any]:
+def concurrency(page_size: int, max_len: int, budget: int, mean_fraction: float) -> dict[str, Any]:
     """Sequences admitted at their final lengths into the memory of `budget` contiguous sequences.
 
-    Lengths are uniform in [16, 2 * mean_fraction * max_len - 16]. No cache
+    Lengths are spread evenly over [16, 2 * mean_fraction * max_len - 16]. No cache
     can beat `max_len / mean`: pages only lose the unfilled part of each
     sequence's last page.
     """
-    high = int(2 * mean_fraction * max_len) - 16
-    manager = _manager(1 + budget * max_len // page_size, page_size, 64 * budget, max_len)
+    high = round(2 * mean_fraction * max_len) - 16
+    # Evenly spaced lengths, taken shortest and longest alternately: every pair
+    # admitted has the mean asked for, so the result does not hang on a sample.
+    spread = np.linspace(16, high, 64 * budget).round().astype(int)
+    grid = np.stack([spread[: len(spread) // 2], spread[::-1][: len(spread) // 2]], axis=1).reshape(-1)
+    manager = _manager(1 + budget * max_len // page_size, page_size, len(grid), max_len)
     lengths = []
-    while True:
-        length = int(rng.integers(16, high + 1))
+    for length in grid.tolist():
         if manager.admission(length) != "now":
             break
         slot = manager.add()
@@ -267,7 +270,7 @@ def measure_paged(*, quick: bool = False, repeats: int | None = None, seed: int 
     result = dict(
         sizes=sizes,
         memory=memory(page_size, max_len, 256, rng),
-        concurrency=[concurrency(page_size, max_len, 256, rng, fraction) for fraction in (0.4, 0.35)],
+        concurrency=[concurrency(page_size, max_len, 256, fraction) for fraction in (0.4, 0.39)],
         forks=forks(page_size, sizes["prompt_len"] - 24, 8),
         host=host_bookkeeping(page_size, sizes["batch_size"], 4096),
         decode=decode_steps(sizes, rng, sizes["repeats"]),
