@@ -104,7 +104,7 @@ def _sample(logits, key, sampling):
 def _program(graphdef, params, cache, prompts, lengths, key, max_new_tokens, sampling, stop_tokens):
     model = nnx.merge(graphdef, params, cache)
     batch = prompts.shape[0]
-    logits = model.prefill(prompts, lengths)[jnp.arange(batch), lengths - 1]
+    logits = model.prefill(prompts, lengths, last_only=True)
     key, first = jax.random.split(key)
     stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
 
@@ -162,8 +162,8 @@ def stream(model: DecoderLM, prompt, max_new_tokens: int, *, temperature: float 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
 def _stream_prefill(graphdef, params, cache, prompt, length, key, sampling):
     model = nnx.merge(graphdef, params, cache)
-    logits = model.prefill(prompt, length[None])[0, length - 1]
-    return _sample(logits[None], key, sampling), nnx.state(model, nnx.Cache)
+    logits = model.prefill(prompt, length[None], last_only=True)
+    return _sample(logits, key, sampling), nnx.state(model, nnx.Cache)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))

@@ -342,7 +342,7 @@ def _sample_with_logprob(logits, key, sampling):
 def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, key, sampling):
     model = nnx.merge(graphdef, params, pools)
     pages = PageBatch(table, pos, copy_from, copy_to)
-    logits = model.prefill(tokens, length, pages=pages)[:, length[0] - 1]
+    logits = model.prefill(tokens, length, pages=pages, last_only=True)
     token, logprob = _sample_with_logprob(logits, key, sampling)
     return token[0], logprob[0], nnx.state(model, nnx.Cache)
 
