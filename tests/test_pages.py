@@ -342,7 +342,7 @@ class PageMachine(RuleBasedStateMachine):
 
 TestPageMachine = PageMachine.TestCase
 TestPageMachine.settings = settings(
-    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 

@@ -115,7 +115,9 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
     """
     layers = _paged_layers(module, manager)
     data = Path(path).read_bytes()
-    metadata = files.header(data, total_size=len(data)).get("__metadata__")
+    metadata = files.checked_metadata(
+        files.header(data, total_size=len(data)), FORMAT_NAME, "sequence snapshot", _METADATA_KEYS
+    )
     length, tokens, specs, fingerprint = _parse(metadata)
     tensors = files.decode_tensors(data)
     _check_tensors_match_metadata(tensors, specs)
@@ -205,13 +207,8 @@ def _name(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
-def _parse(metadata) -> tuple[int, list[int] | None, dict, str]:
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
-        found = metadata.get("format") if isinstance(metadata, dict) else None
-        raise SnapshotError(f"not a kvattn sequence snapshot: expected format {FORMAT_NAME!r}, got {found!r}")
-    missing = [key for key in _METADATA_KEYS if not isinstance(metadata.get(key), str)]
-    if missing:
-        raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {_METADATA_KEYS}")
+def _parse(metadata: dict) -> tuple[int, list[int] | None, dict, str]:
+    """The checked contents of a sequence snapshot's metadata."""
     if metadata["format_version"] != str(FORMAT_VERSION):
         raise SnapshotError(f"unsupported sequence snapshot format_version {metadata['format_version']!r}; "
                             f"this kvattn reads version {FORMAT_VERSION}")

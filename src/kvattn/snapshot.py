@@ -285,13 +285,7 @@ def _tensor_spec(array: np.ndarray) -> dict:
 
 def _parse_info(header: dict) -> SnapshotInfo:
     """Checks the metadata of a header and returns it decoded."""
-    metadata = header.get("__metadata__")
-    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
-        found = metadata.get("format") if isinstance(metadata, dict) else None
-        raise SnapshotError(f"not a kvattn cache snapshot: expected format {FORMAT_NAME!r}, got {found!r}")
-    missing = [key for key in _METADATA_KEYS if not isinstance(metadata.get(key), str)]
-    if missing:
-        raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {_METADATA_KEYS}")
+    metadata = files.checked_metadata(header, FORMAT_NAME, "cache snapshot", _METADATA_KEYS)
     if metadata["format_version"] not in ("1", str(FORMAT_VERSION)):
         raise SnapshotError(
             f"unsupported snapshot format_version {metadata['format_version']!r}; this kvattn reads "

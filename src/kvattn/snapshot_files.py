@@ -70,6 +70,18 @@ class SnapshotError(ValueError):
     __module__ = "kvattn.snapshot"  # raised and documented there
 
 
+def checked_metadata(header: dict, format_name: str, what: str, keys: tuple[str, ...]) -> dict:
+    """A header's string metadata, after checking its format name and that every key holds a string."""
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict) or metadata.get("format") != format_name:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise SnapshotError(f"not a kvattn {what}: expected format {format_name!r}, got {found!r}")
+    missing = [key for key in keys if not isinstance(metadata.get(key), str)]
+    if missing:
+        raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {keys}")
+    return metadata
+
+
 def write_atomically(path: Path, payload: bytes) -> None:
     """Writes `payload` to a temporary file in `path`'s directory, then renames it onto `path`."""
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

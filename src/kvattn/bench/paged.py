@@ -44,13 +44,10 @@ PAGED_QUICK = dict(
 
 
 def _median_seconds(call, repeats: int) -> float:
+    from kvattn.bench.model import _median_time
+
     call()  # warm-up: compilation and first-touch excluded
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_time(call, repeats)
 
 
 def _manager(num_pages: int, page_size: int, max_sequences: int, max_len: int):
