@@ -18,10 +18,11 @@ fixed shapes, so requests come and go without a recompilation.
   multiple of the page size) in absolute positions, so a hit runs the very
   programs a cold run would, and, with greedy decoding, gives bit-identical
   outputs.
-- Running out of pages preempts the most recently admitted request: its
-  pages are freed (its full pages stay in the prefix cache) and it goes back
-  to the head of the queue with what it has generated so far, to be
-  recomputed.
+- Running out of pages preempts the request admitted last (a recomputed
+  request keeps its first admission's place, so it is not the first victim
+  again): its pages are freed (its full pages stay in the prefix cache) and
+  it goes back to the head of the queue with what it has generated so far,
+  to be recomputed.
 - A device call that fails (or is interrupted) loses no request: every
   running one goes back to the head of the queue with what it had generated,
   the page bookkeeping and the prefix cache start afresh, and the error is
@@ -80,6 +81,7 @@ class _Request:
     preemptions: int = 0
     cached_tokens: int = 0
     admitted_at: float = 0.0
+    first_admitted: float | None = None  # its place in line: a recomputed request keeps it
     first_token_seconds: float = 0.0
 
     @property
@@ -215,6 +217,8 @@ class Server:
             )
             self._prefilled[slot] = request.cached_tokens
             request.admitted_at = time.perf_counter()
+            if request.first_admitted is None:
+                request.first_admitted = request.admitted_at
             self._slots[slot] = request
 
     def _reserve(self, counts: np.ndarray) -> PageBatch:
@@ -226,7 +230,7 @@ class Server:
                 running = [s for s, r in enumerate(self._slots) if r is not None]
                 if len(running) <= 1:
                     raise
-                victim = max(running, key=lambda s: self._slots[s].admitted_at)
+                victim = max(running, key=lambda s: self._slots[s].first_admitted)
                 counts[victim] = 0
                 self._preempt(victim)
 
@@ -295,7 +299,7 @@ class Server:
 
     def _recover(self):
         """After a failed device call: every running request back to the queue; pages and prefix cache afresh."""
-        running = sorted((r for r in self._slots if r is not None), key=lambda r: r.admitted_at, reverse=True)
+        running = sorted((r for r in self._slots if r is not None), key=lambda r: r.first_admitted, reverse=True)
         for request in running:
             request.preemptions += 1
             self._queue.appendleft(request)
