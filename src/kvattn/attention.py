@@ -82,6 +82,15 @@ class MultiHeadAttention(nnx.Module):
         lengths that holds every filled slot, so a step costs about the filled
         length rather than `max_len`. None picks `config.default_length_buckets`; `()`
         always reads the whole buffer; buckets past `max_len` are ignored.
+      num_pages, page_size: a paged cache instead of a contiguous one: one
+        pool of `num_pages` pages of `page_size` tokens (`k_pages`,
+        `v_pages`, `(P, page, K, H)`, or `(P, K, page, H)` heads-major),
+        shared by the `batch_size` sequence slots, each holding up to
+        `max_len` tokens; `window` may be given with `max_len`. Every
+        `step`/`prefill` then takes `pages=`, the `PageBatch` that a host
+        `kvattn.PageManager` hands out, and takes any number of rows (each
+        brings its page table); `reset`, `truncate`, `fork` and `reorder`
+        are the manager's. See docs/paged.md.
       data_axis, model_axis: names of mesh axes to shard over: sequences of
         the batch over `data_axis`, heads (projections and cache) over
         `model_axis`. Recorded as Flax `out_sharding` annotations, applied
