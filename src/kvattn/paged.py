@@ -16,13 +16,14 @@ which page holds what, is `kvattn.pages.PageManager`). Its arrays:
 All of them have fixed shapes, so one compiled program serves every mix of
 requests; only their values change as sequences come and go.
 
-Attention reads a sequence through a *view*: its blocks gathered into a
-contiguous `(B, S, K, H)` buffer (or `(B, K, S, H)`), with every slot that
-holds no token of the sequence (unfilled, unmapped, outside the window)
-zeroed, so whatever a free page holds (NaN included) never reaches an
-output. The view then goes through the same `ops.cached_attention`, hence
-the same masked softmax, as the contiguous cache. Positions are logical:
-slot s of a view starting at block f holds position `f*page + s`.
+Attention reads a sequence through *views*: a chunk of its blocks at a time
+gathered into a contiguous `(B, S, K, H)` buffer (or `(B, K, S, H)`), with
+every slot that holds no token of the sequence (unfilled, unmapped, outside
+the window) zeroed, so whatever a free page holds (NaN included) never
+reaches an output. The chunks go through `ops.chunked_cached_attention`,
+masked by the same `ops.masked_scores` as the contiguous cache. Positions
+are logical: slot s of a view starting at block f holds position
+`f*page + s`.
 """
 
 from __future__ import annotations
