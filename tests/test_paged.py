@@ -484,3 +484,14 @@ def test_a_bad_sequence_snapshot_changes_nothing(tmp_path):
         kvattn.save_cache(source, tmp_path / "pool.safetensors")
     for got, want in zip(state(), before, strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_windowed_server_counts_the_pages_a_whole_chunk_needs():
+    """With a window, prefill writes a chunk at once beside the window: that many pages, not one token's worth."""
+    from tests.test_models import FIXTURES
+
+    model = models.from_pretrained(FIXTURES / "mistral", max_len=48, batch_size=2, num_pages=10, page_size=4)
+    server = models.Server(model, chunk=32)  # window 8: a 32-token chunk spans up to 11 pages, the pool has 9
+    with pytest.raises(ValueError, match="can never fit"):
+        server.submit(list(range(1, 41)), 1)
+    server.submit(list(range(1, 9)), 1)  # an 8-token chunk fits
