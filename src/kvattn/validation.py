@@ -29,6 +29,7 @@ __all__ = [
     "mask",
     "nonempty",
     "per_sequence_ints",
+    "positive_int",
     "require_batched",
     "sequence_index",
     "state",
@@ -140,6 +141,13 @@ def _ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bo
         interval = f"[{lower}, {upper + 1})" if half_open else f"[{lower}, {upper}]"
         raise ValueError(f"{name} must lie in {interval}, got {values.tolist()}")
     return values.astype(np.int32)
+
+
+def positive_int(value, name: str) -> int:
+    """A count the caller passes (`max_new_tokens`, `chunk`): a Python or NumPy int >= 1, never a bool or float."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int, batch: int | None = None) -> jax.Array:

@@ -3,10 +3,12 @@
 from kvattn.models.config import ModelConfig, UnsupportedConfigError, from_hf_config
 from kvattn.models.decoder import DecoderLM
 from kvattn.models.generate import Generated, generate, stream
-from kvattn.models.hf import from_pretrained, load_safetensors
+from kvattn.models.hf import CheckpointError, from_pretrained, load_safetensors
+from kvattn.models.sampling import Sampling
 from kvattn.models.serving import Completion, Server
 
 __all__ = [
+    "CheckpointError",
     "Completion",
     "DecoderLM",
     "Generated",
@@ -16,6 +18,7 @@ __all__ = [
     "from_pretrained",
     "generate",
     "load_safetensors",
+    "Sampling",
     "Server",
     "stream",
 ]

@@ -6,6 +6,9 @@ MLP), a final norm and the output projection (tied to the embedding when
 the checkpoint ties them). Every block's attention owns its KV cache, so the
 model decodes with `prefill(tokens, lengths)` and `step(tokens)` like one
 layer does, and `model(tokens)` is the full causal forward without a cache.
+Token ids are checked at each call (`kvattn.models.tokens`): eagerly an id
+outside `[0, vocab_size)` raises before any cache changes; under `jit` its
+sequence writes nothing and gets NaN logits.
 Built with `num_pages` and `page_size`, every layer holds a page pool
 instead, and the calls take `pages=` (a `kvattn.PageBatch`, which one
 `kvattn.PageManager` hands out for all layers): see `kvattn.models.serving`.
@@ -15,10 +18,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from kvattn import validation as check
 from kvattn.attention import MultiHeadAttention
 from kvattn.models.config import ModelConfig
+from kvattn.models.tokens import in_vocab, token_ids
 
 __all__ = ["DecoderLM"]
 
@@ -117,6 +123,11 @@ class DecoderLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
                  cache_dtype=None, num_pages: int | None = None, page_size: int | None = None, rngs: nnx.Rngs):
+        if config.family == "gpt2" and isinstance(max_len, (int, np.integer)) and max_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_len={max_len} exceeds the {config.max_position_embeddings} learned positions of this "
+                f"{config.family} model (n_positions): it cannot place a token past them"
+            )
         self.config = config
         dtype = jnp.dtype(dtype)
         self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
@@ -163,36 +174,60 @@ class DecoderLM(nnx.Module):
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         return (x @ head).astype(jnp.float32)
 
+    def _tokens(self, tokens, shape, lengths=None):
+        """`(tokens, valid)`: checked ids (eagerly: raises; traced: bad ids zeroed), and which rows hold only good ones."""
+        tokens = token_ids(tokens, self.config.vocab_size, "tokens", shape)
+        if not check.is_traced(tokens):
+            return jnp.asarray(tokens), None
+        valid, tokens = in_vocab(tokens, self.config.vocab_size)
+        return tokens, valid
+
+    @staticmethod
+    def _poison(logits, valid):
+        """NaN logits for the rows whose ids were out of range (under `jit`, where nothing can raise)."""
+        if valid is None:
+            return logits
+        return jnp.where(valid.reshape(valid.shape + (1,) * (logits.ndim - 1)), logits, jnp.nan)
+
     def __call__(self, tokens):
-        """The full causal forward of `tokens` `(B, T)` int32, no cache: logits `(B, T, V)` float32."""
+        """The full causal forward of `tokens` `(B, T)` int, no cache: logits `(B, T, V)` float32."""
+        tokens, valid = self._tokens(tokens, (None, None))
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         x = self._embed(tokens, positions)
         for block in self.blocks:
             x = block.forward(x, block.attention)
-        return self._logits(x)
+        return self._poison(self._logits(x), valid)
 
     def prefill(self, tokens, lengths=None, *, pages=None, last_only: bool = False):
         """Appends `tokens` `(B, T)` (right-padded, `lengths` real per sequence) to every cache: logits `(B, T, V)`.
 
-        With `last_only`, only the logits of each sequence's last real token,
+        Every id, padding included, must lie in `[0, vocab_size)`. With
+        `last_only`, only the logits of each sequence's last real token,
         `(B, V)`: generation needs no others, and the output projection of
         every prompt position costs a quarter of a small model's prefill.
         """
+        tokens, valid = self._tokens(tokens, (None, None))  # a paged call may take fewer rows
+        if valid is not None:  # a sequence with a bad id writes nothing
+            full = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32) if lengths is None else lengths
+            lengths = jnp.where(valid, full, 0)
         pos = self.pos if pages is None else jnp.asarray(pages.pos)
         x = self._embed(tokens, pos[:, None] + jnp.arange(tokens.shape[1])[None, :])
         for block in self.blocks:
             x = block.forward(x, lambda h, attention=block.attention: attention.prefill(h, lengths, pages=pages))
         if last_only:
             last = jnp.full(tokens.shape[:1], tokens.shape[1]) if lengths is None else jnp.asarray(lengths)
-            x = jnp.take_along_axis(x, (last - 1)[:, None, None], axis=1)[:, 0]
-        return self._logits(x)
+            x = jnp.take_along_axis(x, (jnp.maximum(last, 1) - 1)[:, None, None], axis=1)[:, 0]
+        return self._poison(self._logits(x), valid)
 
     def step(self, tokens, active=None, *, pages=None):
-        """Appends one token per sequence `(B,)`: logits `(B, V)`."""
+        """Appends one token per sequence `(B,)` int: logits `(B, V)`."""
+        tokens, valid = self._tokens(tokens, (None,))
+        if valid is not None:  # a sequence with a bad id writes nothing
+            active = valid if active is None else active & valid
         x = self._embed(tokens, self.pos if pages is None else jnp.asarray(pages.pos))
         for block in self.blocks:
             x = block.forward(x, lambda h, attention=block.attention: attention.step(h, active, pages=pages))
-        return self._logits(x)
+        return self._poison(self._logits(x), valid)
 
     def reset(self, which=None):
         for block in self.blocks:

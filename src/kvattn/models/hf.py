@@ -1,55 +1,349 @@
 """Loading Hugging Face checkpoints (config.json + safetensors) into `DecoderLM`, without torch.
 
-Weights are read with `safetensors.numpy` from `model.safetensors` or the
-shards a `model.safetensors.index.json` lists, renamed and laid out for
-kvattn: torch `Linear` weights `(out, in)` are transposed to `(in, out)`;
-GPT-2's `Conv1D` weights are already `(in, out)`; attention projections are
-split into heads (`(D, N, H)` for query/key/value, `(N, H, D)` for out).
-Every tensor the model needs must be present with its expected shape, and
-every tensor in the files must be used, or loading refuses by name.
+Each family's weights map as a table read top to bottom: a checkpoint
+tensor's name (`{i}` for a layer's index, without the base model's prefix
+`model.` / `transformer.`), the kvattn parameters it fills, its stored
+shape in named sizes, and the conversion. torch `Linear` weights `(out,
+in)` are transposed to `(in, out)`; GPT-2's `Conv1D` weights are already
+`(in, out)`; attention projections are split into heads (`(D, N, H)` for
+query/key/value, `(N, H, D)` for out).
+
+Loading checks before it converts or allocates:
+  1. `config.json` becomes a checked `ModelConfig` (sizes, heads, rope).
+  2. The files: `model.safetensors`, or the shards that
+     `model.safetensors.index.json` lists, each a plain file name inside the
+     checkpoint directory (a symlink there, as hub caches use, is followed)
+     and a regular file.
+  3. Every file's safetensors header (read and bounded by the safetensors
+     library; no tensor data) is compared with the table: the stored shape
+     exactly (no reshape that happens to fit), a floating dtype, each name
+     once across all files; every missing, unexpected and duplicated tensor
+     is named.
+  4. Only then is the model built, and each tensor read, checked finite,
+     converted and assigned, one at a time.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
+import safetensors
 from flax import nnx
 
-from kvattn.models.config import UnsupportedConfigError, from_hf_config
+from kvattn.models.config import ModelConfig, from_hf_config
 from kvattn.models.decoder import DecoderLM
 
-__all__ = ["from_pretrained", "load_safetensors"]
+__all__ = ["CheckpointError", "from_pretrained", "load_safetensors"]
+
+_FLOATS = {"F16", "BF16", "F32", "F64"}
+_MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refuse anything absurd unread
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's files are not what its config describes; nothing was built."""
+
+
+# ------------------------------------------------------------------ the tables
+
+
+class Row(NamedTuple):
+    """One checkpoint tensor: where it goes, the shape it must have, how it converts."""
+
+    source: str
+    """Its name without the base prefix; `{i}` stands for a layer index."""
+    targets: tuple[str, ...]
+    """The kvattn parameter paths it fills (`{i}` as in `source`); () for a buffer that is read and dropped."""
+    shape: tuple[str, ...] | None
+    """Its stored shape in named sizes (see `_sizes`); None: any (buffers only)."""
+    convert: Callable = lambda w, config: (w,)
+    """Stored array -> one array per target."""
+    when: Callable = lambda config: True
+    """Whether the config has this tensor at all."""
+    optional: bool = False
+    """Whether a checkpoint may leave it out (buffers only)."""
+
+
+def _sizes(config: ModelConfig) -> dict[str, int]:
+    return {
+        "V": config.vocab_size, "D": config.hidden_size, "I": config.intermediate_size,
+        "P": config.max_position_embeddings, "Q": config.num_heads * config.head_dim,
+        "KV": config.num_kv_heads * config.head_dim, "H": config.head_dim, "3Q": 3 * config.num_heads * config.head_dim,
+    }
+
+
+def _transpose(w, config):
+    return (w.T,)
+
+
+def _heads_in(heads: str):
+    """torch `Linear` `(heads * H, D)` -> `(D, heads, H)`; `heads` names the config field."""
+    return lambda w, c: (w.T.reshape(c.hidden_size, getattr(c, heads), c.head_dim),)
+
+
+def _heads_bias(heads: str):
+    return lambda b, c: (b.reshape(getattr(c, heads), c.head_dim),)
+
+
+def _heads_out(w, config):
+    """torch `Linear` `(D, N * H)` -> `(N, H, D)`."""
+    return (w.T.reshape(config.num_heads, config.head_dim, config.hidden_size),)
+
+
+def _conv_heads_out(w, config):
+    """GPT-2 `Conv1D` `(N * H, D)` -> `(N, H, D)`."""
+    return (w.reshape(config.num_heads, config.head_dim, config.hidden_size),)
+
+
+def _conv_qkv(w, config):
+    """GPT-2's fused `c_attn` `(D, 3 * N * H)` -> query, key, value `(D, N, H)` each."""
+    return tuple(part.reshape(config.hidden_size, config.num_heads, config.head_dim)
+                 for part in np.split(w, 3, axis=-1))
+
+
+def _qkv_bias(b, config):
+    return tuple(part.reshape(config.num_heads, config.head_dim) for part in np.split(b, 3))
+
+
+def _untied(config):
+    return not config.tie_embeddings
+
+
+def _biased(config):
+    return config.attention_bias
+
+
+def _qk_norm(config):
+    return config.qk_norm
+
+
+_ATTENTION = "blocks/{i}/attention/"
+
+LLAMA = ("model.", (
+    Row("embed_tokens.weight", ("embed",), ("V", "D")),
+    Row("norm.weight", ("final_norm/weight",), ("D",)),
+    Row("lm_head.weight", ("lm_head",), ("V", "D"), _transpose, when=_untied),
+    Row("layers.{i}.input_layernorm.weight", ("blocks/{i}/attention_norm/weight",), ("D",)),
+    Row("layers.{i}.post_attention_layernorm.weight", ("blocks/{i}/mlp_norm/weight",), ("D",)),
+    Row("layers.{i}.self_attn.q_proj.weight", (_ATTENTION + "query/kernel",), ("Q", "D"), _heads_in("num_heads")),
+    Row("layers.{i}.self_attn.k_proj.weight", (_ATTENTION + "key/kernel",), ("KV", "D"), _heads_in("num_kv_heads")),
+    Row("layers.{i}.self_attn.v_proj.weight", (_ATTENTION + "value/kernel",), ("KV", "D"), _heads_in("num_kv_heads")),
+    Row("layers.{i}.self_attn.q_proj.bias", (_ATTENTION + "query/bias",), ("Q",), _heads_bias("num_heads"), _biased),
+    Row("layers.{i}.self_attn.k_proj.bias", (_ATTENTION + "key/bias",), ("KV",), _heads_bias("num_kv_heads"), _biased),
+    Row("layers.{i}.self_attn.v_proj.bias", (_ATTENTION + "value/bias",), ("KV",), _heads_bias("num_kv_heads"),
+        _biased),
+    Row("layers.{i}.self_attn.o_proj.weight", (_ATTENTION + "out/kernel",), ("D", "Q"), _heads_out),
+    Row("layers.{i}.self_attn.q_norm.weight", (_ATTENTION + "query_ln/scale",), ("H",), when=_qk_norm),
+    Row("layers.{i}.self_attn.k_norm.weight", (_ATTENTION + "key_ln/scale",), ("H",), when=_qk_norm),
+    Row("layers.{i}.mlp.gate_proj.weight", ("blocks/{i}/mlp/gate/kernel",), ("I", "D"), _transpose),
+    Row("layers.{i}.mlp.up_proj.weight", ("blocks/{i}/mlp/up/kernel",), ("I", "D"), _transpose),
+    Row("layers.{i}.mlp.down_proj.weight", ("blocks/{i}/mlp/down/kernel",), ("D", "I"), _transpose),
+))
+
+GPT2 = ("transformer.", (
+    Row("wte.weight", ("embed",), ("V", "D")),
+    Row("wpe.weight", ("positions",), ("P", "D")),
+    Row("ln_f.weight", ("final_norm/weight",), ("D",)),
+    Row("ln_f.bias", ("final_norm/bias",), ("D",)),
+    Row("lm_head.weight", ("lm_head",), ("V", "D"), _transpose, when=_untied),
+    Row("h.{i}.ln_1.weight", ("blocks/{i}/attention_norm/weight",), ("D",)),
+    Row("h.{i}.ln_1.bias", ("blocks/{i}/attention_norm/bias",), ("D",)),
+    Row("h.{i}.attn.c_attn.weight", tuple(_ATTENTION + f"{t}/kernel" for t in ("query", "key", "value")),
+        ("D", "3Q"), _conv_qkv),
+    Row("h.{i}.attn.c_attn.bias", tuple(_ATTENTION + f"{t}/bias" for t in ("query", "key", "value")),
+        ("3Q",), _qkv_bias),
+    Row("h.{i}.attn.c_proj.weight", (_ATTENTION + "out/kernel",), ("Q", "D"), _conv_heads_out),
+    Row("h.{i}.attn.c_proj.bias", (_ATTENTION + "out/bias",), ("D",)),
+    Row("h.{i}.ln_2.weight", ("blocks/{i}/mlp_norm/weight",), ("D",)),
+    Row("h.{i}.ln_2.bias", ("blocks/{i}/mlp_norm/bias",), ("D",)),
+    Row("h.{i}.mlp.c_fc.weight", ("blocks/{i}/mlp/up/kernel",), ("D", "I")),
+    Row("h.{i}.mlp.c_fc.bias", ("blocks/{i}/mlp/up/bias",), ("I",)),
+    Row("h.{i}.mlp.c_proj.weight", ("blocks/{i}/mlp/down/kernel",), ("I", "D")),
+    Row("h.{i}.mlp.c_proj.bias", ("blocks/{i}/mlp/down/bias",), ("D",)),
+    # Non-parameter buffers some GPT-2 checkpoints keep (the causal mask): read past, never used.
+    Row("h.{i}.attn.bias", (), None, optional=True),
+    Row("h.{i}.attn.masked_bias", (), None, optional=True),
+))
+
+FAMILIES = {"llama": LLAMA, "gpt2": GPT2}
+
+
+class _Expected(NamedTuple):
+    row: Row
+    targets: tuple[str, ...]
+    shape: tuple[int, ...] | None
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, _Expected]:
+    """The checkpoint names (without the base prefix) a config's model is loaded from, and what each must be."""
+    _, rows = FAMILIES[config.family]
+    sizes = _sizes(config)
+    expected = {}
+    for row in rows:
+        if not row.when(config):
+            continue
+        shape = None if row.shape is None else tuple(sizes[size] for size in row.shape)
+        for i in range(config.num_layers) if "{i}" in row.source else (None,):
+            expected[row.source.format(i=i)] = _Expected(row, tuple(t.format(i=i) for t in row.targets), shape)
+    return expected
+
+
+# ------------------------------------------------------------------ the files
+
+
+class _Header(NamedTuple):
+    file: Path
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _read_json(path: Path) -> object:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file")
+    size = path.stat().st_size
+    if size > _MAX_JSON_BYTES:
+        raise CheckpointError(f"{path} holds {size} bytes; a checkpoint's JSON files hold at most {_MAX_JSON_BYTES}")
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+
+
+def checkpoint_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint directory, and the index's tensor -> file map (None unsharded)."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        content = _read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(f"{index} must hold {{\"weight_map\": {{tensor name: file name}}}}")
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if n in ("", ".", "..") or "/" in n or "\\" in n or n != os.path.basename(n)]
+        if outside:
+            raise CheckpointError(
+                f"{index} names files {outside[:4]} outside the checkpoint directory; an index may list only plain "
+                "file names inside it"
+            )
+        return [directory / name for name in names], weight_map
+    if (directory / "model.safetensors").exists():
+        return [directory / "model.safetensors"], None
+    raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def read_headers(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, _Header]:
+    """Every tensor's file, dtype and shape, from the headers alone; duplicates across files refused."""
+    headers: dict[str, _Header] = {}
+    duplicated = []
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file} is not a regular file")
+        try:
+            with safetensors.safe_open(file, framework="numpy") as opened:
+                for name in opened.keys():
+                    view = opened.get_slice(name)
+                    if name in headers:
+                        duplicated.append(f"{name} ({headers[name].file.name}, {file.name})")
+                    headers[name] = _Header(file, name, view.get_dtype(), tuple(view.get_shape()))
+        except safetensors.SafetensorError as error:
+            raise CheckpointError(f"{file} is not a valid safetensors file: {error}") from None
+    if duplicated:
+        raise CheckpointError(f"tensors stored in more than one file: {_some(duplicated)}")
+    if weight_map is not None:
+        misplaced = [f"{name} (index: {weight_map.get(name)}, found in {header.file.name})"
+                     for name, header in headers.items() if weight_map.get(name) != header.file.name]
+        unlisted = sorted(set(weight_map) - set(headers))
+        if misplaced or unlisted:
+            raise CheckpointError(
+                f"the index disagrees with the files: {_some(misplaced + [f'{n} (in no file)' for n in unlisted])}"
+            )
+    return headers
+
+
+def _some(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def match_headers(config: ModelConfig, headers: dict[str, _Header]) -> dict[str, tuple[_Header, _Expected]]:
+    """Pairs every header with its table row, after checking names, dtypes and shapes; names every mismatch."""
+    prefix, _ = FAMILIES[config.family]
+    # Each layer needs several tensors: a config claiming more layers than the files hold tensors is
+    # refused before its table is even spelled out.
+    if config.num_layers > len(headers):
+        raise CheckpointError(
+            f"config.json has {config.num_layers} layers, but the checkpoint holds only {len(headers)} tensors"
+        )
+    expected = expected_tensors(config)
+    found: dict[str, _Header] = {}
+    problems = []
+    for name, header in headers.items():
+        short = name[len(prefix):] if name.startswith(prefix) else name
+        if short in found:
+            problems.append(f"{name} and {found[short].name} are the same tensor")
+        found[short] = header
+    unexpected = sorted(found[short].name for short in set(found) - set(expected))
+    missing = sorted(short for short, want in expected.items() if short not in found and not want.row.optional)
+    if unexpected:
+        problems.append(f"unexpected tensors {_some(unexpected)}")
+    if missing:
+        problems.append(f"missing tensors {_some(missing)}")
+    pairs = {}
+    for short, header in sorted(found.items()):
+        want = expected.get(short)
+        if want is None:
+            continue
+        if header.dtype not in _FLOATS:
+            problems.append(f"{header.name} is {header.dtype}; weights must be one of {sorted(_FLOATS)}")
+        elif want.shape is not None and header.shape != want.shape:
+            problems.append(f"{header.name} has shape {header.shape}, expected {want.shape}")
+        pairs[header.name] = (header, want)
+    if problems:
+        raise CheckpointError(f"the checkpoint does not fit its config.json ({config.family}): " + "; ".join(problems))
+    return pairs
+
+
+# ------------------------------------------------------------------ public
 
 
 def load_safetensors(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint directory: `model.safetensors`, or the shards its index lists."""
-    directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+    """Every tensor of a checkpoint directory, `model.safetensors` or the index's shards, checked as loading is.
+
+    Refuses what `from_pretrained` refuses of the files (index entries
+    outside the directory, duplicates, files that disagree with the index),
+    but not against a config.
+    """
+    files, weight_map = checkpoint_files(Path(directory))
+    headers = read_headers(files, weight_map)
     tensors = {}
-    for file in files:
-        tensors.update(safetensors.numpy.load_file(directory / file))
+    for header in headers.values():
+        tensors[header.name] = _read(header)
     return tensors
+
+
+def _read(header: _Header) -> np.ndarray:
+    try:
+        with safetensors.safe_open(header.file, framework="numpy") as opened:
+            return opened.get_tensor(header.name)
+    except safetensors.SafetensorError as error:
+        raise CheckpointError(f"{header.file}: tensor {header.name} cannot be read: {error}") from None
 
 
 def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None,
                     cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> DecoderLM:
-    """A `DecoderLM` holding a Hugging Face checkpoint's weights.
+    """A `DecoderLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
 
     Args:
       path: a directory with `config.json` and `model.safetensors` (or a
         sharded `model.safetensors.index.json`).
-      max_len: cache capacity per sequence (prompt plus new tokens).
+      max_len: cache capacity per sequence (prompt plus new tokens); at most
+        the learned position table's length for GPT-2.
       batch_size: sequences decoded together.
       dtype: computation and weight dtype; defaults to float32.
       cache_dtype: the caches' storage; defaults to `dtype`.
@@ -58,114 +352,31 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
 
     Raises:
       UnsupportedConfigError: the configuration asks for something kvattn
-        does not run (the message names the field and its value).
-      ValueError: a tensor is missing, unexpected or of the wrong shape.
+        does not run, or is not valid (the message names the field and its value).
+      CheckpointError: the files do not fit the config: tensors missing,
+        unexpected, duplicated, of another shape or a non-float dtype, or
+        holding NaN or infinity; an index naming files outside the directory.
+      FileNotFoundError: no `config.json`, or no weights.
     """
     path = Path(path)
-    config = from_hf_config(json.loads((path / "config.json").read_text()))
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} has no config.json: pass a Hugging Face checkpoint directory")
+    config = from_hf_config(_read_json(path / "config.json"))
+    pairs = match_headers(config, read_headers(*checkpoint_files(path)))
     dtype = jnp.dtype(dtype or jnp.float32)
     model = DecoderLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, cache_dtype=cache_dtype,
                       num_pages=num_pages, page_size=page_size, rngs=nnx.Rngs(0))
-    tensors = load_safetensors(path)
-    weights = (_gpt2 if config.family == "gpt2" else _llama)(config, tensors)
-    unused = sorted(set(tensors) - set(_used(tensors, weights)))
-    if unused:
-        raise ValueError(f"checkpoint tensors kvattn.models does not know: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
-    # `nnx.state` hands out the model's own Variables: assigning to them loads the model.
-    for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name = "/".join(map(str, key))
-        if name not in weights:
-            raise ValueError(f"the checkpoint has no tensor for {name}")
-        value = weights[name][1]
-        if value.shape != variable[...].shape:
-            raise ValueError(f"{name}: the checkpoint's {weights[name][0]} has shape {value.shape}, expected {variable[...].shape}")
-        variable[...] = jnp.asarray(value, dtype)
+    variables = {"/".join(map(str, key)): variable for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    unfilled = set(variables) - {target for _, want in pairs.values() for target in want.targets}
+    assert not unfilled, f"the {config.family} table leaves parameters unfilled: {sorted(unfilled)}"
+    # One tensor at a time, so the host holds at most one beside the model; the model is returned only
+    # once every tensor has passed, so a refused checkpoint leaves nothing behind.
+    for name, (header, want) in pairs.items():
+        if not want.targets:
+            continue
+        value = _read(header)
+        if not np.isfinite(value).all():
+            raise CheckpointError(f"{header.file.name}: tensor {name} holds NaN or infinity")
+        for target, part in zip(want.targets, want.row.convert(value, config), strict=True):
+            variables[target][...] = jnp.asarray(part, dtype)
     return model
-
-
-def _used(tensors: dict, weights: dict) -> set[str]:
-    used = {source for source, _ in weights.values()}
-    return {name for name in tensors if name in used}
-
-
-class _Mapping:
-    """kvattn parameter path -> (checkpoint name, converted value), built with `put`."""
-
-    def __init__(self, tensors: dict, prefix: str):
-        self.tensors = tensors
-        # Checkpoints name tensors with or without the base model's prefix ("model.", "transformer.").
-        self.names = {name[len(prefix):] if name.startswith(prefix) else name: name for name in tensors}
-        self.out: dict[str, tuple[str, np.ndarray]] = {}
-
-    def put(self, target: str, source: str, convert=lambda a: a) -> None:
-        if source not in self.names:
-            raise ValueError(f"the checkpoint has no tensor {source!r} (for {target})")
-        self.out[target] = (self.names[source], convert(self.tensors[self.names[source]]))
-
-
-def _llama(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
-    """kvattn parameter path -> (checkpoint name, value) for the Llama family."""
-    mapping = _Mapping(tensors, "model.")
-    put = mapping.put
-    heads, kv_heads, head_dim, hidden = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-
-    put("embed", "embed_tokens.weight")
-    put("final_norm/weight", "norm.weight")
-    if not config.tie_embeddings:
-        put("lm_head", "lm_head.weight", lambda w: w.T)
-    for i in range(config.num_layers):
-        layer, block = f"layers.{i}.", f"blocks/{i}/"
-        put(block + "attention_norm/weight", layer + "input_layernorm.weight")
-        put(block + "mlp_norm/weight", layer + "post_attention_layernorm.weight")
-        for target, source, count in (("query", "q_proj", heads), ("key", "k_proj", kv_heads), ("value", "v_proj", kv_heads)):
-            put(f"{block}attention/{target}/kernel", f"{layer}self_attn.{source}.weight",
-                lambda w, n=count: w.T.reshape(hidden, n, head_dim))
-            if config.attention_bias:
-                put(f"{block}attention/{target}/bias", f"{layer}self_attn.{source}.bias",
-                    lambda b, n=count: b.reshape(n, head_dim))
-        put(f"{block}attention/out/kernel", f"{layer}self_attn.o_proj.weight", lambda w: w.T.reshape(heads, head_dim, hidden))
-        if config.qk_norm:
-            put(f"{block}attention/query_ln/scale", f"{layer}self_attn.q_norm.weight")
-            put(f"{block}attention/key_ln/scale", f"{layer}self_attn.k_norm.weight")
-        for target, source in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            put(f"{block}mlp/{target}/kernel", f"{layer}mlp.{source}.weight", lambda w: w.T)
-    return mapping.out
-
-
-def _gpt2(config, tensors: dict) -> dict[str, tuple[str, np.ndarray]]:
-    """kvattn parameter path -> (checkpoint name, value) for GPT-2 (Conv1D weights are `(in, out)`)."""
-    mapping = _Mapping(tensors, "transformer.")
-    put = mapping.put
-    heads, head_dim, hidden = config.num_heads, config.head_dim, config.hidden_size
-
-    put("embed", "wte.weight")
-    put("positions", "wpe.weight")
-    put("final_norm/weight", "ln_f.weight")
-    put("final_norm/bias", "ln_f.bias")
-    if not config.tie_embeddings:
-        put("lm_head", "lm_head.weight", lambda w: w.T)
-    for i in range(config.num_layers):
-        layer, block = f"h.{i}.", f"blocks/{i}/"
-        for target, source in (("attention_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            put(block + f"{target}/weight", layer + f"{source}.weight")
-            put(block + f"{target}/bias", layer + f"{source}.bias")
-        for part, target in enumerate(("query", "key", "value")):
-            columns = slice(part * hidden, (part + 1) * hidden)
-            put(f"{block}attention/{target}/kernel", f"{layer}attn.c_attn.weight",
-                lambda w, c=columns: w[:, c].reshape(hidden, heads, head_dim))
-            put(f"{block}attention/{target}/bias", f"{layer}attn.c_attn.bias",
-                lambda b, c=columns: b[c].reshape(heads, head_dim))
-        put(f"{block}attention/out/kernel", f"{layer}attn.c_proj.weight", lambda w: w.reshape(heads, head_dim, hidden))
-        put(f"{block}attention/out/bias", f"{layer}attn.c_proj.bias")
-        put(f"{block}mlp/up/kernel", f"{layer}mlp.c_fc.weight")
-        put(f"{block}mlp/up/bias", f"{layer}mlp.c_fc.bias")
-        put(f"{block}mlp/down/kernel", f"{layer}mlp.c_proj.weight")
-        put(f"{block}mlp/down/bias", f"{layer}mlp.c_proj.bias")
-    # GPT-2 checkpoints may keep non-parameter buffers (the causal mask) under attn.bias / attn.masked_bias.
-    for name in tensors:
-        if name.endswith(("attn.bias", "attn.masked_bias")):
-            mapping.out[f"buffer:{name}"] = (name, tensors[name])
-    return mapping.out
-
-
-

@@ -44,8 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvattn import validation as check
 from kvattn.models.decoder import DecoderLM
-from kvattn.models.generate import _sample
+from kvattn.models.sampling import Sampling, sample_with_logprob
+from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.pages import OutOfPagesError, PageBatch, PageManager
 
 __all__ = ["Completion", "Server"]
@@ -124,12 +126,13 @@ class Server:
         config = model.blocks[0].attention.config
         if not config.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
-        if chunk < 1 or chunk % config.page_size:
-            raise ValueError(f"chunk must be a positive multiple of page_size={config.page_size}, got {chunk}")
-        if temperature < 0 or (temperature > 0 and rng is None):
-            raise ValueError(f"temperature must be >= 0, and sampling needs rng; got {temperature}, rng={rng}")
+        chunk = check.positive_int(chunk, "chunk")
+        if chunk % config.page_size:
+            raise ValueError(f"chunk must be a multiple of page_size={config.page_size}, got {chunk}")
+        sampling = Sampling(temperature, top_k, top_p).check_vocab(model.config.vocab_size)
+        sampling.check_rng(rng)
         self.config = config
-        self.chunk = chunk
+        self.chunk = int(chunk)
         self.prefix_caching = prefix_caching and config.window is None
         self.vocab_size = model.config.vocab_size
         self.manager = PageManager(
@@ -138,7 +141,7 @@ class Server:
         self._graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each step may donate it
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
-        self._sampling = (float(temperature), top_k, None if top_p is None else float(top_p))
+        self._sampling = sampling
         self._key = jax.random.key(0) if rng is None else rng
         self._queue: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * config.batch_size
@@ -150,11 +153,11 @@ class Server:
 
     def submit(self, prompt, max_new_tokens: int, *, stop_tokens=(), salt: bytes = b"") -> int:
         """Queues a request; returns its index. Raises if it could never fit."""
-        prompt = [int(t) for t in np.asarray(prompt).reshape(-1)]
-        if not prompt or min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt must be a non-empty list of token ids in [0, {self.vocab_size}), got {prompt[:8]}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        prompt = token_ids(prompt, self.vocab_size, "prompt", (None,)).tolist()
+        if not prompt:
+            raise ValueError("prompt must hold one or more token ids, got none")
+        max_new_tokens = check.positive_int(max_new_tokens, "max_new_tokens")
+        stops = frozenset(stop_ids(stop_tokens, self.vocab_size))
         if not isinstance(salt, bytes):
             raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
         total = len(prompt) + int(max_new_tokens) - 1  # the last new token is never fed back
@@ -164,10 +167,10 @@ class Server:
                 f"at most max_len={self.config.max_len} tokens, in a pool of {self.config.num_pages - 1} pages of "
                 f"{self.config.page_size} (it needs {self._pages_needed(total)})"
             )
-        index = self._submitted
-        self._submitted += 1
-        self._queue.append(_Request(index, prompt, int(max_new_tokens), frozenset(stop_tokens), salt))
-        return index
+        request = _Request(self._submitted, prompt, int(max_new_tokens), stops, salt)
+        self._queue.append(request)
+        self._submitted += 1  # only now: a refused request takes no index
+        return request.index
 
     @property
     def idle(self) -> bool:
@@ -335,19 +338,12 @@ class Server:
         return completion
 
 
-def _sample_with_logprob(logits, key, sampling):
-    token = _sample(logits, key, sampling)
-    temperature = sampling[0] or 1.0
-    logprobs = jax.nn.log_softmax(logits / temperature, axis=-1)
-    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("pools",))
 def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, key, sampling):
     model = nnx.merge(graphdef, params, pools)
     pages = PageBatch(table, pos, copy_from, copy_to)
     logits = model.prefill(tokens, length, pages=pages, last_only=True)
-    token, logprob = _sample_with_logprob(logits, key, sampling)
+    token, logprob = sample_with_logprob(logits, key, sampling)
     return token[0], logprob[0], nnx.state(model, nnx.Cache)
 
 
@@ -355,6 +351,6 @@ def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_f
 def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, key, sampling):
     model = nnx.merge(graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
-    token, logprob = _sample_with_logprob(logits, key, sampling)
+    token, logprob = sample_with_logprob(logits, key, sampling)
     return token, logprob, nnx.state(model, nnx.Cache)
 
