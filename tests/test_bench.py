@@ -1,24 +1,28 @@
-"""Smoke test of `kvattn bench`: the quick benchmark runs end to end and writes its files."""
+"""Smoke tests of `python -m benchmarks`: each quick suite runs end to end and writes its files."""
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from kvattn import bench
-from kvattn.bench.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders
-from kvattn.bench.options import VARIANTS
-from kvattn.bench.summary import generation_means
-from kvattn.cli import main
+import benchmarks
+from benchmarks.__main__ import main
+from benchmarks.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders
+from benchmarks.options import VARIANTS
+from benchmarks.summary import generation_means
+from benchmarks.timing import median_ms, time_calls
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     """The quick benchmark, run once through the CLI: its output directory and results."""
     out_dir = tmp_path_factory.mktemp("bench")
-    assert main(["bench", "--quick", "--out-dir", str(out_dir)]) == 0
+    assert main(["--quick", "--out-dir", str(out_dir)]) == 0
     return out_dir, json.loads((out_dir / "results.json").read_text())
 
 
@@ -90,11 +94,11 @@ def test_memory_column(quick_run):
 
 def test_rejects_unknown_dtype(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
-        bench.run(dtype="float16", quick=True, out_dir=tmp_path)
+        benchmarks.run(dtype="float16", quick=True, out_dir=tmp_path)
 
 
 def test_int8_cache_run_reports_its_memory_and_stays_close(tmp_path):
-    results = bench.run(dtype="int8", quick=True, out_dir=tmp_path, layouts=("heads_major",), batch_sizes=(1,))
+    results = benchmarks.run(dtype="int8", quick=True, out_dir=tmp_path, layouts=("heads_major",), batch_sizes=(1,))
     sizes = QUICK_SIZES
     per_token = 2 * sizes["in_features"] * 1 + 2 * sizes["num_heads"] * 4  # int8 keys and values, float32 scales
     assert results["memory"][0]["cache_bytes_per_token_per_layer"] == per_token
@@ -115,6 +119,20 @@ def test_whole_generations_are_timed_at_the_smallest_batch(quick_run):
         assert row["method"] == ("whole generation" if whole else "interpolated")
 
 
+def test_the_timer_leaves_out_warm_ups_and_preparation_and_divides_by_units():
+    calls = []
+
+    def call(state):
+        calls.append(state)
+        time.sleep(0.004)
+        return len(calls)
+
+    timing = time_calls(call, 3, prepare=lambda: "prepared", units=2, warm_ups=2)
+    assert calls == ["prepared"] * 5 and timing.last_output == 5
+    assert len(timing.ms) == 3 and all(2 <= ms < 1000 for ms in timing.ms)  # 4 ms over 2 units
+    assert median_ms(lambda: time.sleep(0.004), 1, warm_ups=0) >= 4
+
+
 def test_generation_mean_interpolates_unless_a_whole_generation_was_timed():
     config = BenchConfig(
         in_features=8, num_heads=2, max_len=4, batch_sizes=(1,), filled=(2, 4), layouts=("heads_major",),
@@ -131,33 +149,36 @@ def test_generation_mean_interpolates_unless_a_whole_generation_was_timed():
 
 
 def test_import_kvattn_loads_no_bench_dependencies():
-    # A fresh interpreter: the other tests have long since imported the bench and its extra here.
+    # A fresh interpreter: the other tests have long since imported the benchmarks and their extra here.
     script = (
-        "import sys, kvattn\n"
+        "import sys, kvattn, kvattn.cli, kvattn.demo\n"
         "loaded = lambda roots: sorted(m for m in sys.modules if m.split('.')[0] in roots)\n"
-        "print(loaded({'matplotlib', 'tqdm'}), sorted(m for m in sys.modules if m.startswith('kvattn.bench')))\n"
-        "import kvattn.bench\n"
+        "print(loaded({'matplotlib', 'tqdm', 'benchmarks'}))\n"
+        "import benchmarks\n"
         "print(loaded({'matplotlib', 'tqdm'}))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert done.stdout.splitlines() == ["[] []", "[]"]
+    assert done.stdout.splitlines() == ["[]", "[]"]
+
+
+def test_the_benchmarks_live_at_the_repository_root_not_in_the_package():
+    assert importlib.util.find_spec("kvattn.bench") is None
+    assert Path(benchmarks.__file__).parent.parent == Path(__file__).parent.parent
 
 
 def test_a_missing_extra_fails_before_measuring_and_names_the_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `import tqdm` raise ImportError
     out_dir = tmp_path / "out"
-    assert main(["bench", "--quick", "--out-dir", str(out_dir)]) == 2
-    assert "kvattn bench and kvattn demo need the bench extra, which provides tqdm: pip install 'kvattn[bench]'" in (
-        capsys.readouterr().err
-    )
+    assert main(["--quick", "--out-dir", str(out_dir)]) == 2
+    assert "need the bench extra, which provides tqdm: pip install 'kvattn[bench]'" in capsys.readouterr().err
     assert not out_dir.exists()
 
 
 @pytest.fixture(scope="module")
 def options_run(tmp_path_factory):
-    """`kvattn bench --options --quick`, run once through the CLI: its output directory and results."""
+    """`python -m benchmarks --options --quick`, run once: its output directory and results."""
     out_dir = tmp_path_factory.mktemp("options")
-    assert main(["bench", "--options", "--quick", "--out-dir", str(out_dir)]) == 0
+    assert main(["--options", "--quick", "--out-dir", str(out_dir)]) == 0
     return out_dir, json.loads((out_dir / "options.json").read_text())
 
 
@@ -196,15 +217,16 @@ def test_options_time_every_variant_against_the_plain_layer(options_run):
     ("extra", "message"),
     [(["--generation-repeats", "1"], "does not apply"), (["--layouts", "slots_major", "heads_major"], "one layout")],
 )
-def test_options_refuse_settings_they_cannot_use(tmp_path, extra, message):
-    with pytest.raises(SystemExit, match=message):
-        main(["bench", "--options", "--quick", "--out-dir", str(tmp_path), *extra])
+def test_options_refuse_settings_they_cannot_use(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as refused:
+        main(["--options", "--quick", "--out-dir", str(tmp_path), *extra])
+    assert refused.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_model_bench_times_every_contender_and_reports_transformers_unavailable(tmp_path, capsys):
     # This interpreter has no torch: the transformers rows say so instead of failing the run.
     out_dir = tmp_path / "model"
-    argv = ["bench", "--model", "--quick", "--batch-sizes", "1", "2", "--out-dir", str(out_dir),
+    argv = ["--model", "--quick", "--batch-sizes", "1", "2", "--out-dir", str(out_dir),
             "--torch-python", sys.executable, "--torch-compile"]
     assert main(argv) == 0
     capsys.readouterr()
@@ -224,17 +246,22 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
         plain = rows[batch, "plain_cache"]
         assert plain["decode_ms_per_token"] > 0 and plain["compiles_while_timed"] == 0
         assert plain["agrees_with_kvattn"] == 1.0  # the hand-rolled decoder produces the same greedy tokens
-    assert {t["measure"] for t in results["targets"]} >= {"compilations while timed", "speedup over plain_cache"}
+    assert {t["name"] for t in results["targets"]} >= {"compilations while timed", "speedup over plain_cache"}
+    compiles = [t for t in results["targets"] if t["name"] == "compilations while timed"]
+    assert all(t["value"] == 0 and t["met"] for t in compiles)
+    unavailable = [t for t in results["targets"] if t["name"] == "speedup over transformers' best"]
+    assert unavailable and all(t["value"] is None and t["met"] is None for t in unavailable)
 
 
-def test_model_options_apply_only_with_model(tmp_path):
-    with pytest.raises(SystemExit, match="only with --model"):
-        main(["bench", "--quick", "--new-tokens", "4", "--out-dir", str(tmp_path)])
+def test_model_options_apply_only_with_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["--quick", "--new-tokens", "4", "--out-dir", str(tmp_path)])
+    assert refused.value.code == 2 and "only with --model" in capsys.readouterr().err
 
 
 def test_paged_bench_measures_every_target(tmp_path, capsys):
     out_dir = tmp_path / "paged"
-    assert main(["bench", "--paged", "--quick", "--out-dir", str(out_dir)]) == 0
+    assert main(["--paged", "--quick", "--out-dir", str(out_dir)]) == 0
     capsys.readouterr()
     result = json.loads((out_dir / "paged.json").read_text())
     assert (out_dir / "paged.md").stat().st_size > 0
@@ -248,5 +275,6 @@ def test_paged_bench_measures_every_target(tmp_path, capsys):
     for row in result["concurrency"]:  # pages lose at most a page per sequence against the ideal
         assert row["ideal"] * 0.9 <= row["ratio"] <= row["ideal"]
     assert contenders == {(c, t) for c in names for t in result["sizes"]["filled"]}
-    with pytest.raises(SystemExit, match="--paged takes"):
-        main(["bench", "--paged", "--quick", "--batch-sizes", "2"])
+    with pytest.raises(SystemExit) as refused:
+        main(["--paged", "--quick", "--batch-sizes", "2"])
+    assert refused.value.code == 2 and "--paged takes" in capsys.readouterr().err

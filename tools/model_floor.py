@@ -6,7 +6,7 @@ Both contenders run the same weight matmuls per step (projections, MLP,
 head); only attention differs. This times, on the benchmark's random
 125M Llama (float32, prompt 128, 128 new tokens):
 
-- plain: the hand-rolled decoder of `kvattn bench --model`, one jitted step per token;
+- plain: the hand-rolled decoder of `python -m benchmarks --model`, one jitted step per token;
 - kvattn: `kvattn.models.generate` (decode ms per token);
 - floor: the plain step with attention removed (each layer's output
   projection applied to the new token's value): no cache read at all.
@@ -16,20 +16,20 @@ makes a decoder 1.5x faster than the plain one. Like the plain step, the
 floor is called from Python once per token (kvattn's loop is compiled whole,
 so at B=1, where a step is short, kvattn can come out below this floor).
 
-    python tools/model_floor.py [--batch 8] [--repeats 3]
+    python -m tools.model_floor [--batch 8] [--repeats 3]     # from the repository root
 """
 
 import argparse
 import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import model as bench
+from benchmarks.timing import time_calls
 from kvattn import models
-from kvattn.bench import model as bench
 
 
 def floor_step_fn(config):
@@ -74,16 +74,14 @@ def main():
     weights = bench._plain_weights(model)
     step = floor_step_fn(model.config)
     tokens = jnp.asarray(prompts[:, 0])
-    jax.block_until_ready(step(weights, tokens, jnp.int32(prompt_len)))
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
+
+    def decode(_):
         token = tokens
         for pos in range(prompt_len, prompt_len + new_tokens - 1):
             token = step(weights, token, jnp.int32(pos))
-        jax.block_until_ready(token)
-        times.append(time.perf_counter() - start)
-    floor = 1e3 * statistics.median(times) / (new_tokens - 1)
+        return token
+
+    floor = statistics.median(time_calls(decode, args.repeats, units=new_tokens - 1).ms)
     print(f"B={args.batch}: kvattn {ours:.2f} ms/token, plain {plain:.2f}, floor without attention {floor:.2f}")
     print(f"best possible speed-up over plain (plain / floor): {plain / floor:.2f}x; kvattn's: {plain / ours:.2f}x")
 

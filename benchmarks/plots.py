@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvattn.bench.extra import require
+from kvattn.extra import require
 
 __all__ = ["plot_bandwidth", "plot_time"]
 

@@ -7,25 +7,13 @@ import functools
 import jax
 from flax import nnx
 
-import kvattn
+import jax.numpy as jnp
 
-__all__ = ["flax_scan", "flax_step", "flax_twin", "matvec"]
+from kvattn.demo import flax_twin
 
+from benchmarks.timing import median_ms
 
-def flax_twin(layer: kvattn.MultiHeadAttention, batch_size: int) -> nnx.MultiHeadAttention:
-    """Flax's `nnx.MultiHeadAttention(decode=True)` holding `layer`'s weights, its cache ready for `batch_size`."""
-    twin = nnx.MultiHeadAttention(
-        layer.num_heads,
-        layer.in_features,
-        qkv_features=layer.num_heads * layer.head_dim,
-        num_kv_heads=layer.num_kv_heads,
-        use_bias=layer.use_bias,
-        decode=True,
-        rngs=nnx.Rngs(0),
-    )
-    nnx.update(twin, nnx.state(layer, nnx.Param))
-    twin.init_cache((batch_size, layer.max_len, layer.in_features))
-    return twin
+__all__ = ["bandwidth", "flax_scan", "flax_step", "flax_twin", "matvec"]
 
 
 @nnx.jit
@@ -55,3 +43,12 @@ def flax_scan(graphdef, params, cache, rest, xs):
 def matvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
     """The bandwidth calibration: one pass over `matrix`."""
     return matrix @ vector
+
+
+def bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second of `matvec` over a float32 matrix of about `num_bytes` (median of at least 5 passes)."""
+    columns = 4096
+    rows = max(1, num_bytes // (4 * columns))
+    matrix = jax.random.normal(jax.random.key(0), (rows, columns), jnp.float32)
+    vector = jnp.ones((columns,), jnp.float32)
+    return rows * columns * 4 / (median_ms(lambda: matvec(matrix, vector), max(repeats, 5)) * 1e-3)

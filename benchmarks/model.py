@@ -1,4 +1,4 @@
-"""`kvattn bench --model`: whole-model decoding of a Llama-shaped checkpoint against transformers and a plain cache.
+"""`python -m benchmarks --model`: a Llama-shaped checkpoint decoded by kvattn, transformers and a plain cache.
 
 One run writes a Llama-shaped Hugging Face checkpoint with random weights
 (config.json + model.safetensors, written with numpy, no torch), then times,
@@ -47,6 +47,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.baselines import bandwidth
+from benchmarks.provenance import load_average, machine_info, source_revision, versions
+from benchmarks.report import model_markdown, target, write
+from benchmarks.timing import time_calls
 
 __all__ = ["LLAMA_125M", "run_model", "write_llama_checkpoint"]
 
@@ -103,15 +108,6 @@ def write_llama_checkpoint(directory: str | os.PathLike, *, vocab_size: int, hid
     return directory
 
 
-def _median_time(call, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _time_kvattn(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any]:
     """`kvattn.models.generate` timed at 1 and `new_tokens` new tokens (interleaved), caches emptied before each."""
     import jax
@@ -121,13 +117,14 @@ def _time_kvattn(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any
     # The package re-exports the function `generate` under its module's name.
     generate_module = sys.modules["kvattn.models.generate"]
 
-    def once(count):
+    def empty():
         model.reset()
         jax.block_until_ready(model.pos)
-        start = time.perf_counter()
-        out = models.generate(model, prompts, count)
-        jax.block_until_ready(out.tokens)
-        return time.perf_counter() - start, out
+
+    def once(count):
+        """Milliseconds of one `count`-token generation from empty caches, and its output."""
+        timing = time_calls(lambda _: models.generate(model, prompts, count), 1, prepare=empty, warm_ups=0)
+        return timing.ms[0], timing.last_output
 
     once(1), once(new_tokens)  # compile both programs, untimed
     compiled = generate_module._program._cache_size()
@@ -138,8 +135,8 @@ def _time_kvattn(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any
         wholes.append(elapsed)
     first, whole = statistics.median(firsts), statistics.median(wholes)
     return {
-        "first_token_ms": 1e3 * first, "whole_ms": 1e3 * whole,
-        "decode_ms_per_token": 1e3 * (whole - first) / (new_tokens - 1),
+        "first_token_ms": first, "whole_ms": whole,
+        "decode_ms_per_token": (whole - first) / (new_tokens - 1),
         "compiles_while_timed": generate_module._program._cache_size() - compiled,
         "tokens": np.asarray(out.tokens).tolist(),
     }
@@ -228,35 +225,14 @@ def _time_plain(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any]
             out.append(token)
         return jax.block_until_ready(out)
 
-    decode(*prefilled())  # warm-up
+    decode(*prefilled())  # warm-up, before counting the compiled programs
     compiled = step._cache_size()
-    times = []
-    for _ in range(repeats):
-        token, caches = prefilled()
-        start = time.perf_counter()
-        out = decode(token, caches)
-        times.append(time.perf_counter() - start)
+    timing = time_calls(lambda state: decode(*state), repeats, prepare=prefilled, units=new_tokens - 1, warm_ups=0)
     return {
-        "decode_ms_per_token": 1e3 * statistics.median(times) / (new_tokens - 1),
+        "decode_ms_per_token": statistics.median(timing.ms),
         "compiles_while_timed": step._cache_size() - compiled,
-        "tokens": np.stack([np.asarray(t) for t in out], axis=1).tolist(),
+        "tokens": np.stack([np.asarray(t) for t in timing.last_output], axis=1).tolist(),
     }
-
-
-def _bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes per second of `kvattn.bench.baselines.matvec` over a float32 matrix of about `num_bytes`."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvattn.bench.baselines import matvec
-
-    columns = 4096
-    rows = max(1, num_bytes // (4 * columns))
-    matrix = jax.random.normal(jax.random.key(0), (rows, columns), jnp.float32)
-    vector = jnp.ones((columns,), jnp.float32)
-    jax.block_until_ready(matvec(matrix, vector))
-    seconds = _median_time(lambda: jax.block_until_ready(matvec(matrix, vector)), max(repeats, 5))
-    return rows * columns * 4 / seconds
 
 
 def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, itemsize: int) -> int:
@@ -359,10 +335,10 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
             itemsize = jnp.dtype(dtype).itemsize
             step_bytes = _step_bytes(model.config, batch, prompt_len, new_tokens, itemsize)
-            bandwidth = _bandwidth(step_bytes, repeats)
+            limit = bandwidth(step_bytes, repeats)
             base = dict(dtype=dtype, batch_size=batch)
-            rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / bandwidth,
-                             step_bytes=step_bytes, bandwidth_gbs=bandwidth / 1e9))
+            rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
+                             step_bytes=step_bytes, bandwidth_gbs=limit / 1e9))
             ours = _time_kvattn(model, prompts, new_tokens, repeats)
             rows.append(dict(base, contender="kvattn.models.generate", **ours))
             if progress:
@@ -401,7 +377,7 @@ def _finished(rows) -> list[dict[str, Any]]:
 
 
 def _targets(rows) -> list[dict[str, Any]]:
-    """Issue #13's targets, each with the two figures it compares and whether it was met."""
+    """Issue #13's targets for kvattn.models.generate: ratios of decode times (None where the other is unavailable)."""
 
     def figure(dtype, batch, contender):
         for row in rows:
@@ -419,42 +395,13 @@ def _targets(rows) -> list[dict[str, Any]]:
             checks.append(("share of the bandwidth limit", figure(dtype, batch, "limit"), 0.75))
         else:
             checks.append(("speedup over plain_cache", figure(dtype, batch, "plain_cache"), 1.5))
-        for measure, other, wanted in checks:
-            got = None if other is None else other / ours
-            targets.append(dict(dtype=dtype, batch_size=batch, measure=measure, wanted=wanted, got=got,
-                                met=None if got is None else got >= wanted))
+        for name, other, wanted in checks:
+            targets.append(target(name, None if other is None else other / ours, ">=", wanted, dtype=dtype,
+                                  batch_size=batch))
         compiles = next(r["compiles_while_timed"] for r in rows
                         if (r["dtype"], r["batch_size"], r["contender"]) == (dtype, batch, "kvattn.models.generate"))
-        targets.append(dict(dtype=dtype, batch_size=batch, measure="compilations while timed", wanted=0,
-                            got=compiles, met=compiles == 0))
+        targets.append(target("compilations while timed", compiles, "<=", 0, dtype=dtype, batch_size=batch))
     return targets
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """The results as Markdown tables."""
-    lines = ["| dtype | B | contender | decode ms/token | tokens/s | first token ms | greedy agreement |",
-             "|---|---|---|---|---|---|---|"]
-    for row in results["rows"]:
-        if "unavailable" in row:
-            lines.append(f"| {row['dtype']} | {row['batch_size']} | {row['contender']} | unavailable: "
-                         f"{row['unavailable']} | | | |")
-            continue
-        first = f"{row['first_token_ms']:.1f}" if "first_token_ms" in row else ""
-        agree = f"{row['agrees_with_kvattn']:.2f}" if "agrees_with_kvattn" in row else ""
-        name = row["contender"]
-        if name == "limit":
-            name = f"limit ({row['step_bytes'] / 1e6:.0f} MB at {row['bandwidth_gbs']:.1f} GB/s)"
-        lines.append(f"| {row['dtype']} | {row['batch_size']} | {name} | {row['decode_ms_per_token']:.2f} | "
-                     f"{row['tokens_per_s']:.1f} | {first} | {agree} |")
-    lines += ["", "| dtype | B | kvattn.models.generate | wanted | got | met |", "|---|---|---|---|---|---|"]
-    for t in results["targets"]:
-        if t["measure"].startswith("compilations"):
-            wanted, got = "0", str(t["got"])
-        else:
-            wanted, got = f">= {t['wanted']}", "n/a" if t["got"] is None else f"{t['got']:.3g}"
-        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")
-        lines.append(f"| {t['dtype']} | {t['batch_size']} | {t['measure']} | {wanted} | {got} | {met} |")
-    return "\n".join(lines) + "\n"
 
 
 def _partial(path: Path, rows) -> None:
@@ -487,8 +434,6 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
     Returns:
       The results, as written to `model.json`.
     """
-    from kvattn.bench.provenance import load_average, machine_info, source_revision, versions
-
     sizes = dict(QUICK_MODEL if quick else LLAMA_125M)
     if quick:
         prompt_len, new_tokens, repeats = min(prompt_len, 8), min(new_tokens, 16), 1
@@ -513,8 +458,6 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
         "load_average": {"before": load, "after": load_average()}, **measured,
         "elapsed_s": time.perf_counter() - started,
     }
-    (out / "model.json").write_text(json.dumps(results, indent=2) + "\n")
+    write(out, "model", results, model_markdown(results))
     (out / "model.partial.json").unlink(missing_ok=True)
-    (out / "model.md").write_text(markdown(results))
-    print(markdown(results))
     return results

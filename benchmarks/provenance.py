@@ -11,6 +11,8 @@ from typing import Any
 
 import jax
 
+import kvattn
+
 __all__ = ["load_average", "machine_info", "source_revision", "versions"]
 
 
@@ -42,7 +44,7 @@ def source_revision() -> dict[str, Any]:
 
     Both None outside a git checkout (an installed wheel) or without git.
     """
-    package = Path(__file__).parent.parent  # all of kvattn, not only its bench
+    package = Path(kvattn.__file__).parent  # the measured library, wherever it is imported from
 
     def git(*args):
         try:

@@ -1,22 +1,22 @@
-"""`kvattn.bench.run` and `run_options`: measure, then write the JSON, Markdown (and plots) and print the tables."""
+"""`run` and `run_options`: measure, then write the JSON, the Markdown (and plots) and show the tables."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from kvattn.bench import extra
-from kvattn.bench.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders, tokens_timed
-from kvattn.bench.contenders import BatchBench
-from kvattn.bench.options import VARIANTS, measure_options
-from kvattn.bench.plots import plot_bandwidth, plot_time
-from kvattn.bench.provenance import load_average, machine_info, source_revision, versions
-from kvattn.bench.report import markdown_tables, options_markdown, print_options, print_tables
-from kvattn.bench.summary import generation_means, targets
+from kvattn import extra
+
+from benchmarks.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders, tokens_timed
+from benchmarks.contenders import BatchBench
+from benchmarks.options import VARIANTS, measure_options
+from benchmarks.plots import plot_bandwidth, plot_time
+from benchmarks.provenance import load_average, machine_info, source_revision, versions
+from benchmarks.report import options_markdown, results_markdown, write
+from benchmarks.summary import generation_means, targets
 
 __all__ = ["measure", "run", "run_options"]
 
@@ -35,7 +35,7 @@ def run(
     out_dir: str | os.PathLike = "bench-results",
     quick: bool = False,
 ) -> dict[str, Any]:
-    """Runs the benchmark, prints its tables and writes `results.json` and PNG plots.
+    """Runs the benchmark, shows its tables and writes `results.json`, `results.md` and PNG plots.
 
     Args:
       in_features, num_heads, max_len: layer sizes.
@@ -47,8 +47,8 @@ def run(
       repeats: timed bursts per figure (median reported).
       generation_repeats: timed whole `max_len`-token generations per
         contender at the smallest batch size (median reported; 0: none).
-      out_dir: directory for `results.json`, `per_token_time.png` and
-        `bandwidth_share.png`; created if missing.
+      out_dir: directory for `results.json`, `results.md`, `per_token_time.png`
+        and `bandwidth_share.png`; created if missing.
       quick: replace the sizes by tiny ones (a smoke test).
 
     Returns:
@@ -61,13 +61,9 @@ def run(
     started = time.perf_counter()
     results = measure(config)
     results["elapsed_s"] = time.perf_counter() - started
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "results.md").write_text(markdown_tables(results))
-    plot_time(results, out / "per_token_time.png")
-    plot_bandwidth(results, out / "bandwidth_share.png")
-    print_tables(results)
+    write(out_dir, "results", results, results_markdown(results))
+    plot_time(results, Path(out_dir) / "per_token_time.png")
+    plot_bandwidth(results, Path(out_dir) / "bandwidth_share.png")
     return results
 
 
@@ -84,7 +80,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     steps = len(config.batch_sizes) * len(config.filled) * len(names)
     steps += len(generation_contenders(config.layouts)) if config.generation_repeats else 0
     tqdm = extra.require("tqdm").tqdm
-    with tqdm(total=steps, desc="kvattn bench") as progress:
+    with tqdm(total=steps, desc="benchmarks") as progress:
         for batch_size in config.batch_sizes:
             bench = BatchBench(config, batch_size)
             for filled in config.filled:
@@ -120,7 +116,6 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     }
 
 
-
 def run_options(
     *,
     in_features: int = 512,
@@ -134,10 +129,10 @@ def run_options(
     out_dir: str | os.PathLike = "bench-results",
     quick: bool = False,
 ) -> dict[str, Any]:
-    """Times `kvattn.decode` on the plain layer and on each variant of `kvattn.bench.options.VARIANTS`.
+    """Times `kvattn.decode` on the plain layer and on each variant of `benchmarks.options.VARIANTS`.
 
     Writes `options.json` and `options.md` (beside, never over, `run`'s
-    files) and prints the table.
+    files) and shows the table.
 
     Args:
       in_features, num_heads, max_len: layer sizes.
@@ -160,7 +155,7 @@ def run_options(
     started = time.perf_counter()
     load_before = load_average()
     tqdm = extra.require("tqdm").tqdm
-    with tqdm(total=len(config.batch_sizes) * len(config.filled) * config.repeats, desc="kvattn bench --options") as bar:
+    with tqdm(total=len(config.batch_sizes) * len(config.filled) * config.repeats, desc="benchmarks --options") as bar:
         rows = measure_options(config, bar)
     results = {
         **_provenance(config, load_before),
@@ -176,11 +171,7 @@ def run_options(
         "measurements": rows,
         "elapsed_s": time.perf_counter() - started,
     }
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "options.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "options.md").write_text(options_markdown(results))
-    print_options(results)
+    write(out_dir, "options", results, options_markdown(results))
     return results
 
 
@@ -195,9 +186,7 @@ def _provenance(config: BenchConfig, load_before: Any) -> dict[str, Any]:
 
 
 def _sizes(in_features, num_heads, max_len, batch_sizes, filled, repeats, quick) -> dict:
-    """The sizes of a run (the tiny `QUICK_SIZES` with `quick`), after checking the extra is installed."""
-    for module in extra.MODULES:
-        extra.require(module)  # a missing extra fails before the measuring, not after it
+    """The sizes of a run (the tiny `QUICK_SIZES` with `quick`)."""
     sizes = dict(
         in_features=in_features, num_heads=num_heads, max_len=max_len, batch_sizes=tuple(batch_sizes),
         filled=tuple(sorted(set(filled))), repeats=repeats,

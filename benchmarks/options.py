@@ -1,4 +1,4 @@
-"""`kvattn bench --options`: what rotary positions, QK-norm and bfloat16 compute cost per token against the plain layer.
+"""`python -m benchmarks --options`: what rotary positions, QK-norm and bfloat16 compute cost per token.
 
 Each variant is the benchmark's layer with one option set (`VARIANTS`); the
 weights it shares with the plain layer are the plain layer's, cast to its
@@ -8,7 +8,7 @@ filled, from a cache the variant prefilled itself (its keys are stored
 rotated and normalised as it stores them), reloaded before every burst.
 
 Bursts are interleaved: each round times one burst of every variant, after
-an untimed warm-up burst of its own (`time_bursts`), starting one variant
+an untimed warm-up burst of its own (`time_calls`), starting one variant
 later each round, so a machine that drifts during the run moves every
 variant alike. A figure is the median over `repeats` rounds; its ratio
 divides it by the plain layer's figure at the same B and T, from the same
@@ -25,9 +25,9 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn.bench.config import DEFAULT_LAYOUT, BenchConfig
-from kvattn.bench.contenders import Progress
-from kvattn.bench.timing import PREFILL_CHUNK, CacheFiller, CacheState, load_state, time_bursts
+from benchmarks.config import DEFAULT_LAYOUT, BenchConfig
+from benchmarks.contenders import Progress
+from benchmarks.timing import PREFILL_CHUNK, CacheFiller, CacheState, load_state, time_calls
 
 __all__ = ["LLAMA3_SCALING", "VARIANTS", "OptionsBench", "measure_options"]
 
@@ -91,7 +91,7 @@ class OptionsBench:
             for name in names[shift:] + names[:shift]:
                 progress.set_postfix_str(f"B={self.batch_size} T={filled} round {round_index + 1} {name}")
                 timing = self.time_decode(name, states[name], chunk)
-                samples[name] += timing.ms_per_token
+                samples[name] += timing.ms
                 outputs[name] = timing.last_output
             progress.update()
         history = jax.block_until_ready(self.stream[:, :filled])
@@ -120,8 +120,8 @@ class OptionsBench:
     def time_decode(self, name: str, state: CacheState, chunk: jax.Array):
         """One warm-up and one timed burst of `kvattn.decode` on variant `name`, from a fresh copy of `state`."""
         layer = self.layers[name]
-        timing = time_bursts(lambda: load_state(layer, state), lambda loaded: kvattn.decode(loaded, chunk), 1,
-                             chunk.shape[1])
+        timing = time_calls(lambda loaded: kvattn.decode(loaded, chunk), 1, prepare=lambda: load_state(layer, state),
+                            units=chunk.shape[1])
         return timing._replace(last_output=timing.last_output[:, -1])
 
 

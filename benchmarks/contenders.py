@@ -11,9 +11,9 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn.bench.baselines import flax_scan, flax_step, flax_twin, matvec
-from kvattn.bench.config import DEFAULT_LAYOUT, BenchConfig, tokens_timed
-from kvattn.bench.timing import PREFILL_CHUNK, CacheFiller, CacheState, Timing, load_state, time_bursts
+from benchmarks.baselines import flax_scan, flax_step, flax_twin, matvec
+from benchmarks.config import DEFAULT_LAYOUT, BenchConfig, tokens_timed
+from benchmarks.timing import PREFILL_CHUNK, CacheFiller, CacheState, Timing, load_state, time_calls
 
 __all__ = ["BatchBench", "Progress"]
 
@@ -101,16 +101,16 @@ class BatchBench:
             rows.append({
                 "batch_size": self.batch_size,
                 "contender": name,
-                "ms_per_token": float(np.median(timing.ms_per_token)),
-                "samples_ms_per_token": [float(t) for t in timing.ms_per_token],
+                "ms_per_token": float(np.median(timing.ms)),
+                "samples_ms_per_token": [float(t) for t in timing.ms],
             })
             progress.update()
         return rows
 
     def _row(self, name, filled, timing, step_bytes, calibration, reference) -> dict[str, Any]:
         """One contender's figures at one filled length, and its output's distance to `reference`."""
-        ms = float(np.median(timing.ms_per_token))
-        calibration_ms = float(np.median(calibration.ms_per_token))
+        ms = float(np.median(timing.ms))
+        calibration_ms = float(np.median(calibration.ms))
         row = {
             "batch_size": self.batch_size,
             "filled": filled,
@@ -118,7 +118,7 @@ class BatchBench:
             "layout": name.split("/")[1] if "/" in name else None,
             "tokens_timed": tokens_timed(self.config, name),
             "ms_per_token": ms,
-            "samples_ms_per_token": [float(s) for s in timing.ms_per_token],
+            "samples_ms_per_token": [float(s) for s in timing.ms],
             "bytes_per_step": step_bytes,
             "bytes_per_s": step_bytes / (ms * 1e-3),
             "calibration_share": calibration_ms / ms,
@@ -155,7 +155,7 @@ class BatchBench:
         """A full causal forward over the `filled` tokens of history, per token."""
         layer = self.layers[self.config.layouts[0]]
         history = jax.block_until_ready(self.stream[:, :filled])
-        timing = time_bursts(lambda: history, layer, self.config.repeats, 1)
+        timing = time_calls(layer, self.config.repeats, prepare=lambda: history)
         return timing._replace(last_output=timing.last_output[:, -1])
 
     def _loop_tokens(self, state: CacheState, count: int, warm_up: jax.Array | None):
@@ -192,7 +192,7 @@ class BatchBench:
                 y = decoder.step(x)
             return y
 
-        return time_bursts(prepare, burst, repeats or self.config.repeats, count)
+        return time_calls(burst, repeats or self.config.repeats, prepare=prepare, units=count)
 
     def time_kvattn_decode(
         self,
@@ -210,11 +210,11 @@ class BatchBench:
         only ever hands over arrays it was given for that purpose.
         """
         chunk = jax.block_until_ready(self.stream[:, state.pos : state.pos + count])
-        timing = time_bursts(
-            lambda: self.load_kvattn(layout, state),
+        timing = time_calls(
             lambda layer: kvattn.decode(layer, chunk, donate=donate),
             repeats or self.config.repeats,
-            count,
+            prepare=lambda: self.load_kvattn(layout, state),
+            units=count,
         )
         return timing._replace(last_output=timing.last_output[:, -1])
 
@@ -235,7 +235,7 @@ class BatchBench:
                 y = flax_step(layer, x)
             return y
 
-        return time_bursts(prepare, burst, repeats or self.config.repeats, count)
+        return time_calls(burst, repeats or self.config.repeats, prepare=prepare, units=count)
 
     def time_flax_scan(
         self, state: CacheState, count: int, repeats: int | None = None, warm_up: jax.Array | None = None
@@ -252,7 +252,7 @@ class BatchBench:
             ys, _ = flax_scan(graphdef, params, cache, rest, xs)
             return ys
 
-        timing = time_bursts(prepare, burst, repeats or self.config.repeats, count)
+        timing = time_calls(burst, repeats or self.config.repeats, prepare=prepare, units=count)
         return timing._replace(last_output=timing.last_output[-1])
 
     def time_calibration(self, step_bytes: int) -> Timing:
@@ -268,4 +268,4 @@ class BatchBench:
                 y = matvec(matrix, vector)
             return y
 
-        return time_bursts(lambda: None, burst, self.config.repeats, count)
+        return time_calls(burst, self.config.repeats, units=count)

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from kvattn.bench.config import DEFAULT_LAYOUT, BenchConfig, contender_names
+from benchmarks.config import DEFAULT_LAYOUT, BenchConfig, contender_names
+from benchmarks.report import target
 
 __all__ = ["generation_means", "targets"]
 
@@ -65,8 +66,11 @@ def targets(config: BenchConfig, rows: list[dict[str, Any]], generation: list[di
         (row,) = [r for r in rows if _matches(r, batch_size, name) and r["filled"] == filled]
         return row
 
+    def check(name, value, compare, threshold):
+        return target(name, value, compare, threshold, batch_size=batch_size)
+
     def speedup(baseline, contender, threshold, note=""):
-        return _target(f"{contender}{note} vs {baseline}", mean[baseline] / mean[contender], ">=", threshold)
+        return check(f"{contender}{note} vs {baseline}", mean[baseline] / mean[contender], ">=", threshold)
 
     step_fast, decode_fast = fastest("kvattn_step"), fastest("kvattn_decode")
     shortest, longest = min(config.filled), max(config.filled)
@@ -81,26 +85,16 @@ def targets(config: BenchConfig, rows: list[dict[str, Any]], generation: list[di
         threshold = 0.5 if layout == decode_fast else None
         share = at(f"kvattn_decode/{layout}", longest)["calibration_share"]
         found.append(
-            _target(f"kvattn_decode/{layout} share of calibration bandwidth at T={longest}", share, ">=", threshold)
+            check(f"kvattn_decode/{layout} share of calibration bandwidth at T={longest}", share, ">=", threshold)
         )
     for name in [f"kvattn_decode/{layout}" for layout in config.layouts] + ["calibration"]:
         ratio = at(name, shortest)["ms_per_token"] / at(name, longest)["ms_per_token"]
         # The calibration's own ratio is the bound a purely bandwidth-bound step would reach.
         threshold = 0.5 if name == f"kvattn_decode/{decode_fast}" else None
-        found.append(_target(f"{name} time at T={shortest} / at T={longest}", ratio, "<=", threshold))
+        found.append(check(f"{name} time at T={shortest} / at T={longest}", ratio, "<=", threshold))
     for layout in config.layouts:
         # What keeping the caller's cache costs beside updating it in place.
         safe, donated = f"kvattn_decode/{layout}", f"kvattn_decode_donated/{layout}"
-        found.append(_target(f"{safe} (safe default) / {donated} time", mean[safe] / mean[donated], "<=", None))
-    for target in found:
-        target["batch_size"] = batch_size
+        found.append(check(f"{safe} (safe default) / {donated} time", mean[safe] / mean[donated], "<=", None))
     return found
 
-
-def _target(name: str, value: float, compare: str, threshold: float | None) -> dict[str, Any]:
-    """One target row; `threshold` None means report only."""
-    if threshold is None:
-        met = None
-    else:
-        met = bool(value >= threshold) if compare == ">=" else bool(value <= threshold)
-    return {"name": name, "value": float(value), "compare": compare, "threshold": threshold, "met": met}

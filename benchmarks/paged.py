@@ -1,4 +1,4 @@
-"""`kvattn bench --paged`: the paged cache side by side with the contiguous one, in one run.
+"""`python -m benchmarks --paged`: the paged cache side by side with the contiguous one, in one run.
 
 Six measurements, each against the issue's target:
 
@@ -22,14 +22,16 @@ Times are medians over repeats, after a warm-up call, with
 from __future__ import annotations
 
 import functools
-import json
 import math
+import os
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.baselines import bandwidth
+from benchmarks.report import paged_markdown, target, write
+from benchmarks.timing import median_ms
 
 __all__ = ["measure_paged", "run_paged"]
 
@@ -41,13 +43,6 @@ PAGED_QUICK = dict(
     page_size=4, max_len=64, batch_size=2, filled=(16, 48), prompt_len=32, repeats=2, burst=4, in_features=32,
     num_heads=4, num_kv_heads=2,
 )
-
-
-def _median_seconds(call, repeats: int) -> float:
-    from kvattn.bench.model import _median_time
-
-    call()  # warm-up: compilation and first-touch excluded
-    return _median_time(call, repeats)
 
 
 def _manager(num_pages: int, page_size: int, max_sequences: int, max_len: int):
@@ -125,11 +120,13 @@ def host_bookkeeping(page_size: int, batch_size: int, steps: int) -> dict[str, A
     for _ in range(batch_size):
         manager.add()
     ones = np.ones(batch_size, np.int32)
-    start = time.perf_counter()
-    for _ in range(steps):
-        manager.reserve(ones)
-    seconds = time.perf_counter() - start
-    return dict(steps=steps, batch_size=batch_size, us_per_sequence_step=1e6 * seconds / steps / batch_size)
+
+    def run():
+        for _ in range(steps):
+            manager.reserve(ones)
+
+    ms = median_ms(run, 1, warm_ups=0)  # one pass: each reserve moves the sequences on
+    return dict(steps=steps, batch_size=batch_size, us_per_sequence_step=1e3 * ms / steps / batch_size)
 
 
 @functools.cache
@@ -167,8 +164,6 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
 
     import kvattn
     from kvattn import paged
-    from kvattn.bench.model import _bandwidth
-
     batch, max_len, page_size, burst = sizes["batch_size"], sizes["max_len"], sizes["page_size"], sizes["burst"]
     num_pages = 1 + batch * math.ceil(max_len / page_size)
 
@@ -208,15 +203,15 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
             cache = state[name].replace(pos=jnp.full((batch,), start, jnp.int32))
             state[name] = jax.block_until_ready(loops[name](weights, cache, xs))[0]
 
-        times = {name: _median_seconds(functools.partial(run, name), repeats) / burst for name in loops}
+        times = {name: median_ms(functools.partial(run, name), repeats) * 1e-3 / burst for name in loops}
         step_bytes = weight_bytes + batch * (start + burst // 2) * config.cache_bytes_per_token
-        bandwidth = _bandwidth(step_bytes, repeats)
+        limit = bandwidth(step_bytes, repeats)
         for name, seconds in times.items():
             rows.append(dict(contender=name, filled=filled, ms_per_step=1e3 * seconds, step_bytes=step_bytes,
-                             gbs=step_bytes / seconds / 1e9, share_of_calibration=step_bytes / bandwidth / seconds,
+                             gbs=step_bytes / seconds / 1e9, share_of_calibration=step_bytes / limit / seconds,
                              paged_over_contiguous=seconds / times["contiguous"]))
-        rows.append(dict(contender="calibration", filled=filled, ms_per_step=1e3 * step_bytes / bandwidth,
-                         step_bytes=step_bytes, gbs=bandwidth / 1e9))
+        rows.append(dict(contender="calibration", filled=filled, ms_per_step=1e3 * step_bytes / limit,
+                         step_bytes=step_bytes, gbs=limit / 1e9))
     return rows
 
 
@@ -285,67 +280,24 @@ def _targets(result: dict) -> list[dict[str, Any]]:
                 best[row["filled"]] = row
     decode = list(best.values())
     concurrency = result["concurrency"][0]
-    rows = [
-        ("memory: allocated / used", result["memory"]["allocated_over_used"], "<= 1.04", lambda v: v <= 1.04),
-        (f"concurrency: paged / contiguous sequences (mean / max length {concurrency['mean_over_max_len']:.2f})",
-         concurrency["ratio"], ">= 2.5", lambda v: v >= 2.5),
-        ("forks: pages held / (ceil(P/page) + N)", result["forks"]["pages"] / result["forks"]["expected"], "<= 1",
-         lambda v: v <= 1),
-        ("prefix hit: time to first token, cold / hit", result["prefix_hit"]["speedup"], ">= 10", lambda v: v >= 10),
-        ("decode step: paged / contiguous (worst filled length)", max(r["paged_over_contiguous"] for r in decode),
-         "<= 1.2", lambda v: v <= 1.2),
-        ("decode step: share of calibration bandwidth (worst filled length)",
-         min(r["share_of_calibration"] for r in decode), ">= 0.6", lambda v: v >= 0.6),
-        ("host: us per sequence per step", result["host"]["us_per_sequence_step"], "<= 50", lambda v: v <= 50),
+    return [
+        target("memory: allocated / used", result["memory"]["allocated_over_used"], "<=", 1.04),
+        target(f"concurrency: paged / contiguous sequences (mean / max length {concurrency['mean_over_max_len']:.2f})",
+               concurrency["ratio"], ">=", 2.5),
+        target("forks: pages held / (ceil(P/page) + N)", result["forks"]["pages"] / result["forks"]["expected"], "<=",
+               1),
+        target("prefix hit: time to first token, cold / hit", result["prefix_hit"]["speedup"], ">=", 10),
+        target("decode step: paged / contiguous (worst filled length)", max(r["paged_over_contiguous"] for r in decode),
+               "<=", 1.2),
+        target("decode step: share of calibration bandwidth (worst filled length)",
+               min(r["share_of_calibration"] for r in decode), ">=", 0.6),
+        target("host: us per sequence per step", result["host"]["us_per_sequence_step"], "<=", 50),
     ]
-    return [dict(target=name, value=value, goal=goal, met=bool(check(value))) for name, value, goal, check in rows]
 
 
-def report(result: dict) -> str:
-    """Markdown tables of a `measure_paged` result."""
-    sizes = result["sizes"]
-    lines = [
-        f"Layer D={sizes['in_features']}, N={sizes['num_heads']}, K={sizes['num_kv_heads']}, page {sizes['page_size']}, "
-        f"max_len {sizes['max_len']}, B={sizes['batch_size']}; medians of {sizes['repeats']} repeats.",
-        "",
-        "| filled T | contender | ms/step | / contiguous | GB/s | % of calibration |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in sorted(result["decode"], key=lambda r: r["filled"]):
-        if row["contender"] == "calibration":
-            lines.append(f"| {row['filled']} | calibration | {row['ms_per_step']:.3f} | | {row['gbs']:.1f} | |")
-        else:
-            lines.append(
-                f"| {row['filled']} | {row['contender']} | {row['ms_per_step']:.3f} | "
-                f"{row['paged_over_contiguous']:.2f} | {row['gbs']:.1f} | {100 * row['share_of_calibration']:.0f}% |"
-            )
-    hit = result["prefix_hit"]
-    lines += [""] + [
-        f"Concurrency at mean / max length {c['mean_over_max_len']:.3f}: {c['paged_sequences']} sequences in the "
-        f"memory of {c['contiguous_sequences']} contiguous ones, {c['ratio']:.2f}x (no cache can pass "
-        f"max_len / mean = {c['ideal']:.2f}x)."
-        for c in result["concurrency"]
-    ]
-    lines += [
-        "",
-        f"Prefix hit ({hit['prompt_len']}-token prompt, chunk {hit['chunk']}, {hit['cached_tokens']} tokens cached): "
-        f"first token {hit['cold_ms']:.1f} ms cold, {hit['hit_ms']:.1f} ms on a hit.",
-        "",
-        "| target | measured | goal | met |",
-        "|---|---|---|---|",
-    ]
-    for target in result["targets"]:
-        lines.append(f"| {target['target']} | {target['value']:.3g} | {target['goal']} | {'yes' if target['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
-
-
-def run_paged(*, out_dir: str = "bench-results", quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
-    """Measures, writes `paged.json` and `paged.md` under `out_dir`, prints the tables."""
+def run_paged(*, out_dir: str | os.PathLike = "bench-results", quick: bool = False,
+              repeats: int | None = None) -> dict[str, Any]:
+    """Measures, writes `paged.json` and `paged.md` under `out_dir`, shows the tables."""
     result = measure_paged(quick=quick, repeats=repeats)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "paged.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = report(result)
-    (out / "paged.md").write_text(text)
-    print(text)
+    write(out_dir, "paged", result, paged_markdown(result))
     return result

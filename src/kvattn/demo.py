@@ -12,10 +12,25 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn.bench.baselines import flax_twin
-from kvattn.bench.extra import require
+from kvattn.extra import require
 
-__all__ = ["run_demo"]
+__all__ = ["flax_twin", "run_demo"]
+
+
+def flax_twin(layer: kvattn.MultiHeadAttention, batch_size: int) -> nnx.MultiHeadAttention:
+    """Flax's `nnx.MultiHeadAttention(decode=True)` holding `layer`'s weights, its cache ready for `batch_size`."""
+    twin = nnx.MultiHeadAttention(
+        layer.num_heads,
+        layer.in_features,
+        qkv_features=layer.num_heads * layer.head_dim,
+        num_kv_heads=layer.num_kv_heads,
+        use_bias=layer.use_bias,
+        decode=True,
+        rngs=nnx.Rngs(0),
+    )
+    nnx.update(twin, nnx.state(layer, nnx.Param))
+    twin.init_cache((batch_size, layer.max_len, layer.in_features))
+    return twin
 
 
 def _timed(fn, *args):

@@ -1,7 +1,8 @@
-"""How a burst is timed, and the saved caches every burst starts from."""
+"""The benchmarks' one timer, and the saved caches every timed burst starts from."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -15,7 +16,7 @@ from flax import nnx
 import kvattn
 from kvattn import cache as cache_ops
 
-__all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "time_bursts", "to_layout"]
+__all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "median_ms", "time_calls", "to_layout"]
 
 PREFILL_CHUNK = 128
 
@@ -29,33 +30,42 @@ class CacheState(NamedTuple):
 
 
 class Timing(NamedTuple):
-    """Per-token times of the timed bursts and the output of the burst's last token."""
+    """Milliseconds per unit of each timed call, and the output of the last call."""
 
-    ms_per_token: list[float]
-    last_output: jax.Array
+    ms: list[float]
+    last_output: Any
 
 
-def time_bursts(prepare: Callable[[], Any], burst: Callable[[Any], jax.Array], repeats: int, tokens: int) -> Timing:
-    """Times `burst(prepare())` once untimed (warm-up, compiles) then `repeats` times.
+def time_calls(call: Callable[[Any], Any], repeats: int, *, prepare: Callable[[], Any] = lambda: None,
+               units: int = 1, warm_ups: int = 1) -> Timing:
+    """Times `call(prepare())`: `warm_ups` untimed calls (compilation), then `repeats` timed ones.
+
+    Each call is waited for with `jax.block_until_ready`; `prepare` is never timed.
 
     Args:
-      prepare: untimed set-up of one burst; must leave nothing pending on the device.
-      burst: the timed work; returns the last output.
-      repeats: timed bursts.
-      tokens: tokens per burst, the divisor of the per-token time.
+      call: the timed work; returns its output.
+      repeats: timed calls.
+      prepare: untimed set-up of each call; must leave nothing pending on the device.
+      units: tokens (or steps) per call, the divisor of the reported times.
+      warm_ups: untimed calls first; 0 when the caller warmed up itself.
 
     Returns:
-      The per-token milliseconds of each timed burst and the last output.
+      The milliseconds per unit of each timed call and the last output.
     """
-    samples = []
-    for attempt in range(repeats + 1):
+    samples, output = [], None
+    for attempt in range(warm_ups + repeats):
         state = prepare()
         started = time.perf_counter()
-        output = jax.block_until_ready(burst(state))
+        output = jax.block_until_ready(call(state))
         elapsed = time.perf_counter() - started
-        if attempt:
-            samples.append(elapsed / tokens * 1e3)
+        if attempt >= warm_ups:
+            samples.append(elapsed / units * 1e3)
     return Timing(samples, output)
+
+
+def median_ms(call: Callable[[], Any], repeats: int, *, warm_ups: int = 1) -> float:
+    """The median milliseconds of `call()` over `repeats` timed calls, after `warm_ups` untimed ones."""
+    return statistics.median(time_calls(lambda _: call(), repeats, warm_ups=warm_ups).ms)
 
 
 def to_layout(cache: jax.Array, layout: str) -> jax.Array:

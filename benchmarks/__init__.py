@@ -1,7 +1,16 @@
-"""`kvattn bench`: per-token decode time of kvattn against Flax and recompute baselines.
+"""kvattn's benchmarks (`make bench`, `python -m benchmarks`): per-token decode time against Flax and recompute.
 
-Every figure is measured in one run, on one random stream and one set of
-weights shared by all contenders:
+This package lives beside the library, not in its wheel, and uses kvattn as
+a user would. Four suites, each writing `<name>.json` and `<name>.md` with
+`benchmarks.report.write`, every time taken by `benchmarks.timing.time_calls`:
+
+  run           the contenders below (`results`, plus two PNG plots)
+  run_options   `--options`: what each layer option costs (`benchmarks.options`)
+  run_model     `--model`: whole-model decoding (`benchmarks.model`)
+  run_paged     `--paged`: the paged cache against the contiguous one (`benchmarks.paged`)
+
+The default run's contenders are measured in one run, on one random stream
+and one set of weights shared by all of them:
 
   kvattn_step/<layout>    `Decoder.step` in a Python loop (the fast path)
   kvattn_decode/<layout>  `kvattn.decode`, the whole burst in one `lax.scan`;
@@ -30,16 +39,13 @@ over filled lengths 1..max_len of the measured curve, interpolated linearly
 between the measured T (and held constant outside them); the interpolated
 figure is kept beside the measured one in the JSON.
 
-`run` measures and writes the files; `run_options` (`kvattn bench --options`)
-times `kvattn.decode` on the layer with rotary positions, QK-norm or
-bfloat16 compute against the plain layer, interleaved in one run (see
-`kvattn.bench.options`); `run_demo` is `kvattn demo`. All need
-the `bench` extra (tables, progress, plots), which `kvattn.bench.extra`
-imports only where it is used, so `import kvattn` never loads it.
+All need the `bench` extra (tables, progress, plots), which
+`kvattn.extra.require` imports where it is used.
 """
 
-from kvattn.bench.config import BenchConfig
-from kvattn.bench.demo import run_demo
-from kvattn.bench.runner import run, run_options
+from benchmarks.config import BenchConfig
+from benchmarks.model import run_model
+from benchmarks.paged import run_paged
+from benchmarks.runner import run, run_options
 
-__all__ = ["BenchConfig", "run", "run_demo", "run_options"]
+__all__ = ["BenchConfig", "run", "run_model", "run_options", "run_paged"]

@@ -1,0 +1,35 @@
+"""Optional extras, imported only where they are used, so `import kvattn` needs only the core dependencies.
+
+`bench` (rich, matplotlib, tqdm) serves `kvattn demo` and the repository's
+benchmarks; `generate` (tokenizers) serves `kvattn generate --prompt`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["BENCH_MODULES", "MissingExtraError", "require"]
+
+BENCH_MODULES = ("rich", "matplotlib", "tqdm")
+_USERS = {"bench": "kvattn demo and the benchmarks need", "generate": "kvattn generate --prompt needs"}
+
+
+class MissingExtraError(ImportError):
+    """A module of an extra is not installed."""
+
+
+def require(module: str, extra_name: str = "bench") -> ModuleType:
+    """Imports `module`, part of the extra `extra_name`.
+
+    Raises:
+      MissingExtraError: when it is not installed; the message names the
+        extra and the command that installs it.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        package = module.split(".")[0]
+        raise MissingExtraError(
+            f"{_USERS[extra_name]} the {extra_name} extra, which provides {package}: pip install 'kvattn[{extra_name}]'"
+        ) from error
