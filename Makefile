@@ -6,22 +6,30 @@ STAMP := $(VENV)/.installed
 # A second environment with nothing but a plain `pip install .`, as a user gets it.
 PLAIN := .venv-plain
 
-.PHONY: demo test bench setup plain-install clean
+.PHONY: demo test bench docs setup plain-install clean
 
 setup: $(STAMP)
 
 # Exact versions come from constraints.txt, so every clone installs the same thing.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench,generate]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench,generate,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvattn demo
 
-# The plain install first: a missing run-time dependency fails fast.
+# The plain install first: a missing run-time dependency fails fast; the docs
+# site last (its examples already ran as doctests in the suite).
 test: plain-install $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) docs
+
+# The documentation site, into site/; --strict turns every warning (a broken
+# link, a docstring the API pages cannot read) into a failure. Nothing is
+# fetched at build time.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Built afresh every time, from a non-editable install: the README Quickstart
 # must run with only the declared run-time dependencies.
@@ -36,4 +44,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build
+	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build site
