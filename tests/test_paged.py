@@ -486,6 +486,75 @@ def test_a_bad_sequence_snapshot_changes_nothing(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def saved_sequence(tmp_path, token_ids=(7, 8)):
+    """A paged layer, a manager holding a 2-token sequence, and the path of its snapshot."""
+    layer, _ = layers(8, num_pages=16)
+    manager = manager_for(layer)
+    slot = manager.add()
+    counts = np.zeros(BATCH, np.int32)
+    counts[slot] = 2
+    layer.prefill(tokens(np.random.default_rng(6), BATCH, CHUNK), jnp.asarray(counts), pages=manager.reserve(counts))
+    path = tmp_path / "sequence.safetensors"
+    kvattn.save_sequence(layer, manager, slot, path, tokens=token_ids)
+    return layer, manager, path
+
+
+def replace_once(path, old: bytes, new: bytes):
+    data = path.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new), old
+    path.write_bytes(data.replace(old, new))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (b'"tokens":"[7,8]"', b'"tokens":"[6,8]"'),  # one bit: another prompt's ids for these keys and values
+        (b'"length":"2"', b'"length":"3"'),
+        (b'\\"num_kv_heads\\":2', b'\\"num_kv_heads\\":3'),
+        (b'\\"k\\":{\\"dtype\\":\\"float32\\"', b'\\"k\\":{\\"dtype\\":\\"float16\\"'),
+    ],
+    ids=["tokens", "length", "config", "tensors"],
+)
+def test_a_changed_byte_in_a_sequence_snapshots_metadata_fails_its_checksum(tmp_path, old, new):
+    import re
+
+    layer, manager, path = saved_sequence(tmp_path)
+    replace_once(path, old, new)
+    live = manager.live.copy()
+    match = rf"{re.escape(str(path))}: corrupted snapshot: its metadata fails its checksum"
+    with pytest.raises(kvattn.SnapshotError, match=match):
+        kvattn.load_sequence(layer, manager, path)
+    np.testing.assert_array_equal(manager.live, live)
+
+
+def test_a_version_1_sequence_snapshot_is_refused_with_what_to_do(tmp_path):
+    """Version 1 checksummed only the tensors: its token ids could not be trusted, so it must be saved again."""
+    import safetensors.numpy
+
+    layer, manager, path = saved_sequence(tmp_path)
+    with safetensors.safe_open(path, "np") as file:
+        tensors, metadata = {name: file.get_tensor(name) for name in file.keys()}, dict(file.metadata())
+    del metadata["metadata_sha256"]
+    safetensors.numpy.save_file(tensors, path, metadata={**metadata, "format_version": "1"})
+    with pytest.raises(kvattn.SnapshotError, match="format_version '1'.*save the sequence again with save_sequence"):
+        kvattn.load_sequence(layer, manager, path)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dev_zero"])
+def test_a_huge_or_endless_file_is_refused_as_a_sequence_snapshot_from_its_header(tmp_path, kind):
+    import time
+
+    layer, _ = layers(8, num_pages=16)
+    path = "/dev/zero" if kind == "dev_zero" else tmp_path / "huge.safetensors"
+    if kind == "sparse":
+        with open(path, "wb") as file:
+            file.truncate(5 << 30)  # 5 GiB of zeros, sparse: no disk used
+    start = time.perf_counter()
+    with pytest.raises(kvattn.SnapshotError, match="header is not valid JSON|not a regular file"):
+        kvattn.load_sequence(layer, manager_for(layer), path)
+    assert time.perf_counter() - start < 2
+
+
 def test_a_windowed_server_counts_the_pages_a_whole_chunk_needs():
     """With a window, prefill writes a chunk at once beside the window: that many pages, not one token's worth."""
     from tests.test_models import FIXTURES

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 
 import jax
@@ -72,8 +73,19 @@ def read_snapshot(path) -> tuple[dict, dict]:
         return {name: file.get_tensor(name) for name in file.keys()}, dict(file.metadata())
 
 
-def write_snapshot(path, tensors, metadata, refresh_tensor_specs=True):
-    """Writes a hand-made snapshot; by default its metadata's tensor specs and checksums match `tensors`."""
+def metadata_checksum(metadata: dict) -> str:
+    """The documented `metadata_sha256`: over the canonical JSON of every other entry."""
+    others = {key: value for key, value in metadata.items() if key != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(others, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_snapshot(path, tensors, metadata, refresh_tensor_specs=True, seal=True):
+    """Writes a hand-made snapshot.
+
+    By default its metadata's tensor specs and checksums match `tensors`, and
+    its metadata checksum is recomputed (version 3) or left out (earlier
+    versions, which had none), so that only the change a test makes is wrong.
+    """
     metadata = dict(metadata)
     if refresh_tensor_specs:
         specs = {
@@ -85,6 +97,9 @@ def write_snapshot(path, tensors, metadata, refresh_tensor_specs=True):
             for name, array in tensors.items()
         }
         metadata["tensors"] = json.dumps(specs)
+    metadata.pop("metadata_sha256", None)
+    if seal and metadata.get("format_version") == "3":
+        metadata["metadata_sha256"] = metadata_checksum(metadata)
     safetensors.numpy.save_file(tensors, path, metadata=metadata)
 
 
@@ -161,7 +176,8 @@ def test_file_holds_the_cache_and_documented_metadata(saved):
     layer, path, _ = saved
     tensors, metadata = read_snapshot(path)
     assert_same_bits(tensors, cache_arrays(layer))
-    assert metadata["format"] == "kvattn.cache_snapshot" and metadata["format_version"] == "2"
+    assert metadata["format"] == "kvattn.cache_snapshot" and metadata["format_version"] == "3"
+    assert metadata["metadata_sha256"] == metadata_checksum(metadata)
     assert json.loads(metadata["config"]) == SAVED_CONFIG
     specs = json.loads(metadata["tensors"])
     for name, array in tensors.items():
@@ -176,7 +192,7 @@ def test_file_holds_the_cache_and_documented_metadata(saved):
 def test_snapshot_info_reads_the_metadata_without_a_layer(saved):
     layer, path, _ = saved
     info = snapshot_info(path)
-    assert info.format_version == 2
+    assert info.format_version == 3
     assert info.config == SAVED_CONFIG
     assert {name: spec["shape"] for name, spec in info.tensors.items()} == {
         "k_cache": [3, 12, 2, 2],
@@ -272,19 +288,60 @@ def test_reads_a_version_1_snapshot_as_recording_the_defaults_of_later_fields(sa
     assert_refused(rotary, path, r"rope=None \(layer has \{'theta': 10000.0")
 
 
+def test_reads_a_version_2_snapshot_which_had_no_metadata_checksum(saved):
+    """Its config, tensor specs and fingerprint are all compared with the layer and the data, as before."""
+    layer, path, target = saved
+    tensors, metadata = read_snapshot(path)
+    write_snapshot(path, tensors, {**metadata, "format_version": "2"})
+    assert "metadata_sha256" not in read_snapshot(path)[1]
+    assert snapshot_info(path).format_version == 2
+    load_cache(target, path)
+    assert_same_bits(cache_arrays(target), cache_arrays(layer))
+
+
 def test_refuses_another_format_version(saved):
     _, path, target = saved
     tensors, metadata = read_snapshot(path)
-    write_snapshot(path, tensors, {**metadata, "format_version": "3"})
-    assert_refused(target, path, "unsupported snapshot format_version '3'")
+    write_snapshot(path, tensors, {**metadata, "format_version": "4"})
+    assert_refused(target, path, "unsupported cache snapshot format_version '4'; this kvattn reads versions 1, 2 and 3")
 
 
-@pytest.mark.parametrize("key", ["config", "tensors", "weights_fingerprint", "format_version"])
+def replace_once(path, old: bytes, new: bytes):
+    data = path.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new), old
+    path.write_bytes(data.replace(old, new))
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        (b'\\"max_len\\":12', b'\\"max_len\\":13'),
+        (b'\\"pos\\":{\\"dtype\\":\\"int32\\"', b'\\"pos\\":{\\"dtype\\":\\"int16\\"'),
+        (b'"format_version":"3"', b'"format_version":"2"'),  # one bit: an old version would skip the checksum
+        (b'"format":"kvattn.cache_snapshot"', b'"format":"kvattn.cache_snapshou"'),
+    ],
+    ids=["config", "tensors", "version", "format"],
+)
+def test_a_changed_byte_anywhere_in_the_metadata_fails_its_checksum(saved, old, new):
+    _, path, target = saved
+    replace_once(path, old, new)
+    assert_refused(target, path, rf"{re.escape(str(path))}: corrupted snapshot: its metadata fails its checksum")
+    with pytest.raises(SnapshotError, match="fails its checksum"):
+        snapshot_info(path)
+
+
+def test_a_version_3_snapshot_without_its_metadata_checksum_is_refused(saved):
+    _, path, target = saved
+    replace_once(path, b'"metadata_sha256"', b'"metadata_sha257"')  # the checksum's own key damaged
+    assert_refused(target, path, r"metadata lacks \['metadata_sha256'\]")
+
+
+@pytest.mark.parametrize("key", ["config", "tensors", "weights_fingerprint", "format_version", "metadata_sha256"])
 def test_refuses_missing_metadata(saved, key):
     _, path, target = saved
     tensors, metadata = read_snapshot(path)
     del metadata[key]
-    write_snapshot(path, tensors, metadata, refresh_tensor_specs=False)
+    write_snapshot(path, tensors, metadata, refresh_tensor_specs=False, seal=key != "metadata_sha256")
     assert_refused(target, path, rf"metadata lacks \['{key}'\]")
 
 
@@ -514,7 +571,7 @@ JSON_VALUES = st.recursive(
 
 @st.composite
 def edited_metadata(draw, data):
-    """A well-formed safetensors file whose kvattn metadata was edited (keys, values, nested JSON)."""
+    """A well-formed safetensors file whose kvattn metadata was edited (keys, values, nested JSON), resealed or not."""
     header, body = _split(data)
     metadata = header["__metadata__"]
     key = draw(st.sampled_from(sorted(metadata) + ["extra"]))
@@ -531,6 +588,8 @@ def edited_metadata(draw, data):
         else:
             nested[field] = draw(JSON_VALUES)
         metadata[key] = json.dumps(nested)
+    if key != "metadata_sha256" and "metadata_sha256" in metadata and draw(st.booleans()):
+        metadata["metadata_sha256"] = metadata_checksum(metadata)  # so the checks past the checksum are fuzzed too
     return _join(header, body)
 
 

@@ -6,7 +6,7 @@ dtype (and `k_scale`, `v_scale` `(length, K)` for int8), token by token
 whatever the pool's page size or layout, and in its string metadata:
 
   format               "kvattn.sequence_snapshot"
-  format_version       "1"
+  format_version       "2"
   length               tokens the sequence holds
   tokens               JSON: the token ids, when the caller gave them, else null
   config               JSON: path -> the layer's recorded configuration (as
@@ -14,12 +14,20 @@ whatever the pool's page size or layout, and in its string metadata:
                        `max_len` and `cache_layout`
   tensors              JSON: name -> {"dtype", "shape", "sha256"}
   weights_fingerprint  `kvattn.weights_fingerprint` of the saving module
+  metadata_sha256      sha256 of the canonical JSON of every other entry
+                       (`kvattn.snapshot_files.metadata_checksum`)
 
-Loading checks all of it, then claims a slot and pages from the
-`PageManager` (raising `OutOfPagesError` first if they cannot be had), so a
-failed load changes neither the manager nor any layer. A sequence may be
-restored into a pool with another page size, layout, number of slots or
-`max_len` (at least its length).
+The token ids are what a server trusts to register the pages for prefix
+caching, and nothing else can vouch for them: hence the metadata checksum,
+verified before any entry is used. Version 1 had none, so it is refused
+with a request to save the sequence again.
+
+Loading reads the header alone first (`kvattn.snapshot_files`), checks all
+of it against the layers, then reads and checks the data, then claims a
+slot and pages from the `PageManager` (raising `OutOfPagesError` first if
+they cannot be had), so a failed load changes neither the manager nor any
+layer. A sequence may be restored into a pool with another page size,
+layout, number of slots or `max_len` (at least its length).
 """
 
 from __future__ import annotations
@@ -37,17 +45,19 @@ from kvattn import paged
 from kvattn import snapshot_files as files
 from kvattn.cache import Stored
 from kvattn.pages import NULL_PAGE, OutOfPagesError, PageManager
-from kvattn.snapshot import (
-    _check_spec, _check_tensors_match_metadata, _check_weights, _layers, _loads_object, _tensor_spec,
-    weights_fingerprint,
-)
+from kvattn.snapshot import attention_layers, weights_fingerprint
 from kvattn.snapshot_files import SnapshotError
 
 __all__ = ["load_sequence", "save_sequence"]
 
 FORMAT_NAME = "kvattn.sequence_snapshot"
-FORMAT_VERSION = 1
-_METADATA_KEYS = ("format", "format_version", "length", "tokens", "config", "tensors", "weights_fingerprint")
+FORMAT_VERSION = 2
+_METADATA_KEYS = ("format", "format_version", "length", "tokens", "config", "tensors", "weights_fingerprint",
+                  files.METADATA_CHECKSUM)
+_UNSUPPORTED = (
+    f"this kvattn reads version {FORMAT_VERSION}. Version 1 kept its token ids outside any checksum, so they cannot "
+    "be trusted: save the sequence again with save_sequence (or recompute it)."
+)
 
 
 def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str | os.PathLike, *,
@@ -88,10 +98,10 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
         "length": str(length),
         "tokens": files.dumps(tokens),
         "config": files.dumps(_sequence_config(layers)),
-        "tensors": files.dumps({name: _tensor_spec(array) for name, array in tensors.items()}),
+        "tensors": files.dumps({name: files.tensor_spec(array) for name, array in tensors.items()}),
         "weights_fingerprint": weights_fingerprint(module),
     }
-    files.write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=metadata))
+    files.write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=files.sealed(metadata)))
 
 
 def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathLike, *,
@@ -110,35 +120,39 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
       the snapshot recorded (None if it recorded none).
 
     Raises:
-      SnapshotError: the file is not a valid snapshot for these layers.
+      SnapshotError: the file is not a valid snapshot for these layers (the
+        message names the file).
       OutOfPagesError: no slot, or too few pages, for the sequence.
     """
     layers = _paged_layers(module, manager)
-    data = Path(path).read_bytes()
-    metadata = files.checked_metadata(
-        files.header(data, total_size=len(data)), FORMAT_NAME, "sequence snapshot", _METADATA_KEYS
-    )
-    length, tokens, specs, fingerprint = _parse(metadata)
-    tensors = files.decode_tensors(data)
-    _check_tensors_match_metadata(tensors, specs)
-    saved_config, config = _loads_object(metadata, "config"), _sequence_config(layers)
-    if saved_config != config:
-        raise SnapshotError(f"snapshot was saved by differently configured layers: {saved_config} in the file, {config} here")
-    too_long = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if length > layer.config.max_len)
-    if too_long:
-        raise SnapshotError(f"the snapshot holds {length} tokens, more than max_len of layers {too_long}")
-    expected = {}
-    for prefix, layer in layers.items():
-        shape = (length, layer.config.num_kv_heads, layer.config.head_dim)
-        for name in "kv":
-            expected[_name(prefix, name)] = (np.dtype(layer.config.cache_dtype), shape)
-            if layer.config.cache_dtype == "int8":
-                expected[_name(prefix, f"{name}_scale")] = (np.dtype(np.float32), shape[:2])
-    got = {name: (array.dtype, array.shape) for name, array in tensors.items()}
-    if got != expected:
-        raise SnapshotError(f"snapshot tensors {got} do not fit these layers, which expect {expected}")
-    if not allow_weight_mismatch:
-        _check_weights(fingerprint, weights_fingerprint(module))
+    with files.opened(path) as file:
+        header = files.read_header(file)
+        metadata = files.checked_metadata(header.metadata, FORMAT_NAME, "sequence snapshot",
+                                          {str(FORMAT_VERSION): _METADATA_KEYS}, reads=_UNSUPPORTED)
+        length, tokens, specs, fingerprint = _parse(metadata)
+        files.check_entries_match_specs(header, specs)
+        saved_config, config = files.loads_object(metadata, "config"), _sequence_config(layers)
+        if saved_config != config:
+            raise SnapshotError(
+                f"snapshot was saved by differently configured layers: {saved_config} in the file, {config} here"
+            )
+        too_long = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if length > layer.config.max_len)
+        if too_long:
+            raise SnapshotError(f"the snapshot holds {length} tokens, more than max_len of layers {too_long}")
+        expected = {}
+        for prefix, layer in layers.items():
+            shape = (length, layer.config.num_kv_heads, layer.config.head_dim)
+            for name in "kv":
+                expected[_name(prefix, name)] = (np.dtype(layer.config.cache_dtype).name, shape)
+                if layer.config.cache_dtype == "int8":
+                    expected[_name(prefix, f"{name}_scale")] = ("float32", shape[:2])
+        got = {name: (spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()}
+        if got != expected:
+            raise SnapshotError(f"snapshot tensors {got} do not fit these layers, which expect {expected}")
+        tensors = files.read_tensors(file, header)
+        files.check_tensors_match_specs(tensors, specs)
+        if not allow_weight_mismatch:
+            files.check_weights(fingerprint, weights_fingerprint(module))
     num_pages = -(-length // manager.page_size)  # every page is written at once, window or not
     if manager.live.all() or num_pages > manager.num_free + manager.num_cached:
         raise OutOfPagesError(
@@ -172,7 +186,7 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
 
 def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
     """The module's kvattn layers, checked to be paged and to agree with the manager's pool."""
-    layers = _layers(module)
+    layers = attention_layers(module)
     unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.paged)
     if unpaged:
         raise ValueError(f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}")
@@ -208,24 +222,15 @@ def _name(prefix: str, name: str) -> str:
 
 
 def _parse(metadata: dict) -> tuple[int, list[int] | None, dict, str]:
-    """The checked contents of a sequence snapshot's metadata."""
-    if metadata["format_version"] != str(FORMAT_VERSION):
-        raise SnapshotError(f"unsupported sequence snapshot format_version {metadata['format_version']!r}; "
-                            f"this kvattn reads version {FORMAT_VERSION}")
-    if not metadata["length"].isdigit():
+    """The checked contents of a sequence snapshot's metadata (its checksum already verified)."""
+    if not (metadata["length"].isascii() and metadata["length"].isdigit() and len(metadata["length"]) < 19):
         raise SnapshotError(f"corrupted snapshot: length {metadata['length']!r} is not a token count")
     length = int(metadata["length"])
     try:
         tokens = json.loads(metadata["tokens"])
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:
         raise SnapshotError(f"corrupted snapshot: tokens is not JSON ({error})") from None
     if tokens is not None and (not isinstance(tokens, list) or len(tokens) != length
                                or not all(isinstance(t, int) for t in tokens)):
         raise SnapshotError(f"corrupted snapshot: tokens must be null or {length} ints")
-    specs = _loads_object(metadata, "tensors")
-    for name, spec in specs.items():
-        _check_spec(name, spec)
-    fingerprint = metadata["weights_fingerprint"]
-    if not files.is_sha256(fingerprint):
-        raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
-    return length, tokens, specs, fingerprint
+    return length, tokens, files.tensor_specs(metadata), files.checked_fingerprint(metadata)

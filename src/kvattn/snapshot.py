@@ -2,17 +2,34 @@
 
 A snapshot is a safetensors file (no pickle) holding the layer's `nnx.Cache`
 variables under their attribute paths (`k_cache`, `v_cache`, `pos`, and
-`k_scale`, `v_scale` for int8 storage) and, in the safetensors string
-metadata:
+`k_scale`, `v_scale` for int8 storage; `blocks/0/attention/k_cache`... for a
+module holding several layers) and, in the safetensors string metadata:
 
   format               "kvattn.cache_snapshot"
-  format_version       "1"
+  format_version       "3"
   config               JSON: the saving layer's recorded configuration
-                       (`AttentionConfig.recorded()`)
+                       (`AttentionConfig.recorded()`), or
+                       {"layers": {path: configuration}}
   tensors              JSON: name -> {"dtype", "shape", "sha256"}, where
                        sha256 is taken over the tensor's little-endian
                        C-order bytes, so flipped bits in the data are caught
   weights_fingerprint  `weights_fingerprint` of the layer that filled the cache
+  pieces               only when several processes saved it: JSON, the list
+                       of piece files beside it that hold the tensors (then
+                       the file holds none, and `tensors` no sha256: each
+                       piece carries its own; see `kvattn.snapshot_files`)
+  metadata_sha256      sha256 of the canonical JSON of every other entry
+                       (`kvattn.snapshot_files.metadata_checksum`)
+
+`kvattn.snapshot_files` documents how a file is read: its header alone, and
+its metadata checked against its checksum and the layer, before any tensor
+data is read or allocated.
+
+Versions 1 and 2, which had no `metadata_sha256`, are still read: every
+entry a load trusts in them is cross-checked anyway (the config and every
+tensor's dtype and shape against the layer, the tensors against their
+checksums, the fingerprint against the weights). Version 1 also predates
+the options recorded since (`_V1_FIELDS`).
 
 A cache is only meaningful for the weights that produced its keys and values,
 so loading refuses a snapshot taken under other weights unless asked not to.
@@ -32,7 +49,6 @@ import jax
 import numpy as np
 import safetensors.numpy
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from kvattn.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
@@ -40,10 +56,13 @@ from kvattn import snapshot_files as files
 from kvattn.snapshot_files import SnapshotError
 from kvattn.validation import host
 
-__all__ = ["SnapshotError", "SnapshotInfo", "load_cache", "save_cache", "snapshot_info", "weights_fingerprint"]
+__all__ = [
+    "SnapshotError", "SnapshotInfo", "attention_layers", "load_cache", "save_cache", "snapshot_info",
+    "weights_fingerprint",
+]
 
 FORMAT_NAME = "kvattn.cache_snapshot"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Version 1 recorded only these fields; every field added since had its
 # default value then (the options did not exist), so a version 1 file reads
 # as if it recorded those defaults.
@@ -52,6 +71,8 @@ _V1_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len",
 
 CONFIG_FIELDS = AttentionConfig.recorded_fields()
 _METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
+# Each version this kvattn reads -> the metadata it must hold (versions 1 and 2 had no checksum).
+_VERSIONS = {"1": _METADATA_KEYS, "2": _METADATA_KEYS, str(FORMAT_VERSION): (*_METADATA_KEYS, files.METADATA_CHECKSUM)}
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotInfo:
@@ -108,11 +129,13 @@ def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
     `kvattn.models.DecoderLM`): every layer's cache goes into the one file,
     under its path, with each layer's configuration recorded.
 
-    The bytes go to a temporary file beside `path`, are flushed and fsynced,
-    and only then renamed onto `path`: a crash mid-save leaves any earlier
-    file at `path` intact and never a partial one. Like `tempfile.mkstemp`,
-    the new file is readable and writable by its owner only. The layer is
-    not changed.
+    The bytes go to an unnamed file beside `path` (a temporary one where
+    the system has no `O_TMPFILE`), are flushed and fsynced, and only then
+    named and renamed onto `path`: a crash or kill mid-save leaves any
+    earlier file at `path` intact and never a partial one, and nothing that
+    the next save to `path` does not remove. Like `tempfile.mkstemp`, the
+    new file is readable and writable by its owner only. The layer is not
+    changed.
 
     Args:
       layer: the layer whose cache to save.
@@ -129,34 +152,27 @@ def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
         "config": files.dumps(_layer_config(layer)),
         "weights_fingerprint": weights_fingerprint(layer),
     }
-    if all(array.is_fully_addressable for array in arrays.values()):
-        tensors = {name: np.asarray(array) for name, array in arrays.items()}
-        metadata["tensors"] = files.dumps({name: _tensor_spec(array) for name, array in tensors.items()})
-        files.write_atomically(path, safetensors.numpy.save(tensors, metadata=metadata))
+    if not all(array.is_fully_addressable for array in arrays.values()):
+        files.write_pieces(path, arrays, metadata)
         return
-    # Several processes: each writes the shards it owns, then process 0 the snapshot that lists them.
-    files.write_own_pieces(path, arrays)
-    multihost_utils.sync_global_devices(f"kvattn.save_cache pieces {path}")
-    if jax.process_index() == 0:
-        specs = {name: {"dtype": np.dtype(a.dtype).name, "shape": list(a.shape)} for name, a in arrays.items()}
-        metadata["tensors"] = files.dumps(specs)
-        metadata["pieces"] = files.dumps(files.piece_file_names(path, jax.process_count()))
-        files.write_atomically(path, safetensors.numpy.save({}, metadata=metadata))
-    multihost_utils.sync_global_devices(f"kvattn.save_cache done {path}")
+    tensors = {name: np.asarray(array) for name, array in arrays.items()}
+    metadata["tensors"] = files.dumps({name: files.tensor_spec(array) for name, array in tensors.items()})
+    files.write_atomically(path, safetensors.numpy.save(tensors, metadata=files.sealed(metadata)))
 
 
 def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_mismatch: bool = False) -> None:
     """Replaces the layer's KV cache with a snapshot's, after checking everything.
 
-    The whole file is validated before the layer is touched: its safetensors
-    structure, the format, per-tensor checksums, the layer configuration,
-    tensor names, shapes and dtypes, `0 <= pos <= max_len` (`0 <= pos` for
-    a windowed layer), that every unfilled slot is zero (a layer never
-    holds anything else there, and a NaN there would poison later steps),
-    and that the snapshot was filled by the same weights.
-    Any failure raises `SnapshotError` naming what was expected and what was
-    found, and leaves the layer exactly as it was. The loaded arrays take the
-    devices and sharding of the cache they replace.
+    The whole file is validated before the layer is touched, and its header
+    before any tensor data is read or allocated: the format and the
+    metadata checksum, the layer configuration, tensor names, shapes and
+    dtypes, the file's size; then per-tensor checksums, `0 <= pos <= max_len`
+    (`0 <= pos` for a windowed layer), that every unfilled slot is zero (a
+    layer never holds anything else there, and a NaN there would poison
+    later steps), and that the snapshot was filled by the same weights.
+    Any failure raises `SnapshotError` naming the file, what was expected
+    and what was found, and leaves the layer exactly as it was. The loaded
+    arrays take the devices and sharding of the cache they replace.
 
     Args:
       layer: the layer (or module holding kvattn layers) to receive the
@@ -187,24 +203,27 @@ def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_misma
       5
     """
     _contiguous(layer)
-    data = Path(path).read_bytes()
-    info = _parse_info(files.header(data, total_size=len(data)))
-    if info.pieces:
-        tensors = files.read_pieces(Path(path).parent, list(info.pieces), info.tensors)
-    else:
-        tensors = files.decode_tensors(data)
-        _check_tensors_match_metadata(tensors, info.tensors)
-    _check_config(info.config, _layer_config(layer))
     flat = nnx.to_flat_state(nnx.state(layer, nnx.Cache))
     variables = {_path_name(var_path): variable for var_path, variable in flat}
-    _check_tensors_fit_layer(tensors, {name: variable[...] for name, variable in variables.items()})
-    for prefix, attention in _layers(layer).items():
-        own = {name[len(prefix) + 1 :] if prefix else name: array for name, array in tensors.items()
-               if not prefix or name.startswith(prefix + "/")}
-        _check_pos(own["pos"], attention.max_len)
-        _check_unfilled_slots_zero(own, attention.config)
-    if not allow_weight_mismatch:
-        _check_weights(info.weights_fingerprint, weights_fingerprint(layer))
+    with files.opened(path) as file:
+        header = files.read_header(file)
+        info = _parse_info(header.metadata)
+        files.check_entries_match_specs(header, {} if info.pieces else info.tensors)
+        _check_config(info.config, _layer_config(layer))
+        _check_specs_fit_layer(info.tensors, {name: variable[...] for name, variable in variables.items()})
+        if info.pieces:
+            legacy = info.format_version < 3
+            tensors = files.read_pieces(Path(path).parent, list(info.pieces), info.tensors, legacy=legacy)
+        else:
+            tensors = files.read_tensors(file, header)
+            files.check_tensors_match_specs(tensors, info.tensors)
+        for prefix, attention in attention_layers(layer).items():
+            own = {name[len(prefix) + 1 :] if prefix else name: array for name, array in tensors.items()
+                   if not prefix or name.startswith(prefix + "/")}
+            _check_pos(own["pos"], attention.max_len)
+            _check_unfilled_slots_zero(own, attention.config)
+        if not allow_weight_mismatch:
+            files.check_weights(info.weights_fingerprint, weights_fingerprint(layer))
     # Everything is checked and on its devices before the first assignment.
     placed = {name: _place_like(tensors[name], variable[...]) for name, variable in variables.items()}
     for name, variable in variables.items():
@@ -222,7 +241,8 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
       checks them).
 
     Raises:
-      SnapshotError: the header is not that of a kvattn cache snapshot.
+      SnapshotError: the header is not that of a kvattn cache snapshot, or
+        its metadata fails its checksum.
       OSError: the file cannot be read.
 
     Example:
@@ -239,14 +259,11 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
       >>> info.weights_fingerprint == weights_fingerprint(layer)
       True
     """
-    with open(path, "rb") as file:
-        total_size = os.fstat(file.fileno()).st_size
-        length_bytes = file.read(files.HEADER_LENGTH_BYTES)
-        header_length = files.header_length(length_bytes, total_size)
-        return _parse_info(files.header(length_bytes + file.read(header_length), total_size))
+    with files.opened(path) as file:
+        return _parse_info(files.read_header(file).metadata)
 
 
-def _layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
+def attention_layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
     """The kvattn layers whose caches a snapshot of `module` holds, by path ("" for a lone layer)."""
     if isinstance(module, MultiHeadAttention):
         return {"": module}
@@ -257,7 +274,8 @@ def _layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
 
 
 def _contiguous(module: nnx.Module) -> None:
-    paged = sorted(prefix or "(the layer)" for prefix, layer in _layers(module).items() if layer.config.paged)
+    layers = attention_layers(module)
+    paged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if layer.config.paged)
     if paged:
         raise ValueError(
             f"a paged layer's pool serves many sequences, with the host PageManager's tables: save one sequence "
@@ -267,44 +285,30 @@ def _contiguous(module: nnx.Module) -> None:
 
 def _layer_config(module: nnx.Module) -> dict:
     """The configuration a snapshot records: a layer's `CONFIG_FIELDS`, or `{"layers": {path: fields}}`."""
-    layers = _layers(module)
+    layers = attention_layers(module)
     if list(layers) == [""]:
         return layers[""].config.recorded()
     return {"layers": {prefix: layer.config.recorded() for prefix, layer in layers.items()}}
 
 
-# ------------------------------------------------------------------- writing
-
-
-def _tensor_spec(array: np.ndarray) -> dict:
-    return {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": files.sha256(array)}
-
-
 # ------------------------------------------------------------------- reading
 
 
-def _parse_info(header: dict) -> SnapshotInfo:
-    """Checks the metadata of a header and returns it decoded."""
-    metadata = files.checked_metadata(header, FORMAT_NAME, "cache snapshot", _METADATA_KEYS)
-    if metadata["format_version"] not in ("1", str(FORMAT_VERSION)):
-        raise SnapshotError(
-            f"unsupported snapshot format_version {metadata['format_version']!r}; this kvattn reads "
-            f"versions 1 and {FORMAT_VERSION}. Save the cache again with this version of kvattn."
-        )
+def _parse_info(metadata) -> SnapshotInfo:
+    """Checks a header's metadata (its checksum first) and returns it decoded."""
+    metadata = files.checked_metadata(
+        metadata, FORMAT_NAME, "cache snapshot", _VERSIONS,
+        reads=f"this kvattn reads versions 1, 2 and {FORMAT_VERSION}. Save the cache again with this kvattn.",
+    )
     version = int(metadata["format_version"])
-    config = _loads_object(metadata, "config")
+    config = files.loads_object(metadata, "config")
     if version > 1 and sorted(config) == ["layers"] and isinstance(config["layers"], dict) and config["layers"]:
         config = {"layers": {prefix: _fields(fields, version) for prefix, fields in config["layers"].items()}}
     else:
         config = _fields(config, version)
-    tensors = _loads_object(metadata, "tensors")
     pieces = _pieces(metadata)
-    for name, spec in tensors.items():
-        _check_spec(name, spec, checksummed=not pieces)
-    fingerprint = metadata["weights_fingerprint"]
-    if not files.is_sha256(fingerprint):
-        raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
-    return SnapshotInfo(version, config, tensors, fingerprint, pieces)
+    tensors = files.tensor_specs(metadata, checksummed=not pieces)
+    return SnapshotInfo(version, config, tensors, files.checked_fingerprint(metadata), pieces)
 
 
 def _pieces(metadata: dict) -> tuple[str, ...]:
@@ -313,7 +317,7 @@ def _pieces(metadata: dict) -> tuple[str, ...]:
         return ()
     try:
         pieces = json.loads(metadata["pieces"])
-    except (TypeError, ValueError):
+    except (ValueError, RecursionError):
         pieces = None
     if not isinstance(pieces, list) or not pieces or not all(isinstance(p, str) for p in pieces):
         raise SnapshotError(f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}")
@@ -336,52 +340,6 @@ def _defaults_after_v1(config: dict) -> dict:
     except (TypeError, ValueError) as error:
         raise SnapshotError(f"corrupted snapshot: its version 1 config is not a valid layer configuration ({error})")
     return {field: value for field, value in sizes.items() if field not in _V1_FIELDS}
-
-
-def _loads_object(metadata: dict, key: str) -> dict:
-    try:
-        value = json.loads(metadata[key])
-    except (ValueError, RecursionError):
-        raise SnapshotError(f"corrupted snapshot: metadata {key!r} is not valid JSON: {metadata[key]!r}") from None
-    if not isinstance(value, dict):
-        raise SnapshotError(f"corrupted snapshot: metadata {key!r} must be a JSON object, got {metadata[key]!r}")
-    return value
-
-
-def _check_spec(name: str, spec, checksummed: bool = True) -> None:
-    keys = ["dtype", "sha256", "shape"] if checksummed else ["dtype", "shape"]
-    valid = (
-        isinstance(spec, dict)
-        and sorted(spec) == keys
-        and isinstance(spec["dtype"], str)
-        and spec["dtype"] in {d.name for d in files.NUMPY_DTYPES.values()}
-        and isinstance(spec["shape"], list)
-        and all(type(size) is int and size >= 0 for size in spec["shape"])
-        and (not checksummed or files.is_sha256(spec["sha256"]))
-    )
-    if not valid:
-        expected = '"dtype": str, "shape": [int, ...], "sha256": hex' if checksummed else '"dtype": str, "shape": [int, ...]'
-        raise SnapshotError(f"corrupted snapshot: metadata for tensor {name!r} must be {{{expected}}}, got {spec!r}")
-
-
-def _check_tensors_match_metadata(tensors: dict[str, np.ndarray], specs: dict) -> None:
-    """The file's tensors are exactly those its metadata lists, bit for bit (the checksums)."""
-    if sorted(tensors) != sorted(specs):
-        raise SnapshotError(
-            f"corrupted snapshot: metadata lists tensors {sorted(specs)}, the file holds {sorted(tensors)}"
-        )
-    for name, array in sorted(tensors.items()):
-        spec = specs[name]
-        if spec["dtype"] != array.dtype.name or spec["shape"] != list(array.shape):
-            raise SnapshotError(
-                f"corrupted snapshot: metadata says tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])}, "
-                f"the file holds {array.dtype.name} {array.shape}"
-            )
-        if spec["sha256"] != files.sha256(array):
-            raise SnapshotError(
-                f"corrupted snapshot: tensor {name!r} fails its checksum (sha256 {files.sha256(array)}, "
-                f"expected {spec['sha256']}); the file was damaged after it was written"
-            )
 
 
 def _check_config(saved: dict, expected: dict) -> None:
@@ -407,25 +365,17 @@ def _check_config(saved: dict, expected: dict) -> None:
         )
 
 
-def _check_tensors_fit_layer(tensors: dict[str, np.ndarray], current: dict) -> None:
-    if sorted(tensors) != sorted(current):
-        raise SnapshotError(f"snapshot holds tensors {sorted(tensors)}, the layer's cache is {sorted(current)}")
-    for name, array in sorted(tensors.items()):
+def _check_specs_fit_layer(specs: dict, current: dict) -> None:
+    """The metadata's tensors are the layer's, in dtype and shape: what bounds the data a load reads."""
+    if sorted(specs) != sorted(current):
+        raise SnapshotError(f"snapshot holds tensors {sorted(specs)}, the layer's cache is {sorted(current)}")
+    for name, spec in sorted(specs.items()):
         want_dtype, want_shape = np.dtype(current[name].dtype), tuple(current[name].shape)
-        if array.dtype != want_dtype or array.shape != want_shape:
+        if spec["dtype"] != want_dtype.name or tuple(spec["shape"]) != want_shape:
             raise SnapshotError(
-                f"tensor {name!r} is {array.dtype.name} {array.shape} in the snapshot, "
+                f"tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])} in the snapshot, "
                 f"the layer expects {want_dtype.name} {want_shape}"
             )
-
-
-def _check_weights(saved: str, current: str) -> None:
-    if saved != current:
-        raise SnapshotError(
-            f"snapshot was filled by other weights: fingerprint {saved} in the file, {current} for this "
-            "layer, so its keys and values do not belong to these weights. Recompute the cache, or pass "
-            "allow_weight_mismatch=True to load it anyway."
-        )
 
 
 def _check_pos(pos: np.ndarray, max_len: int | None) -> None:

@@ -1,48 +1,113 @@
-"""The files of a cache snapshot: safetensors bytes, atomic writes, checksums, and per-process pieces.
+"""The files of a snapshot: bounded reads, checksummed metadata, atomic writes, and per-process pieces.
 
-`kvattn.snapshot` decides what a snapshot holds and checks it against a
-layer; this module only moves bytes. A layer whose arrays span several
-processes (JAX multi-controller) is saved as *pieces*: each process writes
-one file beside the snapshot holding only the shards it owns (replica 0 of
-each), each with its index in the global tensor and its sha256; the
-snapshot file itself then holds the metadata and the list of piece files.
-Reading assembles the pieces into whole tensors and checks that they cover
-every element exactly once.
+`kvattn.snapshot` (a layer's cache) and `kvattn.paged_snapshot` (one paged
+sequence) decide what a snapshot holds and check it against layers; this
+module moves the bytes and checks everything that needs no layer.
+
+A snapshot is a safetensors file: an 8-byte little-endian header length,
+a JSON header (each tensor's dtype, shape and data offsets, and a
+`__metadata__` object of strings), then the tensor data. A load trusts
+nothing before it is checked, and reads in this order:
+
+1. Only a regular file is opened for reading (not `/dev/zero`, a pipe or a
+   directory), and first only its header: at most `MAX_HEADER_BYTES`
+   (safetensors' own bound) and within the file's size from `fstat`.
+2. `metadata_sha256`, the sha256 of the canonical JSON (`dumps`: sorted
+   keys, no spaces) of every other metadata entry, is verified before
+   anything else in the metadata is used, so one flipped bit anywhere in
+   it (token ids, lengths, configs, tensor specs, piece indices) is caught.
+3. The caller compares the metadata with its layers: configuration, then
+   every tensor's dtype and shape, which bounds what the file may hold.
+4. Only then is the file's size compared with what its header describes,
+   and the data read and checked against the metadata's checksums.
+
+Every `SnapshotError` raised while a file is open names the file.
+
+A save writes the whole file to an unnamed file in the target's directory
+(Linux `O_TMPFILE`: a kill leaves nothing behind), fsyncs it, names it
+`.{name}.{pid}.{random}.tmp` and renames that onto the target, so a crash
+or kill at any point leaves the old file or the new one. Where `O_TMPFILE`
+is missing the bytes go to that named file directly. A kill can then leave
+the named file, which the next save to the same path removes once no
+process has that pid.
+
+A layer whose arrays span several processes (JAX multi-controller) is saved
+as *pieces*: each process writes one file beside the snapshot,
+`{name}.process-{i}-of-{n}`, holding the shards it owns (replica 0 of each)
+under keys `{tensor}#{process}.{number}`, with this string metadata:
+
+  format           "kvattn.cache_snapshot_pieces"
+  format_version   "2"
+  index            JSON: piece key -> {"tensor", "start", "sha256"}: the
+                   tensor it is part of, its first index there, and the
+                   sha256 of its little-endian C-order bytes
+  metadata_sha256  as above
+
+The snapshot file itself then holds no tensors: its metadata lists the
+piece files. A load checks every piece file's header, and that the pieces
+tile each tensor exactly once, before it reads any piece's data. Piece
+files of cache snapshots before version 3 have neither format_version nor
+metadata_sha256; they are still read, since every entry of their index is
+cross-checked (its keys against the file's pieces, each piece's sha256
+against its data, its place by the exact tiling).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import hashlib
 import json
+import math
 import os
+import re
+import secrets
+import stat
 import struct
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import jax
 import ml_dtypes
 import numpy as np
 import safetensors
 import safetensors.numpy
+from jax.experimental import multihost_utils
 
 __all__ = [
-    "HEADER_LENGTH_BYTES",
+    "MAX_HEADER_BYTES",
+    "METADATA_CHECKSUM",
+    "Header",
     "SnapshotError",
-    "decode_tensors",
+    "check_entries_match_specs",
+    "check_tensors_match_specs",
+    "check_weights",
+    "checked_fingerprint",
+    "checked_metadata",
     "dumps",
-    "header",
-    "header_length",
     "is_sha256",
+    "loads_object",
+    "metadata_checksum",
+    "opened",
     "piece_file_names",
+    "read_header",
     "read_pieces",
+    "read_tensors",
+    "sealed",
     "sha256",
+    "tensor_spec",
+    "tensor_specs",
     "write_atomically",
-    "write_own_pieces",
+    "write_pieces",
 ]
 
 PIECES_FORMAT = "kvattn.cache_snapshot_pieces"
+PIECES_FORMAT_VERSION = 2
+METADATA_CHECKSUM = "metadata_sha256"
 HEADER_LENGTH_BYTES = 8
+MAX_HEADER_BYTES = 100_000_000
 SHA256 = frozenset("0123456789abcdef")
 
 # The safetensors dtype codes of every NumPy dtype a cache may hold.
@@ -61,7 +126,7 @@ NUMPY_DTYPES = {
     "I64": np.dtype(np.int64),
     "F64": np.dtype(np.float64),
 }
-
+DTYPES_BY_NAME = {dtype.name: dtype for dtype in NUMPY_DTYPES.values()}
 
 
 class SnapshotError(ValueError):
@@ -70,36 +135,106 @@ class SnapshotError(ValueError):
     __module__ = "kvattn.snapshot"  # raised and documented there
 
 
-def checked_metadata(header: dict, format_name: str, what: str, keys: tuple[str, ...]) -> dict:
-    """A header's string metadata, after checking its format name and that every key holds a string."""
-    metadata = header.get("__metadata__")
-    if not isinstance(metadata, dict) or metadata.get("format") != format_name:
-        found = metadata.get("format") if isinstance(metadata, dict) else None
-        raise SnapshotError(f"not a kvattn {what}: expected format {format_name!r}, got {found!r}")
-    missing = [key for key in keys if not isinstance(metadata.get(key), str)]
-    if missing:
-        raise SnapshotError(f"corrupted snapshot: metadata lacks {missing}; expected string entries {keys}")
-    return metadata
+# -------------------------------------------------------------------- writing
+
+
+def dumps(value) -> str:
+    """The canonical JSON of a metadata entry: sorted keys, no spaces."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()).hexdigest()
+
+
+def tensor_spec(array: np.ndarray) -> dict:
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "sha256": sha256(array)}
+
+
+def metadata_checksum(metadata: dict) -> str:
+    """The sha256 of the canonical JSON of every metadata entry but `metadata_sha256` itself."""
+    others = {key: value for key, value in metadata.items() if key != METADATA_CHECKSUM}
+    return hashlib.sha256(dumps(others).encode()).hexdigest()
+
+
+def sealed(metadata: dict) -> dict:
+    """`metadata` with its `metadata_sha256`."""
+    return {**metadata, METADATA_CHECKSUM: metadata_checksum(metadata)}
 
 
 def write_atomically(path: Path, payload: bytes) -> None:
-    """Writes `payload` to a temporary file in `path`'s directory, then renames it onto `path`."""
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Writes `payload` to `path` so that a crash or kill at any point leaves the old file or the new one.
+
+    Removes first the temp files of `path` that dead processes left. The new
+    file, like `tempfile.mkstemp`'s, is readable and writable by its owner only.
+    """
+    remove_stale_temp_files(path)
+    temp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
+        fd = open_unnamed(path.parent)
+        unnamed = fd is not None
+        if not unnamed:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o600)
         with os.fdopen(fd, "wb") as file:
             write_and_sync(file, payload)
-        os.replace(temp_name, path)
+            if unnamed:
+                name_unnamed(file.fileno(), temp)
+        os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_name)
+            os.unlink(temp)
         raise
     sync_directory(path.parent)
+
+
+def open_unnamed(directory: Path) -> int | None:
+    """A writable file in `directory` without a name (`O_TMPFILE`), or None where the system has none."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(directory, flag | os.O_WRONLY, 0o600)
+    except OSError as error:
+        if error.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):  # a file system or kernel without it
+            return None
+        raise
+
+
+def name_unnamed(fd: int, name: Path) -> None:
+    """Links the unnamed file `fd` as `name`: linkat with AT_SYMLINK_FOLLOW, which Python uses given a directory fd."""
+    directory = os.open(name.parent, os.O_RDONLY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name.name, dst_dir_fd=directory, follow_symlinks=True)
+    finally:
+        os.close(directory)
 
 
 def write_and_sync(file, payload: bytes) -> None:
     file.write(payload)
     file.flush()
     os.fsync(file.fileno())
+
+
+def remove_stale_temp_files(path: Path) -> None:
+    """Removes `path`'s temp files (`.{name}.{pid}.{random}.tmp`) whose writing process no longer exists."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    for name in os.listdir(path.parent):
+        match = pattern.fullmatch(name)
+        if match and not process_exists(int(match[1])):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path.parent / name)
+
+
+def process_exists(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # elsewhere os.kill would end the process, not probe it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process, or not a pid: not ours to judge
+        return True
+    return True
 
 
 def sync_directory(directory: Path) -> None:
@@ -113,59 +248,247 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()).hexdigest()
+# -------------------------------------------------------------------- reading
 
 
-def dumps(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+@contextlib.contextmanager
+def opened(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """`path` open for reading if it is a regular file; a `SnapshotError` raised inside names the file."""
+    try:
+        # O_NONBLOCK: opening a pipe must not wait for a writer before it can be refused.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SnapshotError("not a regular file; a snapshot is a file that kvattn wrote")
+        with os.fdopen(fd, "rb") as file:
+            yield file
+    except SnapshotError as error:
+        raise SnapshotError(f"{os.fspath(path)}: {error}") from None
 
 
-def header_length(length_bytes: bytes, total_size: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A safetensors file's header, read with its data left unread."""
+
+    raw: bytes
+    """The length prefix and the JSON, as in the file."""
+    metadata: object
+    """The `__metadata__` entry as found (None if absent); `checked_metadata` checks it."""
+    entries: dict
+    """Tensor name -> (NumPy dtype, shape), as the header describes the data."""
+    file_size: int
+
+    @property
+    def data_size(self) -> int:
+        return sum(dtype.itemsize * math.prod(shape) for dtype, shape in self.entries.values())
+
+
+def read_header(file: BinaryIO) -> Header:
+    """The header at the start of an `opened` file, read after bounding its length; the data is not read."""
+    file_size = os.fstat(file.fileno()).st_size
+    file.seek(0)
+    length_bytes = file.read(HEADER_LENGTH_BYTES)
     if len(length_bytes) < HEADER_LENGTH_BYTES:
-        raise SnapshotError(f"not a safetensors file: {total_size} bytes, too short to hold a header")
-    (length,) = struct.unpack("<Q", length_bytes[:HEADER_LENGTH_BYTES])
-    if length > total_size - HEADER_LENGTH_BYTES:
+        raise SnapshotError(f"not a safetensors file: {file_size} bytes, too short to hold a header")
+    (length,) = struct.unpack("<Q", length_bytes)
+    if length > MAX_HEADER_BYTES:
         raise SnapshotError(
-            f"truncated or corrupted file: its header claims {length} bytes, "
-            f"but the file has only {total_size} bytes"
+            f"not a safetensors file: its header claims {length} bytes, "
+            f"more than the {MAX_HEADER_BYTES} a header may have"
         )
-    return length
-
-
-def header(data: bytes, total_size: int) -> dict:
-    """The safetensors JSON header at the start of `data` (which holds at least all of it)."""
-    length = header_length(data[:HEADER_LENGTH_BYTES], total_size)
-    raw = data[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + length]
+    if length > file_size - HEADER_LENGTH_BYTES:
+        raise SnapshotError(
+            f"truncated or corrupted file: its header claims {length} bytes, but the file has only {file_size} bytes"
+        )
+    raw = file.read(length)
+    if len(raw) != length:
+        raise SnapshotError(f"truncated file: it ended {len(raw)} bytes into its {length}-byte header")
     try:
         parsed = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise SnapshotError(f"corrupted file: the safetensors header is not valid JSON ({error})") from None
     if not isinstance(parsed, dict):
         raise SnapshotError(f"corrupted file: the safetensors header is a JSON {type(parsed).__name__}, not an object")
-    return parsed
+    entries = {name: _entry(name, entry) for name, entry in parsed.items() if name != "__metadata__"}
+    return Header(length_bytes + raw, parsed.get("__metadata__"), entries, file_size)
+
+
+def _entry(name: str, entry) -> tuple[np.dtype, tuple[int, ...]]:
+    valid = (
+        isinstance(entry, dict)
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(entry.get("shape"), list)
+        and all(type(size) is int and size >= 0 for size in entry["shape"])
+    )
+    if not valid:
+        raise SnapshotError(
+            f'corrupted file: the header\'s entry for tensor {name!r} must be {{"dtype": str, "shape": [int, ...], '
+            f'"data_offsets": [int, int]}}, got {repr(entry)[:200]}'
+        )
+    dtype = NUMPY_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise SnapshotError(f"tensor {name!r} has unsupported dtype {entry['dtype']}")
+    return dtype, tuple(entry["shape"])
+
+
+def read_tensors(file: BinaryIO, header: Header) -> dict[str, np.ndarray]:
+    """The tensors of an `opened` file, read only once its size is exactly what its header describes.
+
+    Call it after checking `header.entries` (their dtypes and shapes bound
+    what is read); safetensors itself then checks the data offsets.
+    """
+    expected = len(header.raw) + header.data_size
+    if header.file_size != expected:
+        raise SnapshotError(
+            f"truncated or corrupted file: its header describes {expected} bytes, the file has {header.file_size}"
+        )
+    file.seek(len(header.raw))
+    data = file.read(header.data_size)
+    if len(data) != header.data_size:
+        raise SnapshotError(f"truncated file: it ended {len(data)} bytes into its {header.data_size} bytes of data")
+    try:
+        views = safetensors.deserialize(header.raw + data)
+    except safetensors.SafetensorError as error:
+        raise SnapshotError(f"truncated or corrupted file: {error}") from None
+    return {
+        name: np.frombuffer(view["data"], dtype=header.entries[name][0].newbyteorder("<")).reshape(view["shape"])
+        for name, view in views
+    }
+
+
+def checked_metadata(metadata, format_name: str, what: str, versions: dict, reads: str) -> dict:
+    """A header's metadata, its checksum verified before anything in it is used.
+
+    Args:
+      metadata: `Header.metadata`.
+      format_name: the `format` entry it must hold.
+      what: what the file is, for messages ("cache snapshot").
+      versions: each `format_version` this kvattn reads -> the string
+        entries that version must hold (key None: files without a
+        format_version).
+      reads: what to tell the user of a file of another version.
+
+    Returns:
+      The metadata, every entry of its version present.
+    """
+    if not isinstance(metadata, dict):
+        raise SnapshotError(f"not a kvattn {what}: expected format {format_name!r}, got None")
+    if METADATA_CHECKSUM in metadata and metadata[METADATA_CHECKSUM] != metadata_checksum(metadata):
+        raise SnapshotError(
+            f"corrupted snapshot: its metadata fails its checksum (sha256 {metadata_checksum(metadata)}, expected "
+            f"{metadata[METADATA_CHECKSUM]!r}); the file was damaged after it was written"
+        )
+    if metadata.get("format") != format_name:
+        raise SnapshotError(f"not a kvattn {what}: expected format {format_name!r}, got {metadata.get('format')!r}")
+    version = metadata.get("format_version")
+    if not isinstance(version, str) and not (version is None and None in versions):
+        raise SnapshotError("corrupted snapshot: metadata lacks ['format_version']")
+    if version not in versions:
+        raise SnapshotError(f"unsupported {what} format_version {version!r}; {reads}")
+    missing = [key for key in versions[version] if not isinstance(metadata.get(key), str)]
+    if missing:
+        raise SnapshotError(
+            f"corrupted snapshot: metadata lacks {missing}; expected string entries {versions[version]}"
+        )
+    return metadata
+
+
+def loads_object(metadata: dict, key: str) -> dict:
+    """A metadata entry that holds a JSON object."""
+    try:
+        value = json.loads(metadata[key])
+    except (ValueError, RecursionError):
+        raise SnapshotError(
+            f"corrupted snapshot: metadata {key!r} is not valid JSON: {metadata[key][:200]!r}"
+        ) from None
+    if not isinstance(value, dict):
+        raise SnapshotError(f"corrupted snapshot: metadata {key!r} must be a JSON object, got {metadata[key][:200]!r}")
+    return value
+
+
+def tensor_specs(metadata: dict, checksummed: bool = True) -> dict:
+    """The metadata's `tensors`: name -> {"dtype", "shape"} and, when `checksummed`, "sha256"; each checked."""
+    specs = loads_object(metadata, "tensors")
+    keys = ["dtype", "sha256", "shape"] if checksummed else ["dtype", "shape"]
+    for name, spec in specs.items():
+        valid = (
+            isinstance(spec, dict)
+            and sorted(spec) == keys
+            and isinstance(spec["dtype"], str)
+            and spec["dtype"] in DTYPES_BY_NAME
+            and isinstance(spec["shape"], list)
+            and all(type(size) is int and size >= 0 for size in spec["shape"])
+            and (not checksummed or is_sha256(spec["sha256"]))
+        )
+        if not valid:
+            expected = '"dtype": str, "shape": [int, ...]' + (', "sha256": hex' if checksummed else "")
+            raise SnapshotError(
+                f"corrupted snapshot: metadata for tensor {name!r} must be {{{expected}}}, got {repr(spec)[:200]}"
+            )
+    return specs
+
+
+def checked_fingerprint(metadata: dict) -> str:
+    fingerprint = metadata["weights_fingerprint"]
+    if not is_sha256(fingerprint):
+        raise SnapshotError(f"corrupted snapshot: weights_fingerprint {fingerprint!r} is not 64 lowercase hex digits")
+    return fingerprint
 
 
 def is_sha256(value) -> bool:
     return isinstance(value, str) and len(value) == 64 and set(value) <= SHA256
 
 
-def decode_tensors(data: bytes) -> dict[str, np.ndarray]:
-    """The tensors of a safetensors file, structure checked by safetensors itself."""
-    try:
-        views = safetensors.deserialize(data)
-    except safetensors.SafetensorError as error:
-        raise SnapshotError(f"truncated or corrupted file: {error}") from None
-    tensors = {}
-    for name, view in views:
-        dtype = NUMPY_DTYPES.get(view["dtype"])
-        if dtype is None:
-            raise SnapshotError(f"tensor {name!r} has unsupported dtype {view['dtype']}")
-        tensors[name] = np.frombuffer(view["data"], dtype=dtype.newbyteorder("<")).reshape(view["shape"])
-    return tensors
+def check_entries_match_specs(header: Header, specs: dict) -> None:
+    """The header describes exactly the tensors the metadata lists (no data read yet)."""
+    if sorted(header.entries) != sorted(specs):
+        raise SnapshotError(
+            f"corrupted snapshot: its metadata lists tensors {sorted(specs)} in the file, which holds "
+            f"{sorted(header.entries)}"
+        )
+    for name, (dtype, shape) in sorted(header.entries.items()):
+        spec = specs[name]
+        if spec["dtype"] != dtype.name or tuple(spec["shape"]) != shape:
+            raise SnapshotError(
+                f"corrupted snapshot: metadata says tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])}, "
+                f"the file holds {dtype.name} {shape}"
+            )
 
 
-# -------------------------------------------------------------------- pieces
+def check_tensors_match_specs(tensors: dict[str, np.ndarray], specs: dict) -> None:
+    """The tensors read are exactly those the metadata lists, bit for bit (the checksums)."""
+    if sorted(tensors) != sorted(specs):
+        raise SnapshotError(
+            f"corrupted snapshot: metadata lists tensors {sorted(specs)}, the file holds {sorted(tensors)}"
+        )
+    for name, array in sorted(tensors.items()):
+        spec = specs[name]
+        if spec["dtype"] != array.dtype.name or spec["shape"] != list(array.shape):
+            raise SnapshotError(
+                f"corrupted snapshot: metadata says tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])}, "
+                f"the file holds {array.dtype.name} {array.shape}"
+            )
+        if spec["sha256"] != sha256(array):
+            raise SnapshotError(
+                f"corrupted snapshot: tensor {name!r} fails its checksum (sha256 {sha256(array)}, "
+                f"expected {spec['sha256']}); the file was damaged after it was written"
+            )
+
+
+def check_weights(saved: str, current: str) -> None:
+    if saved != current:
+        raise SnapshotError(
+            f"snapshot was filled by other weights: fingerprint {saved} in the file, {current} for this "
+            "layer, so its keys and values do not belong to these weights. Recompute the cache, or pass "
+            "allow_weight_mismatch=True to load it anyway."
+        )
+
+
+# --------------------------------------------------------------------- pieces
+
+
+PIECES_VERSIONS = {str(PIECES_FORMAT_VERSION): ("format", "format_version", "index", METADATA_CHECKSUM)}
+LEGACY_PIECES_VERSIONS = {None: ("format", "index")}
 
 
 def piece_file_names(path: Path, num_processes: int) -> list[str]:
@@ -173,52 +496,117 @@ def piece_file_names(path: Path, num_processes: int) -> list[str]:
     return [f"{path.name}.process-{index}-of-{num_processes}" for index in range(num_processes)]
 
 
-def write_own_pieces(path: Path, arrays: dict[str, jax.Array]) -> None:
-    """Writes, atomically, the shards this process owns of every array (`jax.Array`s spanning processes)."""
+def write_pieces(path: Path, arrays: dict[str, jax.Array], metadata: dict) -> None:
+    """Saves arrays that span processes: each writes the shards it owns, then process 0 the snapshot listing them.
+
+    Every process calls it (it waits for all of them twice).
+
+    Args:
+      path: the snapshot file; the piece files go beside it.
+      arrays: name -> `jax.Array`.
+      metadata: the snapshot's metadata less `tensors`, `pieces` and the
+        checksum, which this adds.
+    """
     pieces, index = {}, {}
     for name, array in sorted(arrays.items()):
         for number, shard in enumerate(s for s in array.addressable_shards if s.replica_id == 0):
             data = np.asarray(shard.data)
-            start = [0 if part.start is None else part.start for part in shard.index]
             key = f"{name}#{jax.process_index()}.{number}"
             pieces[key] = data
-            index[key] = {"tensor": name, "start": start, "sha256": sha256(data)}
-    own = piece_file_names(path, jax.process_count())[jax.process_index()]
-    metadata = {"format": PIECES_FORMAT, "index": dumps(index)}
-    write_atomically(path.parent / own, safetensors.numpy.save(pieces, metadata=metadata))
+            index[key] = {"tensor": name, "start": [part.start or 0 for part in shard.index], "sha256": sha256(data)}
+    names = piece_file_names(path, jax.process_count())
+    own = {"format": PIECES_FORMAT, "format_version": str(PIECES_FORMAT_VERSION), "index": dumps(index)}
+    write_atomically(path.parent / names[jax.process_index()], safetensors.numpy.save(pieces, metadata=sealed(own)))
+    multihost_utils.sync_global_devices(f"kvattn.save_cache pieces {path}")
+    if jax.process_index() == 0:
+        specs = {name: {"dtype": np.dtype(a.dtype).name, "shape": list(a.shape)} for name, a in arrays.items()}
+        listing = {**metadata, "tensors": dumps(specs), "pieces": dumps(names)}
+        write_atomically(path, safetensors.numpy.save({}, metadata=sealed(listing)))
+    multihost_utils.sync_global_devices(f"kvattn.save_cache done {path}")
 
 
-def read_pieces(directory: Path, files: list[str], specs: dict) -> dict[str, np.ndarray]:
-    """Whole tensors from piece files, after checking every checksum and that the pieces tile each tensor once."""
-    tensors = {name: np.zeros(spec["shape"], np.dtype(spec["dtype"])) for name, spec in specs.items()}
+def read_pieces(directory: Path, names: list[str], specs: dict, *, legacy: bool) -> dict[str, np.ndarray]:
+    """Whole tensors from piece files: every header and the tiling checked before any data is read.
+
+    Args:
+      directory: where the piece files lie.
+      names: the piece files' names.
+      specs: tensor name -> {"dtype", "shape"}, already checked against
+        the layer (this allocates the tensors they describe).
+      legacy: the snapshot predates version 3, so its piece files carry no
+        format_version nor metadata checksum.
+    """
     covered = {name: np.zeros(spec["shape"], np.int32) for name, spec in specs.items()}
-    for file in files:
-        if Path(file).name != file:
-            raise SnapshotError(f"corrupted snapshot: piece file {file!r} must be a name beside the snapshot")
-        data = (directory / file).read_bytes()
-        metadata = header(data, len(data)).get("__metadata__") or {}
-        if metadata.get("format") != PIECES_FORMAT or not isinstance(metadata.get("index"), str):
-            raise SnapshotError(f"corrupted snapshot: {file} is not a kvattn snapshot piece file")
-        index = json.loads(metadata["index"])
-        pieces = decode_tensors(data)
-        if sorted(pieces) != sorted(index):
-            raise SnapshotError(f"corrupted snapshot: {file} holds pieces {sorted(pieces)}, its index {sorted(index)}")
-        for key, piece in pieces.items():
-            entry = index[key]
-            name = entry.get("tensor")
-            if name not in tensors or piece.dtype != tensors[name].dtype or len(entry["start"]) != piece.ndim:
-                raise SnapshotError(f"corrupted snapshot: piece {key!r} in {file} does not fit any tensor")
-            if entry.get("sha256") != sha256(piece):
-                raise SnapshotError(f"corrupted snapshot: piece {key!r} in {file} fails its checksum")
-            where = tuple(slice(start, start + size) for start, size in zip(entry["start"], piece.shape, strict=True))
-            if any(s.start < 0 or s.stop > dim for s, dim in zip(where, tensors[name].shape, strict=True)):
-                raise SnapshotError(f"corrupted snapshot: piece {key!r} in {file} lies outside tensor {name!r}")
-            tensors[name][where] = piece
-            covered[name][where] += 1
-    for name, counts in covered.items():
+    headers = {}
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise SnapshotError(f"corrupted snapshot: piece file {name!r} must be a name beside the snapshot")
+        with opened(directory / name) as file:
+            header = read_header(file)
+            for where, tensor, _ in _pieces(header, specs, legacy).values():
+                covered[tensor][where] += 1
+        headers[name] = header
+    for tensor, counts in covered.items():
         if not (counts == 1).all():
             raise SnapshotError(
-                f"corrupted snapshot: the pieces of tensor {name!r} do not cover it exactly once "
+                f"corrupted snapshot: the pieces of tensor {tensor!r} do not cover it exactly once "
                 f"({int((counts == 0).sum())} elements missing, {int((counts > 1).sum())} written twice)"
             )
+    tensors = {name: np.zeros(spec["shape"], DTYPES_BY_NAME[spec["dtype"]]) for name, spec in specs.items()}
+    for name in names:
+        with opened(directory / name) as file:
+            header = read_header(file)
+            if header != headers[name]:
+                raise SnapshotError("the piece file changed while it was read")
+            places = _pieces(header, specs, legacy)
+            for key, piece in read_tensors(file, header).items():
+                where, tensor, checksum = places[key]
+                if sha256(piece) != checksum:
+                    raise SnapshotError(f"corrupted snapshot: piece {key!r} fails its checksum; the file was damaged")
+                tensors[tensor][where] = piece
     return tensors
+
+
+def _pieces(header: Header, specs: dict, legacy: bool) -> dict[str, tuple[tuple[slice, ...], str, str]]:
+    """Piece key -> (its place in its tensor, the tensor's name, its sha256), from a piece file's checked header."""
+    metadata = checked_metadata(
+        header.metadata, PIECES_FORMAT, "snapshot piece file", LEGACY_PIECES_VERSIONS if legacy else PIECES_VERSIONS,
+        reads=f"this kvattn reads version {PIECES_FORMAT_VERSION}",
+    )
+    index = loads_object(metadata, "index")
+    if sorted(index) != sorted(header.entries):
+        raise SnapshotError(
+            f"corrupted snapshot: the file holds pieces {sorted(header.entries)}, its index lists {sorted(index)}"
+        )
+    places = {}
+    for key, entry in index.items():
+        valid = (
+            isinstance(entry, dict)
+            and sorted(entry) == ["sha256", "start", "tensor"]
+            and isinstance(entry["tensor"], str)
+            and isinstance(entry["start"], list)
+            and all(type(start) is int and start >= 0 for start in entry["start"])
+            and is_sha256(entry["sha256"])
+        )
+        if not valid:
+            raise SnapshotError(
+                f"corrupted snapshot: index entry {key!r} must be "
+                f'{{"tensor": str, "start": [int, ...], "sha256": hex}}, got {repr(entry)[:200]}'
+            )
+        dtype, shape = header.entries[key]
+        tensor, start = entry["tensor"], entry["start"]
+        spec = specs.get(tensor)
+        fits = (
+            spec is not None
+            and spec["dtype"] == dtype.name
+            and len(start) == len(shape) == len(spec["shape"])
+            and all(first + size <= dim for first, size, dim in zip(start, shape, spec["shape"], strict=True))
+        )
+        if not fits:
+            raise SnapshotError(
+                f"corrupted snapshot: piece {key!r} is {dtype.name} {shape}, "
+                f"which does not fit tensor {tensor!r} at {start}"
+            )
+        where = tuple(slice(first, first + size) for first, size in zip(start, shape, strict=True))
+        places[key] = (where, tensor, entry["sha256"])
+    return places
