@@ -173,13 +173,14 @@ def test_a_changed_byte_in_a_piece_index_is_refused(tmp_path):
     assert_refused_quickly(make_layer(), path, rf"{re.escape(str(piece))}: corrupted snapshot: its metadata fails")
 
 
-def legacy_pieces_snapshot(path, layer, index, specs=None):
-    """A version 2 snapshot listing one hand-made piece file whose metadata holds `index` (no checksums then)."""
+def legacy_pieces_snapshot(path, layer, index, specs=None, keys=("k_cache#0.0",)):
+    """A version 2 snapshot listing one hand-made piece file (no checksums then): its metadata holds `index`,
+    its pieces under `keys` each the layer's whole `k_cache`."""
     whole = cache_arrays(layer)
     save_cache(layer, path)
     info = snapshot_info(path)
     name = f"{path.name}.process-0-of-1"
-    safetensors.numpy.save_file({"k_cache#0.0": whole["k_cache"]}, path.parent / name,
+    safetensors.numpy.save_file({key: whole["k_cache"] for key in keys}, path.parent / name,
                                 metadata={"format": "kvattn.cache_snapshot_pieces", "index": index})
     specs = specs or {k: {"dtype": a.dtype.name, "shape": list(a.shape)} for k, a in whole.items()}
     metadata = {"format": "kvattn.cache_snapshot", "format_version": "2", "config": json.dumps(info.config),
@@ -204,6 +205,18 @@ def test_a_malformed_legacy_piece_index_is_a_snapshot_error_naming_the_piece_fil
     path = tmp_path / "cache.safetensors"
     piece = legacy_pieces_snapshot(path, filled_layer(), index)
     assert_refused_quickly(make_layer(), path, rf"{re.escape(str(piece))}: .*{match}")
+
+
+def test_overlapping_pieces_are_refused_before_their_data_is_read(tmp_path, monkeypatch):
+    path = tmp_path / "cache.safetensors"
+    layer = filled_layer()
+    checksum = snapshot_files.sha256(cache_arrays(layer)["k_cache"])
+    entry = {"tensor": "k_cache", "start": [0, 0, 0, 0], "sha256": checksum}
+    keys = ("k_cache#0.0", "k_cache#0.1")
+    legacy_pieces_snapshot(path, layer, json.dumps(dict.fromkeys(keys, entry)), keys=keys)
+    monkeypatch.setattr(snapshot_files, "read_tensors", None)  # any read of piece data fails the test
+    assert_refused_quickly(make_layer(), path, r"the pieces of tensor 'k_cache' do not cover it exactly once: "
+                                               r"piece 'k_cache#0.1' overlaps another")
 
 
 def test_pieces_whose_specs_claim_a_huge_tensor_are_refused_before_anything_is_allocated(tmp_path):

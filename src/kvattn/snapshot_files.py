@@ -29,7 +29,9 @@ A save writes the whole file to an unnamed file in the target's directory
 or kill at any point leaves the old file or the new one. Where `O_TMPFILE`
 is missing the bytes go to that named file directly. A kill can then leave
 the named file, which the next save to the same path removes once no
-process has that pid.
+process on that machine has that pid (so two machines must not save to
+one path at once on a shared file system; no two savers of one path
+should, as only one file can win).
 
 A layer whose arrays span several processes (JAX multi-controller) is saved
 as *pieces*: each process writes one file beside the snapshot,
@@ -536,21 +538,26 @@ def read_pieces(directory: Path, names: list[str], specs: dict, *, legacy: bool)
       legacy: the snapshot predates version 3, so its piece files carry no
         format_version nor metadata checksum.
     """
-    covered = {name: np.zeros(spec["shape"], np.int32) for name, spec in specs.items()}
+    covered = {name: np.zeros(spec["shape"], np.bool_) for name, spec in specs.items()}
     headers = {}
     for name in names:
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
             raise SnapshotError(f"corrupted snapshot: piece file {name!r} must be a name beside the snapshot")
         with opened(directory / name) as file:
             header = read_header(file)
-            for where, tensor, _ in _pieces(header, specs, legacy).values():
-                covered[tensor][where] += 1
+            for key, (where, tensor, _) in _pieces(header, specs, legacy).items():
+                if covered[tensor][where].any():
+                    raise SnapshotError(
+                        f"corrupted snapshot: the pieces of tensor {tensor!r} do not cover it exactly once: "
+                        f"piece {key!r} overlaps another"
+                    )
+                covered[tensor][where] = True
         headers[name] = header
-    for tensor, counts in covered.items():
-        if not (counts == 1).all():
+    for tensor, seen in covered.items():
+        if not seen.all():
             raise SnapshotError(
                 f"corrupted snapshot: the pieces of tensor {tensor!r} do not cover it exactly once "
-                f"({int((counts == 0).sum())} elements missing, {int((counts > 1).sum())} written twice)"
+                f"({int(seen.size - seen.sum())} elements missing)"
             )
     tensors = {name: np.zeros(spec["shape"], DTYPES_BY_NAME[spec["dtype"]]) for name, spec in specs.items()}
     for name in names:
