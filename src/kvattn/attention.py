@@ -76,7 +76,7 @@ class MultiHeadAttention(nnx.Module):
         scale per token and head), as a name or a dtype (`jnp.bfloat16`).
         Attention math is float32.
       cache_layout: `"slots_major"`, `(max_len, K, H)`, or
-        `"heads_major"`, `(K, max_len, H)`: the same results, and 2-3x faster
+        `"heads_major"`, `(K, max_len, H)`: the same results, and faster
         attention on XLA:CPU, whose batched dots want the head axis first.
       length_buckets: attend only over the smallest of these static prefix
         lengths that holds every filled slot, so a step costs about the filled
@@ -181,34 +181,9 @@ class MultiHeadAttention(nnx.Module):
             )
             self.query_ln, self.key_ln = norm(), norm()
 
-        def cache(shape, axes, dtype):
-            return nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes))
-
-        dtype = jnp.dtype(config.cache_dtype)
-        if config.paged:
-            # One pool for the whole batch: pages `(P, page, K, H)` (heads-major `(P, K, page, H)`).
-            if config.cache_layout == "slots_major":
-                pages, page_axes = (config.num_pages, config.page_size, num_kv_heads), (None, None, model_axis)
-            else:
-                pages, page_axes = (config.num_pages, num_kv_heads, config.page_size), (None, model_axis, None)
-            self.k_pages = cache((*pages, head_dim), (*page_axes, None), dtype)
-            self.v_pages = cache((*pages, head_dim), (*page_axes, None), dtype)
-            if config.cache_dtype == "int8":
-                self.k_page_scale = cache(pages, page_axes, jnp.float32)
-                self.v_page_scale = cache(pages, page_axes, jnp.float32)
-            return
-
-        lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
-        if config.cache_layout == "slots_major":
-            slots, slot_axes = (config.num_slots, num_kv_heads), (None, model_axis)
-        else:
-            slots, slot_axes = (num_kv_heads, config.num_slots), (model_axis, None)
-        self.k_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
-        self.v_cache = cache((*lead, *slots, head_dim), (*lead_axes, *slot_axes, None), dtype)
-        self.pos = cache(lead, lead_axes, jnp.int32)
-        if config.cache_dtype == "int8":
-            self.k_scale = cache((*lead, *slots), (*lead_axes, *slot_axes), jnp.float32)
-            self.v_scale = cache((*lead, *slots), (*lead_axes, *slot_axes), jnp.float32)
+        # The cache type names its own arrays (`kvattn.cache.variables`, `kvattn.paged.variables`).
+        for name, (shape, axes, dtype) in self._cache_type.variables(config).items():
+            setattr(self, name, nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes)))
 
     def _annotation(self, axes) -> dict:
         """Flax sharding metadata for a variable, or nothing when no mesh axis is named."""
@@ -280,7 +255,7 @@ class MultiHeadAttention(nnx.Module):
           sequence that overflowed under jit (see the class docstring).
         """
         x = check.tokens(self.config, x, "x", rank=1)
-        rows = x.shape[0] if self.config.paged else None
+        rows = x.shape[0] if self.config.batch_size is not None else None  # a paged call takes any rows
         lengths = None if active is None else check.mask(self.config, active, "active", rows).astype(jnp.int32)
         return self._extend(x[..., None, :], lengths, pages)[..., 0, :]
 
@@ -305,7 +280,7 @@ class MultiHeadAttention(nnx.Module):
         xs = check.tokens(self.config, xs, "xs", rank=2)
         check.nonempty(xs)
         if lengths is not None:
-            rows = xs.shape[0] if self.config.paged else None
+            rows = xs.shape[0] if self.config.batch_size is not None else None
             lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2], batch=rows)
         return self._extend(xs, lengths, pages)
 
@@ -316,7 +291,8 @@ class MultiHeadAttention(nnx.Module):
           which: batched layers only, optional indices or bool mask `(B,)` of
             the sequences to empty; the others stay bit-identical.
         """
-        self._set_cache(cache_ops.clear(self.cache, check.which(self.config, which)))
+        cache = self._bind("reset")
+        self._store(cache_ops.clear(cache, check.which(self.config, which)))
 
     def truncate(self, keep):
         """Rolls back: keeps the first `keep` tokens of each sequence and drops the rest.
@@ -334,13 +310,12 @@ class MultiHeadAttention(nnx.Module):
         Not available with `window`: the ring has already overwritten the
         tokens that would slide back into view.
         """
-        check.contiguous(self.config, "truncate")
-        if self.config.window is not None:
+        cache = self._bind("truncate")
+        if cache.window is not None:
             raise ValueError("truncate is not supported on a windowed layer; reset() it or keep decoding")
-        cache = self.cache
         host_pos = check.state(self.config, cache.pos)
         keep = check.keep_counts(self.config, keep, cache.pos if host_pos is None else host_pos)
-        self._set_cache(cache_ops.truncate(cache, jnp.clip(keep, 0, cache.pos)))
+        self._store(cache_ops.truncate(cache, jnp.clip(keep, 0, cache.pos)))
 
     def fork(self, source, targets):
         """Copies sequence `source` (cache and `pos`) into other sequences of the batch.
@@ -353,10 +328,10 @@ class MultiHeadAttention(nnx.Module):
             range poisons the targets (see the class docstring).
           targets: indices or bool mask `(B,)` of the sequences to overwrite.
         """
-        check.contiguous(self.config, "fork")
+        cache = self._bind("fork")
         check.require_batched(self.config, "fork")
         source = check.sequence_index(self.config, source, "source")
-        self._set_cache(cache_ops.fork(self.cache, source, check.which(self.config, targets)))
+        self._store(cache_ops.fork(cache, source, check.which(self.config, targets)))
 
     def reorder(self, order):
         """Sequence b becomes what sequence `order[b]` was (beam search selection).
@@ -365,50 +340,49 @@ class MultiHeadAttention(nnx.Module):
           order: int `(B,)` of source indices; repeats allowed. Under jit, an
             index out of range poisons its sequence (see the class docstring).
         """
-        check.contiguous(self.config, "reorder")
+        cache = self._bind("reorder")
         check.require_batched(self.config, "reorder")
         order = check.per_sequence_ints(self.config, order, "order", upper=self.config.batch_size - 1)
-        self._set_cache(cache_ops.reorder(self.cache, order))
+        self._store(cache_ops.reorder(cache, order))
 
     # ---------------------------------------------------------------- internal
+
+    @property
+    def _cache_type(self):
+        """The module of the layer's cache type (`kvattn.cache` or `kvattn.paged`): the one place it is chosen."""
+        return paged_ops if self.config.paged else cache_ops
 
     def _extend(self, xs, lengths, pages=None):
         """Appends `xs` `([B,] T, D)` to the cache and attends; the core of step and prefill."""
         xs_b = self._batched(xs)
         if lengths is None:
             lengths = jnp.full(xs_b.shape[:1], xs_b.shape[1], jnp.int32)
-        if self.config.paged or pages is not None:
-            return self._extend_paged(xs_b, lengths, pages)
-        cache = self.cache
-        check.capacity(self.config, check.state(self.config, cache.pos), lengths)
+        cache = self._bind("this call", pages=pages, lengths=lengths)  # checked before any state changes
         ys, cache = extend(self.weights, cache, xs_b, lengths, config=self.config)
-        self._set_cache(cache)
+        self._store(cache)
         return ys if self.config.batch_size is not None else ys[0]
 
-    def _extend_paged(self, xs, lengths, pages):
-        table, pos, copy_from, copy_to = check.page_batch(self.config, pages, lengths, xs.shape[0])
-        cache = self.paged_cache(table, pos, copy_from, copy_to)
-        ys, cache = extend(self.weights, cache, xs, lengths, config=self.config)
-        self.set_pool(cache)
-        return ys
+    def _arrays(self) -> dict:
+        return {name: getattr(self, name)[...] for name in self._cache_type.variables(self.config)}
+
+    def _bind(self, operation: str, *, pages=None, lengths=None, batched: bool = True):
+        """The cache variables as the cache type's value (checked for a call that appends `lengths`)."""
+        return self._cache_type.bind(
+            self.config, self._arrays(), pages=pages, lengths=lengths, batched=batched, operation=operation
+        )
+
+    def _store(self, cache):
+        """Writes a cache value back into the `nnx.Cache` variables."""
+        for name, array in self._cache_type.unbind(self.config, cache).items():
+            getattr(self, name)[...] = array
 
     def paged_cache(self, table, pos, copy_from=None, copy_to=None) -> paged_ops.PagedKVCache:
-        """The page pool bound to one call's tables, positions and copies (a paged layer)."""
-        int8 = self.config.cache_dtype == "int8"
-        return paged_ops.PagedKVCache(
-            k=cache_ops.Stored(self.k_pages[...], self.k_page_scale[...] if int8 else None),
-            v=cache_ops.Stored(self.v_pages[...], self.v_page_scale[...] if int8 else None),
-            table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=self.config.layout,
-            window=self.config.window,
-        )
+        """The page pool bound to one call's tables, positions and copies, unchecked (a paged layer)."""
+        return paged_ops.bound_pool(self.config, self._arrays(), table, pos, copy_from, copy_to)
 
     def set_pool(self, cache: paged_ops.PagedKVCache):
         """Writes a paged cache's pool back into the `nnx.Cache` variables."""
-        self.k_pages[...] = cache.k.values
-        self.v_pages[...] = cache.v.values
-        if self.config.cache_dtype == "int8":
-            self.k_page_scale[...] = cache.k.scale
-            self.v_page_scale[...] = cache.v.scale
+        self._store(cache)
 
     @property
     def weights(self) -> Weights:
@@ -433,7 +407,7 @@ class MultiHeadAttention(nnx.Module):
     @property
     def cache(self) -> cache_ops.KVCache:
         """The decoding state as a `KVCache`, always with a leading batch axis."""
-        return jax.tree.map(self._batched, self.stored_cache)
+        return self._bind("a contiguous cache view")
 
     @property
     def stored_cache(self) -> cache_ops.KVCache:
@@ -442,25 +416,7 @@ class MultiHeadAttention(nnx.Module):
         Unbatched, its arrays lack the batch axis that the `KVCache` legend
         names; `cache` adds it.
         """
-        check.contiguous(self.config, "a contiguous cache view")
-        int8 = self.config.cache_dtype == "int8"
-        return cache_ops.KVCache(
-            k=cache_ops.Stored(self.k_cache[...], self.k_scale[...] if int8 else None),
-            v=cache_ops.Stored(self.v_cache[...], self.v_scale[...] if int8 else None),
-            pos=self.pos[...],
-            layout=self.config.layout,
-            window=self.config.window,
-        )
-
-    def _set_cache(self, cache: cache_ops.KVCache):
-        """Writes a `KVCache` (with its batch axis) back into the `nnx.Cache` variables."""
-        unbatch = (lambda a: a[0]) if self.config.batch_size is None else (lambda a: a)
-        self.k_cache[...] = unbatch(cache.k.values)
-        self.v_cache[...] = unbatch(cache.v.values)
-        self.pos[...] = unbatch(cache.pos).astype(jnp.int32)
-        if self.config.cache_dtype == "int8":
-            self.k_scale[...] = unbatch(cache.k.scale)
-            self.v_scale[...] = unbatch(cache.v.scale)
+        return self._bind("a contiguous cache view", batched=False)
 
     def _batched(self, array):
         return array if self.config.batch_size is not None else array[None]

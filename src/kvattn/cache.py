@@ -16,6 +16,13 @@ A ring cache (`window=W`, with `S = W` slots) keeps the last W tokens:
 position p lives in slot `p % W`, and `pos` counts every token ever appended,
 up to the int32 limit (`kvattn.config.INT32_MAX`).
 
+`KVCache` implements the cache interface that `kvattn.step.extend` and the
+layer dispatch on (the paged cache, `kvattn.paged.PagedKVCache`, is the
+other implementation): `fits` (which sequences a call may write), `attend`
+(the attention read, and any write made before it), `commit` (the write
+made after it); and, on the layer's side, `variables` (the `nnx.Cache`
+arrays it needs), `bind` (those arrays, checked, as a cache) and `unbind`.
+
 A sequence whose `pos` is `INVALID_POS` (-1) is poisoned: an out-of-range
 index under `jit` (where nothing can raise) leaves it so. It holds no token,
 accepts no write, its outputs are NaN (see `capacity_ok`), and eager calls
@@ -32,6 +39,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kvattn import ops
+from kvattn import validation as check
+from kvattn.config import AttentionConfig
 from kvattn.ops import SLOTS_MAJOR
 
 __all__ = [
@@ -39,6 +49,7 @@ __all__ = [
     "KVCache",
     "Stored",
     "append",
+    "bind",
     "capacity_ok",
     "clear",
     "decode_values",
@@ -47,6 +58,8 @@ __all__ = [
     "relayout",
     "reorder",
     "truncate",
+    "unbind",
+    "variables",
 ]
 
 INVALID_POS = -1
@@ -84,6 +97,44 @@ class KVCache:
 
     def replace(self, **changes) -> KVCache:
         return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------- the interface of a cache type
+
+    def fits(self, lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
+        """Which sequences may append `lengths` tokens: valid, and within `capacity` tokens."""
+        return capacity_ok(self.pos, lengths, capacity)
+
+    def attend(self, q, k, v, lengths, written, *, options: dict, length_buckets, write_first: bool):
+        """Attention of new queries `(B, T, N, H)` over the cache and the new chunk: `(ctx, cache)`.
+
+        Read first (default), attention reads the old cache and the chunk
+        apart and the write waits for `commit`; `write_first` writes `written`
+        tokens now and reads the cache alone (one pass, fewer ops per step). A
+        ring chunk of several tokens cannot be written first (a later token
+        would overwrite a slot an earlier one still sees): refused.
+        """
+        if write_first and self.window is not None and q.shape[1] > 1:
+            raise ValueError(f"a ring chunk of {q.shape[1]} tokens must be read first; use write_first only for steps")
+        old_pos = self.pos
+        cache = append(self, k, v, written) if write_first else self
+
+        def read(kv):
+            (k_cache, k_scale), (v_cache, v_scale) = kv
+            if write_first:
+                return ops.cached_attention(
+                    q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
+                )
+            return ops.attention(
+                q, k, v, lengths, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
+            )
+
+        # The longest filled prefix of the batch (at most the ring): what the read covers.
+        filled = jnp.max(cache.pos) if cache.window is None else jnp.minimum(jnp.max(cache.pos), cache.window)
+        return ops.bucketed(read, (cache.k, cache.v), filled, length_buckets, cache.layout), cache
+
+    def commit(self, k, v, written, *, after, write_first: bool) -> KVCache:
+        """The write `attend` left for later: after the output `after`, so XLA updates donated buffers in place."""
+        return self if write_first else append(self, k, v, written, after=after)
 
 
 def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
@@ -238,3 +289,61 @@ def reorder(cache: KVCache, order: Int[Array, " B"]) -> KVCache:
     valid = (order >= 0) & (order < batch)
     taken = jax.tree.map(lambda a: jnp.take(a, jnp.clip(order, 0, batch - 1), axis=0), cache)
     return _select(valid, taken, _emptied(cache, INVALID_POS))
+
+
+# ------------------------------------------------------------ the layer's side
+
+
+def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtype]]:
+    """The `nnx.Cache` arrays a contiguous (or ring) layer holds: name -> (shape, mesh axes, dtype).
+
+    `(B, S, K, H)` or `(B, K, S, H)` keys and values without the batch axis
+    for an unbatched layer, `pos` `(B,)` or `()`, and int8's scales.
+    """
+    lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
+    if config.cache_layout == "slots_major":
+        slots, slot_axes = (config.num_slots, config.num_kv_heads), (None, config.model_axis)
+    else:
+        slots, slot_axes = (config.num_kv_heads, config.num_slots), (config.model_axis, None)
+    dtype = jnp.dtype(config.cache_dtype)
+    specs = {
+        "k_cache": ((*lead, *slots, config.head_dim), (*lead_axes, *slot_axes, None), dtype),
+        "v_cache": ((*lead, *slots, config.head_dim), (*lead_axes, *slot_axes, None), dtype),
+        "pos": (lead, lead_axes, jnp.dtype(jnp.int32)),
+    }
+    if config.cache_dtype == "int8":
+        specs["k_scale"] = ((*lead, *slots), (*lead_axes, *slot_axes), jnp.dtype(jnp.float32))
+        specs["v_scale"] = ((*lead, *slots), (*lead_axes, *slot_axes), jnp.dtype(jnp.float32))
+    return specs
+
+
+def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, batched: bool = True,
+         operation: str = "this call") -> KVCache:
+    """The layer's arrays as a `KVCache` (with a batch axis unless `batched=False`).
+
+    With `lengths` (a call about to append them), checks first that every
+    sequence holds a valid state and has room. `pages` is refused: only a
+    paged layer takes them. (`operation` names the caller in a paged
+    layer's refusals; a contiguous cache serves them all.)
+    """
+    if pages is not None:
+        raise ValueError("pages= is only for a paged layer (built with num_pages and page_size)")
+    cache = KVCache(
+        k=Stored(arrays["k_cache"], arrays.get("k_scale")), v=Stored(arrays["v_cache"], arrays.get("v_scale")),
+        pos=arrays["pos"], layout=config.layout, window=config.window,
+    )
+    if lengths is not None:
+        check.capacity(config, check.state(config, cache.pos), lengths)
+    if batched and config.batch_size is None:
+        return jax.tree.map(lambda a: a[None], cache)
+    return cache
+
+
+def unbind(config: AttentionConfig, cache: KVCache) -> dict:
+    """The inverse of `bind`: the arrays to store, by variable name."""
+    if config.batch_size is None:
+        cache = jax.tree.map(lambda a: a[0], cache)
+    arrays = {"k_cache": cache.k.values, "v_cache": cache.v.values, "pos": cache.pos.astype(jnp.int32)}
+    if cache.k.scale is not None:
+        arrays.update(k_scale=cache.k.scale, v_scale=cache.v.scale)
+    return arrays

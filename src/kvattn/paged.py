@@ -1,7 +1,7 @@
 """The paged KV cache type: one pool of fixed-size pages shared by a batch, read through page tables.
 
 A `PagedKVCache` is the device half of paging (the host half, which decides
-which page holds what, is `kvattn.pages.PageManager`). Its arrays:
+which page holds what, is `kvattn.paging.PageManager`). Its arrays:
 
 - the pool: keys and values as `Stored` pages, `(P, page, K, H)`
   ("slots_major") or `(P, K, page, H)` ("heads_major"), with int8's scales
@@ -24,6 +24,10 @@ reaches an output. The chunks go through `ops.chunked_cached_attention`,
 masked by the same `ops.masked_scores` as the contiguous cache. Positions
 are logical: slot s of a view starting at block f holds position
 `f*page + s`.
+
+`PagedKVCache` implements the same cache interface as `kvattn.cache.KVCache`
+(`fits`, `attend`, `commit`; `variables`, `bind`, `unbind` on the layer's
+side): it always writes first, then reads.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from kvattn.cache import Stored, encode
+from kvattn import ops
+from kvattn import validation as check
+from kvattn.cache import Stored, capacity_ok, encode
+from kvattn.config import AttentionConfig
 from kvattn.ops import SLOTS_MAJOR
 
 __all__ = [
@@ -45,11 +52,14 @@ __all__ = [
     "PagedKVCache",
     "append",
     "apply_copies",
+    "bind",
     "chunk_sizes",
     "empty_pool",
     "first_block",
     "mapped",
     "read_sequence",
+    "unbind",
+    "variables",
     "view",
     "write_sequence",
 ]
@@ -96,6 +106,45 @@ class PagedKVCache:
 
     def replace(self, **changes) -> PagedKVCache:
         return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------- the interface of a cache type
+
+    def fits(self, lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
+        """Which sequences may append `lengths` tokens: valid, within capacity, and every block they write mapped."""
+        return capacity_ok(self.pos, lengths, min(capacity, self.capacity)) & mapped(self, lengths)
+
+    def attend(self, q, k, v, lengths, written, *, options: dict, length_buckets, write_first: bool):
+        """Writes the new tokens (a pool is always written first), then attends over each sequence's pages.
+
+        Reads each sequence's blocks a chunk at a time, as many chunks as the
+        batch's longest sequence needs (`ops.chunked_cached_attention`): short
+        chunks while the longest chunk would hold it whole, else long ones.
+        """
+        old_pos = self.pos
+        cache = append(self, k, v, written)
+        filled = old_pos + written
+        first = first_block(cache, old_pos)
+        needed = jnp.max((filled + cache.page_size - 1) // cache.page_size - first)
+        sizes = chunk_sizes(cache)
+
+        def read(chunk):
+            def attend(cache):
+                def read_chunk(index):
+                    (k, k_scale), (v, v_scale), slot_positions = view(cache, chunk, first + index * chunk, filled)
+                    return k, v, k_scale, v_scale, slot_positions
+
+                num_chunks = (needed + chunk - 1) // chunk
+                return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
+
+            return attend
+
+        if len(sizes) == 1:
+            return read(sizes[0])(cache), cache
+        return jax.lax.cond(needed > sizes[-1], read(sizes[-1]), read(sizes[0]), cache), cache
+
+    def commit(self, k, v, written, *, after, write_first: bool) -> PagedKVCache:
+        """Nothing left to write: `attend` wrote first."""
+        return self
 
 
 def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str = SLOTS_MAJOR):
@@ -167,7 +216,7 @@ def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> Page
 
 # Attention reads a sequence in chunks of pages gathered into a view: short
 # chunks while the batch's sequences are short (a chunk is gathered whole), long
-# ones past that (fewer loop iterations). Measured in BENCHMARKS.md.
+# ones past that (fewer loop iterations). Measured on the benchmarks page (docs/benchmarks).
 CHUNK_TOKENS = (256, 1024)
 
 
@@ -245,3 +294,62 @@ def write_sequence(stored: Stored, pages, values: Stored, layout: str = SLOTS_MA
         return pool.at[page, :, positions % page_size].set(new.astype(pool.dtype))
 
     return jax.tree.map(put, stored, values)
+
+
+# ------------------------------------------------------------ the layer's side
+
+
+def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtype]]:
+    """The `nnx.Cache` arrays of a paged layer: one pool for the whole batch, name -> (shape, mesh axes, dtype).
+
+    Pages `(P, page, K, H)` (heads-major `(P, K, page, H)`), and int8's scales.
+    """
+    if config.cache_layout == "slots_major":
+        pages, axes = (config.num_pages, config.page_size, config.num_kv_heads), (None, None, config.model_axis)
+    else:
+        pages, axes = (config.num_pages, config.num_kv_heads, config.page_size), (None, config.model_axis, None)
+    dtype = jnp.dtype(config.cache_dtype)
+    specs = {
+        "k_pages": ((*pages, config.head_dim), (*axes, None), dtype),
+        "v_pages": ((*pages, config.head_dim), (*axes, None), dtype),
+    }
+    if config.cache_dtype == "int8":
+        specs["k_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
+        specs["v_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
+    return specs
+
+
+def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, batched: bool = True,
+         operation: str = "this call") -> PagedKVCache:
+    """The pool bound to one call's `PageBatch` (checked, with `lengths`, before any state changes).
+
+    A pool is always batched (`batched` is for the contiguous cache's views).
+
+    Without `pages` there is no sequence to speak of: `reset`, `truncate`,
+    `fork` and `reorder` belong to the host `PageManager`, and are refused.
+    """
+    if pages is None:
+        if lengths is None:
+            raise ValueError(
+                f"{operation} is not a paged layer's operation: its sequences live in pages that the host "
+                "kvattn.PageManager owns (use its free/truncate/fork/reorder), and each call gets a PageBatch"
+            )
+        raise ValueError("a paged layer needs pages=: the PageBatch that PageManager.reserve(counts) returns")
+    table, pos, copy_from, copy_to = check.page_batch(config, pages, lengths, lengths.shape[0])
+    return bound_pool(config, arrays, table, pos, copy_from, copy_to)
+
+
+def bound_pool(config: AttentionConfig, arrays: dict, table, pos, copy_from=None, copy_to=None) -> PagedKVCache:
+    """The pool's arrays as a `PagedKVCache` bound to tables, positions and copies, unchecked."""
+    return PagedKVCache(
+        k=Stored(arrays["k_pages"], arrays.get("k_page_scale")), v=Stored(arrays["v_pages"], arrays.get("v_page_scale")),
+        table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=config.layout, window=config.window,
+    )
+
+
+def unbind(config: AttentionConfig, cache: PagedKVCache) -> dict:
+    """The pool's arrays to store, by variable name."""
+    arrays = {"k_pages": cache.k.values, "v_pages": cache.v.values}
+    if cache.k.scale is not None:
+        arrays.update(k_page_scale=cache.k.scale, v_page_scale=cache.v.scale)
+    return arrays

@@ -13,10 +13,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvattn import cache as cache_ops
 from kvattn import ops
-from kvattn import paged as paged_ops
+from kvattn.cache import KVCache
 from kvattn.config import AttentionConfig
+from kvattn.paged import PagedKVCache
 from kvattn.rope import apply_rope
 
 __all__ = ["FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "output", "project_qkv"]
@@ -135,7 +135,7 @@ def causal_self_attention(weights: Weights, xs, *, config: AttentionConfig):
 @functools.partial(jax.jit, static_argnames=("config", "write_first"))
 def extend(
     weights: Weights | FusedWeights,
-    cache: cache_ops.KVCache | paged_ops.PagedKVCache,
+    cache: KVCache | PagedKVCache,
     xs,
     lengths,
     *,
@@ -146,103 +146,38 @@ def extend(
 
     Sequence b appends its first `lengths[b]` tokens of `xs` `(B, T, D)` at
     positions `cache.pos[b] ..`, each attending to the cache and causally to
-    the chunk. A sequence without room for them (or poisoned, `pos < 0`)
-    writes nothing, keeps its `pos` and gets NaN outputs: the in-graph half
-    of the overflow contract. Padding tokens `t >= lengths[b]` are zeroed
-    before anything reads them, so whatever they hold (NaN included) never
-    reaches an output, and their outputs are zeros.
+    the chunk. A sequence without room for them (or poisoned, `pos < 0`, or,
+    paged, without a page for a block it writes) writes nothing, keeps its
+    `pos` and gets NaN outputs: the in-graph half of the overflow contract.
+    Padding tokens `t >= lengths[b]` are zeroed before anything reads them,
+    so whatever they hold (NaN included) never reaches an output, and their
+    outputs are zeros.
 
-    `config` gives the capacity, the length buckets and whether heads are
-    split over devices; the cache carries its own layout and window.
-
-    Two orders give the same result, chosen here and nowhere else:
-    - read first (default): attention reads the old cache and the new chunk
-      apart, and the write comes last, tied to the output (see
-      `cache._zero_after`), so XLA updates donated buffers in place under
-      any surrounding `jit`;
-    - `write_first`: the chunk is written, then attention reads the cache
-      alone, one pass with fewer ops per step, which the decoding drivers
-      use on the batched buffers they own. A ring chunk of more than one
-      token cannot be written first (a later token would overwrite a slot
-      an earlier one still sees), so it is refused rather than silently
-      reordered.
+    The cache chooses its own path (`fits`, `attend`, `commit`: see
+    `kvattn.cache.KVCache` and `kvattn.paged.PagedKVCache`). `write_first`
+    asks a contiguous cache to write the chunk before attention reads it,
+    one pass with fewer ops per step, which the decoding drivers use on the
+    buffers they own; by default it reads first and writes last, tied to the
+    output, so XLA updates donated buffers in place under any surrounding
+    `jit`. `config` gives the capacity, the length buckets and whether heads
+    are split over devices; the cache carries its own layout and window.
 
     Returns:
       `(ys, cache)`: outputs `(B, T, D)` and the advanced cache.
     """
-    num_new = xs.shape[1]
-    paged = isinstance(cache, paged_ops.PagedKVCache)
-    if write_first and cache.window is not None and num_new > 1 and not paged:
-        raise ValueError(f"a ring chunk of {num_new} tokens must be read first; use write_first only for steps")
-    real = jnp.arange(num_new)[None, :] < lengths[:, None]
+    real = jnp.arange(xs.shape[1])[None, :] < lengths[:, None]
     xs = jnp.where(real[:, :, None], xs, jnp.zeros((), xs.dtype))
-    if paged:
-        fits = cache_ops.capacity_ok(cache.pos, lengths, cache.capacity) & paged_ops.mapped(cache, lengths)
-    else:
-        fits = cache_ops.capacity_ok(cache.pos, lengths, config.capacity)
+    fits = cache.fits(lengths, config.capacity)
     written = jnp.where(fits, lengths, 0)
-    old_pos = cache.pos
-    q, k, v = attention_inputs(config, weights, xs, old_pos[:, None] + jnp.arange(num_new)[None, :])
+    q, k, v = attention_inputs(config, weights, xs, cache.pos[:, None] + jnp.arange(xs.shape[1])[None, :])
     options = dict(
         layout=cache.layout, window=cache.window, block_diagonal=not config.heads_split,
         logit_softcap=config.logit_softcap,
     )
-    if paged:
-        cache = paged_ops.append(cache, k, v, written)
-        ctx = _paged_attention(q, cache, old_pos, written, options)
-    else:
-        if write_first:
-            cache = cache_ops.append(cache, k, v, written)
-
-        def attend(kv):
-            (k_cache, k_scale), (v_cache, v_scale) = kv
-            if write_first:
-                return ops.cached_attention(
-                    q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
-                )
-            return ops.attention(
-                q, k, v, lengths, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
-            )
-
-        ctx = ops.bucketed(attend, (cache.k, cache.v), _filled(cache), config.length_buckets, cache.layout)
+    ctx, cache = cache.attend(
+        q, k, v, lengths, written, options=options, length_buckets=config.length_buckets, write_first=write_first
+    )
     ys = output(config, weights, ctx, xs)
     ys = jnp.where(real[:, :, None], ys, jnp.zeros((), ys.dtype))  # padding tokens
     ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
-    if not (write_first or paged):
-        # Stored after attention has read the old slots (`after`), so XLA can
-        # update the donated buffers in place.
-        cache = cache_ops.append(cache, k, v, written, after=ys)
-    return ys, cache
-
-
-def _paged_attention(q, cache: paged_ops.PagedKVCache, old_pos, written, options):
-    """Attention of the new queries over a paged cache they are already written to.
-
-    Reads each sequence's blocks a chunk at a time, as many chunks as the
-    batch's longest sequence needs (`ops.chunked_cached_attention`): short
-    chunks while the longest chunk would hold it whole, else long ones.
-    """
-    filled = old_pos + written
-    first = paged_ops.first_block(cache, old_pos)
-    needed = jnp.max((filled + cache.page_size - 1) // cache.page_size - first)
-    sizes = paged_ops.chunk_sizes(cache)
-
-    def read(chunk):
-        def attend(cache):
-            def read_chunk(index):
-                (k, k_scale), (v, v_scale), slot_positions = paged_ops.view(cache, chunk, first + index * chunk, filled)
-                return k, v, k_scale, v_scale, slot_positions
-
-            num_chunks = (needed + chunk - 1) // chunk
-            return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
-
-        return attend
-
-    long = needed > sizes[-1]
-    return jax.lax.cond(long, read(sizes[-1]), read(sizes[0]), cache) if len(sizes) > 1 else read(sizes[0])(cache)
-
-
-def _filled(cache: cache_ops.KVCache):
-    """Slots a batch has filled: the longest sequence's, at most the ring size."""
-    filled = jnp.max(cache.pos)
-    return filled if cache.window is None else jnp.minimum(filled, cache.window)
+    return ys, cache.commit(k, v, written, after=ys, write_first=write_first)
