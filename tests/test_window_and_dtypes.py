@@ -14,7 +14,7 @@ from tests.helpers import assert_same_bits, cache_arrays, stream
 from tests.reference import assert_close, causal_attention, weights_of
 
 # Relative L2 error of each output token against the float32 cache, on
-# standard-normal inputs (README "Scaling out" lists the measured values).
+# standard-normal inputs (docs/guide/layer.md lists the measured values).
 DTYPE_TOLERANCE = {"bfloat16": 1e-2, "int8": 3e-2}
 
 

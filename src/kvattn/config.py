@@ -339,7 +339,7 @@ def default_length_buckets(max_len: int, smallest: int = 128, cache_bytes: int =
     all) stay in the CPU's last-level cache, the dot reads them several times
     faster per byte than the copy runs, so buckets stop at `max_len / 8`;
     once they spill to DRAM, both run at DRAM speed and buckets go on to
-    `max_len / 4`. The measurements behind the limits are in BENCHMARKS.md.
+    `max_len / 4`. The measurements behind the limits are on the benchmarks page (docs/benchmarks).
 
     >>> default_length_buckets(2048)
     (128, 256, 2048)

@@ -24,7 +24,8 @@ class Sampling:
         (0, 1], or None.
 
     Raises:
-      ValueError / TypeError, naming the setting and its value.
+      ValueError: a setting out of range (the message names it and its value).
+      TypeError: a setting of the wrong type.
     """
 
     temperature: float = 0.0
