@@ -1,7 +1,7 @@
 """The paged cache against the contiguous one: the layer, its invariants, and serving a queue of requests.
 
-The host half (`kvattn.pages.PageManager`) has its own tests in
-test_pages.py; here the device follows its tables. The oracle is the
+The host half (`kvattn.paging`) has its own tests in
+tests/paging/; here the device follows its tables. The oracle is the
 contiguous layer (itself checked against the float64 reference elsewhere)
 and, for the pure step, the float64 reference directly.
 """
@@ -24,7 +24,7 @@ from hypothesis import given
 
 from kvattn import models, ops
 from kvattn.models import serving
-from kvattn.pages import OutOfPagesError, PageManager
+from kvattn.paging import OutOfPagesError, PageManager
 from kvattn.step import extend
 from tests.reference import ReferenceCache, assert_close, weights_of
 from tests.reference import attention as reference_attention

@@ -5,7 +5,7 @@ from kvattn.config import AttentionConfig
 from kvattn.rope import RoPE
 from kvattn.decoding import Decoder, Generation, attend, decode, generate
 from kvattn.sharding import make_mesh, shard
-from kvattn.pages import OutOfPagesError, PageBatch, PageManager
+from kvattn.paging import OutOfPagesError, PageBatch, PageManager
 from kvattn.paged_snapshot import load_sequence, save_sequence
 from kvattn.snapshot import SnapshotError, SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 

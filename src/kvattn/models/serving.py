@@ -48,7 +48,7 @@ from kvattn import validation as check
 from kvattn.models.decoder import DecoderLM
 from kvattn.models.sampling import Sampling, sample_with_logprob
 from kvattn.models.tokens import stop_ids, token_ids
-from kvattn.pages import OutOfPagesError, PageBatch, PageManager
+from kvattn.paging import OutOfPagesError, PageBatch, PageManager
 
 __all__ = ["Completion", "Server"]
 

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvattn import pages
-from kvattn.pages import NULL_PAGE, OutOfPagesError, PageManager
+import kvattn.paging.pool
+from kvattn.paging import NULL_PAGE, OutOfPagesError, PageManager
 
 GARBAGE = -1
 SALTS = (b"", b"tenant")
@@ -31,16 +31,17 @@ SALTS = (b"", b"tenant")
 
 def state_of(manager: PageManager):
     """Everything a failed call must leave as it was, free list and eviction order included."""
+    pool = manager.pool
     return copy.deepcopy(
         (
             manager.refcount,
             manager.tables,
             manager.lengths,
             manager.live,
-            manager._free,
-            list(manager._cached),
-            manager._registrations,
-            manager._page_of_digest,
+            pool._free,
+            list(pool._cached),
+            pool._key_of_page,
+            pool._page_of_digest,
         )
     )
 
@@ -181,7 +182,7 @@ class PageMachine(RuleBasedStateMachine):
             return False
         assert manager.window is not None or new_blocks <= available
         event(f"reserve made {(batch.copy_to != manager.num_pages).sum()} copies")
-        if len(manager._registrations) < len(before[6]):
+        if len(manager.pool._key_of_page) < len(before[6]):
             event("reserve evicted or rewrote registered pages")
         self.check_batch(before, lengths, counts, batch)
         self.apply_to_memory(lengths, counts, batch, given or {})
@@ -221,7 +222,7 @@ class PageMachine(RuleBasedStateMachine):
                 assert page != NULL_PAGE
                 shared = manager.refcount[page]
                 assert shared == 1, f"slot {slot} writes into page {page}, shared {shared} ways"
-                assert page not in manager._registrations, f"slot {slot} writes into the registered page {page}"
+                assert manager.pool.key_of(int(page)) is None, f"slot {slot} writes into the registered page {page}"
             if manager.window is not None:
                 first_seen = max(0, lengths[slot] - manager.window + 1) // page_size
                 assert (manager.tables[slot, :first_seen] == NULL_PAGE).all()
@@ -326,7 +327,7 @@ class PageMachine(RuleBasedStateMachine):
     def consistent(self):
         manager, page_size = self.manager, self.manager.page_size
         manager.check()
-        self.memory[manager._free] = GARBAGE
+        self.memory[manager.pool._free] = GARBAGE
         for slot in range(manager.max_sequences):
             tokens = self.tokens[slot]
             assert manager.lengths[slot] == len(tokens)
@@ -492,7 +493,7 @@ def test_a_different_salt_finds_nothing():
     ],
 )
 def test_a_digest_collision_never_serves_other_tokens(monkeypatch, digest):
-    monkeypatch.setattr(pages, "block_digest", digest)
+    monkeypatch.setattr(kvattn.paging.pool, "block_digest", digest)
     manager = PageManager(num_pages=12, page_size=2, max_sequences=4, max_pages_per_sequence=4)
     prefilled(manager, [1, 2, 3, 4, 5, 6])
     prefilled(manager, [7, 8, 3, 4, 5, 6], salt=b"other")
@@ -515,7 +516,7 @@ def test_eviction_takes_the_least_recently_released_page_and_a_sequence_from_its
     second = prefilled(manager, [20, 21, 22, 23])  # pages 4, 5
     manager.free(first)
     manager.free(second)
-    assert list(manager._cached) == [3, 2, 1, 5, 4]
+    assert list(manager.pool._cached) == [3, 2, 1, 5, 4]
     assert manager.num_free == 1
     slot = manager.add()
     counts = np.zeros(3, np.int64)

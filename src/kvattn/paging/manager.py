@@ -1,0 +1,395 @@
+"""The sequence manager: slots, page tables and lengths, copy-on-write and prefix caching, on a block pool.
+
+The device holds, per layer, a pool of `num_pages` pages of `page_size`
+positions (`kvattn.paged`). Each sequence lives in a slot, a row of the
+device batch; slot b's logical block j (positions `j * page_size` up to
+`(j + 1) * page_size - 1`) lives in page `tables[b, j]`, and every unmapped
+entry points at `NULL_PAGE`. The device only ever sees fixed-shape int32
+arrays (a `PageBatch`), so one compiled step serves every mix of requests.
+Which page is free, shared or cached is the `BlockPool`'s to know; which
+leading blocks a sequence may release is its window policy's.
+
+A page shared by several slots (after `fork`, `reorder` or `attach`) is
+never written: `reserve` gives the slot about to write into it a private
+copy first (`kvattn.paging.reservation` says what the device does with the
+`PageBatch` it returns). Every method checks its arguments and capacity
+before touching any state, so a call that raises leaves the manager exactly
+as it was.
+
+>>> manager = PageManager(num_pages=8, page_size=4, max_sequences=2, max_pages_per_sequence=4)
+>>> slot = manager.add()
+>>> batch = manager.reserve([6, 0])  # a 6-token prompt: 2 pages
+>>> batch.table[slot].tolist(), batch.pos.tolist()
+([1, 2, 0, 0], [0, 0])
+>>> manager.fork(slot, 1)  # shares both pages
+>>> batch = manager.reserve([0, 1])  # slot 1 writes into the shared page 2: copied first
+>>> batch.copy_from[:1].tolist(), batch.copy_to[:1].tolist(), batch.table[1].tolist()
+([2], [3], [1, 3, 0, 0])
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+
+import numpy as np
+
+from kvattn.paging.pool import INT32_MAX, NULL_PAGE, BlockPool, OutOfPagesError, block_chain
+from kvattn.paging.reservation import PageBatch, checked_counts, reserve_pages
+from kvattn.paging.windows import blocks_spanned, window_policy
+
+
+def _size(name: str, value, minimum: int = 1) -> int:
+    value = operator.index(value)
+    if not minimum <= value <= INT32_MAX:
+        raise ValueError(f"{name} must be an integer from {minimum} to {INT32_MAX}, got {value}")
+    return value
+
+
+def _token_array(tokens) -> np.ndarray:
+    """Token ids as a 1-D little-endian int32 array, refusing anything that would change on the way."""
+    array = np.asarray(tokens)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ValueError(
+            f"tokens must be a 1-D sequence of integer ids, got shape {array.shape} dtype {array.dtype}"
+        )
+    if array.size and (array.min() < -INT32_MAX - 1 or array.max() > INT32_MAX):
+        raise ValueError(f"token ids must fit in int32, got ids from {array.min()} to {array.max()}")
+    return array.astype("<i4")
+
+
+def _salt(salt) -> bytes:
+    if not isinstance(salt, bytes):
+        raise TypeError(f"salt must be bytes, got {type(salt).__name__}; encode a string first")
+    return salt
+
+
+def _require(condition, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+class PageManager:
+    """Decides which page holds which block of which sequence; the device only follows its tables.
+
+    Args:
+        num_pages: pages in the device pool, the null page included.
+        page_size: positions per page.
+        max_sequences: slots, the device batch size.
+        max_pages_per_sequence: table width; a slot holds at most this many pages' worth of tokens.
+        window: if set, a query sees only the last `window` positions, and blocks that fall wholly
+            out of the window are released by `reserve`.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_sequences: int,
+        max_pages_per_sequence: int,
+        *,
+        window: int | None = None,
+    ):
+        self.pool = BlockPool(num_pages)
+        self.page_size = _size("page_size", page_size)
+        self.max_sequences = _size("max_sequences", max_sequences)
+        self.max_pages_per_sequence = _size("max_pages_per_sequence", max_pages_per_sequence)
+        _size("capacity (max_pages_per_sequence * page_size)", self.capacity)
+        self.policy = window_policy(self.page_size, None if window is None else _size("window", window))
+        self.tables = np.full((self.max_sequences, self.max_pages_per_sequence), NULL_PAGE, np.int32)
+        self.lengths = np.zeros(self.max_sequences, np.int32)
+        self.live = np.zeros(self.max_sequences, bool)
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the device pool, the null page included."""
+        return self.pool.num_pages
+
+    @property
+    def window(self) -> int | None:
+        """Positions a query sees, or None for all of them."""
+        return self.policy.window
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence can hold."""
+        return self.max_pages_per_sequence * self.page_size
+
+    @property
+    def refcount(self) -> np.ndarray:
+        """`(num_pages,)` table entries of live slots pointing at each page (the pool's own array)."""
+        return self.pool.refcount
+
+    @property
+    def num_free(self) -> int:
+        """Pages neither referenced nor cached."""
+        return self.pool.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced pages kept for the prefix cache; evicted when the free ones run out."""
+        return self.pool.num_cached
+
+    @property
+    def num_live(self) -> int:
+        """Pages referenced by at least one live slot."""
+        return self.pool.num_live
+
+    def pages_for(self, num_tokens: int) -> int:
+        """The most pages a sequence holds at once while it grows to `num_tokens` tokens, one at a time.
+
+        With a window that is at most the blocks one query sees, plus one; a
+        chunk of tokens appended at once holds, for that call, the pages of the
+        whole chunk and of the window before it.
+        """
+        return self.policy.most_pages_held(_size("num_tokens", num_tokens, minimum=0))
+
+    def admission(self, num_tokens: int) -> str:
+        """Whether a request that will grow to `num_tokens` tokens can start.
+
+        Returns:
+            `"never"` if it cannot fit even in an empty pool, `"now"` if a slot and
+            enough free or evictable pages are available right now, else `"later"`.
+        """
+        pages = self.pages_for(num_tokens)
+        if num_tokens > self.capacity or pages > self.num_pages - 1:
+            return "never"
+        if not self.live.all() and pages <= self.pool.num_free + self.pool.num_cached:
+            return "now"
+        return "later"
+
+    def add(self) -> int:
+        """Claims a free slot, live and empty.
+
+        Returns:
+            the slot's index.
+        """
+        if self.live.all():
+            raise OutOfPagesError(
+                f"no free sequence slot: all {self.max_sequences} are in use; free a finished sequence first"
+            )
+        slot = int(np.argmin(self.live))
+        self.live[slot] = True
+        return slot
+
+    def reserve(self, counts) -> PageBatch:
+        """Maps pages for the tokens each slot appends in the next device call, all or nothing.
+
+        For each slot written: the blocks its first new query can no longer see
+        (with a window) are released; a shared partial last page is replaced by
+        a private copy (a registered one written in place leaves the prefix
+        cache); fresh pages are mapped for the blocks it grows into. New pages
+        come from the free list, then from evicting the least recently released
+        cached page; a referenced page is never taken.
+
+        Args:
+            counts: `(max_sequences,)` tokens each slot appends (0 for slots not written,
+                which dead slots must be).
+
+        Returns:
+            the `PageBatch` of the call; `lengths` grow by `counts`.
+        """
+        counts = checked_counts(counts, self.lengths, self.live, self.page_size, self.max_pages_per_sequence)
+        return reserve_pages(self.pool, self.policy, self.tables, self.lengths, counts)
+
+    def fork(self, source: int, target: int) -> None:
+        """Makes `target` a copy of `source` by reference: the same pages, no new ones.
+
+        A live `target` releases its own pages first; a dead one becomes live.
+        """
+        source = self._live_slot(source, "source")
+        target = self._slot(target, "target")
+        if target == source:
+            raise ValueError(f"fork needs two different slots, got source = target = {source}")
+        row = self.tables[source]
+        self.pool.share(row[row != NULL_PAGE])  # before the release, so no shared page drops to zero
+        if self.live[target]:
+            self._release_blocks(target, 0)
+        self.tables[target] = row
+        self.lengths[target] = self.lengths[source]
+        self.live[target] = True
+
+    def free(self, slot: int) -> None:
+        """Releases every page of a live slot; the slot becomes dead and empty."""
+        slot = self._live_slot(slot)
+        self._release_blocks(slot, 0)
+        self.lengths[slot] = 0
+        self.live[slot] = False
+
+    def truncate(self, slot: int, keep: int) -> None:
+        """Keeps the first `keep` tokens of a live slot, releasing the pages past them."""
+        slot = self._live_slot(slot)
+        length = int(self.lengths[slot])
+        keep = operator.index(keep)
+        if not 0 <= keep <= length:
+            raise ValueError(f"keep must be from 0 to the slot's length {length}, got {keep}")
+        # The next query, at position `keep`, must still see every block it needs.
+        first_needed = self.policy.first_block_seen(keep)
+        if first_needed < blocks_spanned(keep, self.page_size) and self.tables[slot, first_needed] == NULL_PAGE:
+            first_held = int(np.argmax(self.tables[slot] != NULL_PAGE))
+            raise ValueError(
+                f"slot {slot} cannot keep {keep} tokens: with window {self.window} that needs block "
+                f"{first_needed}, but blocks before {first_held} left the window and were released; "
+                f"keep at least {first_held * self.page_size + self.window - 1} tokens, or 0"
+            )
+        self._release_blocks(slot, blocks_spanned(keep, self.page_size))
+        self.lengths[slot] = keep
+
+    def reorder(self, order) -> None:
+        """Beam search: each live slot b becomes what slot `order[b]` was.
+
+        Args:
+            order: `(max_sequences,)` slot indices; live slots must name live slots,
+                dead slots themselves.
+        """
+        order = np.asarray(order)
+        if order.shape != (self.max_sequences,) or (order.size and order.dtype.kind not in "iu"):
+            raise ValueError(
+                f"order must be integer slots of shape ({self.max_sequences},), got {order.dtype} {order.shape}"
+            )
+        if ((order < 0) | (order >= self.max_sequences)).any():
+            raise ValueError(f"order must name slots 0 to {self.max_sequences - 1}, got {order.tolist()}")
+        wrong = np.flatnonzero(np.where(self.live, ~self.live[order], order != np.arange(self.max_sequences)))
+        if wrong.size:
+            raise ValueError(
+                f"order must map live slots to live slots and dead slots to themselves; slots {wrong.tolist()} "
+                f"map to {order[wrong].tolist()} (live: {np.flatnonzero(self.live).tolist()})"
+            )
+        moved = np.flatnonzero(order != np.arange(self.max_sequences))
+        new_rows = self.tables[order[moved]]
+        self.pool.share(new_rows[new_rows != NULL_PAGE])  # before releasing, so nothing is freed between
+        old_rows = self.tables[moved]
+        self.tables[moved] = new_rows
+        self.lengths[moved] = self.lengths[order[moved]]
+        for row in old_rows:
+            for page in row[::-1].tolist():
+                if page != NULL_PAGE:
+                    self.pool.release(page)
+
+    def lookup(self, tokens, salt: bytes = b"") -> int:
+        """How many leading tokens of a prompt are held by cached pages; changes nothing.
+
+        Returns:
+            a multiple of `page_size`, at most `len(tokens) - 1`: the last prompt
+            token is always computed, for its logits.
+        """
+        return len(self._cached_prefix(tokens, salt)) * self.page_size
+
+    def attach(self, slot: int, tokens, salt: bytes = b"") -> int:
+        """Maps into a live, empty slot the cached pages of a prompt's longest hit (as `lookup`).
+
+        Returns:
+            the tokens the slot now holds; the caller computes the rest of the prompt.
+        """
+        slot = self._live_slot(slot)
+        if self.lengths[slot]:
+            raise ValueError(
+                f"attach needs an empty slot, but slot {slot} holds {self.lengths[slot]} tokens; "
+                "free it and add a new one"
+            )
+        pages = self._cached_prefix(tokens, salt)
+        self.pool.share(pages)
+        self.tables[slot, : len(pages)] = pages
+        self.lengths[slot] = len(pages) * self.page_size
+        return len(pages) * self.page_size
+
+    def register(self, slot: int, tokens, salt: bytes = b"") -> None:
+        """Records that a live slot's first `len(tokens)` positions hold these tokens' keys and values.
+
+        Every full page among them that is not registered yet becomes findable by
+        `lookup`, unless another page already holds the same digest.
+        """
+        slot = self._live_slot(slot)
+        tokens, salt = _token_array(tokens), _salt(salt)
+        if len(tokens) > self.lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens, fewer than the {len(tokens)} to register")
+        new = []  # (page, key) to register once every block is known to agree
+        for block, key in enumerate(block_chain(salt, self._blocks(tokens, len(tokens) // self.page_size))):
+            page = int(self.tables[slot, block])
+            if page == NULL_PAGE:  # left the window; the chain goes on
+                continue
+            held = self.pool.key_of(page)
+            if held is None:
+                new.append((page, key))
+            elif held != key:
+                raise ValueError(
+                    f"slot {slot} block {block} (page {page}) was registered with other tokens or salt than "
+                    "given now; register the tokens the slot was given, with the salt of its request"
+                )
+        for page, key in new:  # a digest another page already holds stays with that page
+            self.pool.register(page, key)
+
+    def check(self) -> None:
+        """Asserts every invariant of the state, raising `AssertionError` naming the first broken one."""
+        self.pool.check()
+        tables, live, lengths = self.tables, self.live, self.lengths
+        _require(((tables >= 0) & (tables < self.num_pages)).all(), "a table entry is out of range")
+        _require((tables[~live] == NULL_PAGE).all(), "a dead slot maps pages")
+        _require((lengths[~live] == 0).all(), "a dead slot holds tokens")
+        _require(((lengths >= 0) & (lengths <= self.capacity)).all(), f"lengths out of range: {lengths}")
+        references = np.bincount(tables[live].ravel(), minlength=self.num_pages)
+        references[NULL_PAGE] = 0
+        wrong = np.flatnonzero(references != self.refcount)
+        _require(
+            not wrong.size, f"pages {wrong.tolist()}: refcount {self.refcount[wrong]} != references {references[wrong]}"
+        )
+        for slot in np.flatnonzero(live).tolist():
+            self._check_row(slot)
+
+    def _check_row(self, slot: int) -> None:
+        blocks = blocks_spanned(int(self.lengths[slot]), self.page_size)
+        row = self.tables[slot]
+        _require((row[blocks:] == NULL_PAGE).all(), f"slot {slot} maps blocks past its length: {row}")
+        mapped = row[:blocks] != NULL_PAGE
+        first = int(np.argmax(mapped)) if mapped.any() else blocks
+        _require(mapped[first:].all(), f"slot {slot}: an unmapped block after a mapped one: {row}")
+        needed = self.policy.first_block_seen(int(self.lengths[slot]))
+        _require(
+            first <= needed,
+            f"slot {slot}: blocks {needed} to {first - 1} are still in its window but unmapped: {row}",
+        )
+        _require(len(set(row[first:blocks].tolist())) == blocks - first, f"slot {slot} maps one page twice: {row}")
+
+    # Internals.
+
+    def _slot(self, slot, name: str = "slot") -> int:
+        slot = operator.index(slot)
+        if not 0 <= slot < self.max_sequences:
+            raise ValueError(f"{name} must be from 0 to {self.max_sequences - 1}, got {slot}")
+        return slot
+
+    def _live_slot(self, slot, name: str = "slot") -> int:
+        slot = self._slot(slot, name)
+        if not self.live[slot]:
+            raise ValueError(f"{name} {slot} is not in use; call add() first")
+        return slot
+
+    def _blocks(self, tokens: np.ndarray, count: int) -> Iterator[bytes]:
+        """The bytes of a prompt's first `count` full blocks."""
+        for block in range(count):
+            yield tokens[block * self.page_size : (block + 1) * self.page_size].tobytes()
+
+    def _cached_prefix(self, tokens, salt: bytes) -> list[int]:
+        """The cached pages of a prompt's longest page-aligned hit, leaving its last token out."""
+        tokens, salt = _token_array(tokens), _salt(salt)
+        count = min(max(len(tokens) - 1, 0) // self.page_size, self.max_pages_per_sequence)
+        pages = []
+        for key in block_chain(salt, self._blocks(tokens, count)):
+            page = self.pool.find(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def _release_blocks(self, slot: int, first: int) -> None:
+        """Releases a slot's blocks from `first` on, latest first.
+
+        Latest first, so a sequence's later blocks are evicted before its earlier
+        ones: a block is only found through its whole prefix.
+        """
+        row = self.tables[slot]
+        for block in range(blocks_spanned(int(self.lengths[slot]), self.page_size) - 1, first - 1, -1):
+            if row[block] == NULL_PAGE:  # the blocks before left a window: nothing more to release
+                break
+            self.pool.release(int(row[block]))
+            row[block] = NULL_PAGE
