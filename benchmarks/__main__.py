@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from kvattn import extra
+from kvattn.errors import MissingExtraError
 
 MODEL_ONLY = ("dtypes", "prompt_len", "new_tokens", "num_layers", "torch_python", "torch_threads", "torch_compile")
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for module in extra.BENCH_MODULES:
             extra.require(module)  # a missing extra fails before the measuring, not after it
-    except extra.MissingExtraError as error:
+    except MissingExtraError as error:
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 2
     import benchmarks

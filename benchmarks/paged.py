@@ -46,7 +46,7 @@ PAGED_QUICK = dict(
 
 
 def _manager(num_pages: int, page_size: int, max_sequences: int, max_len: int):
-    from kvattn.pages import PageManager
+    from kvattn.paging import PageManager
 
     return PageManager(num_pages, page_size, max_sequences, math.ceil(max_len / page_size))
 

@@ -15,7 +15,6 @@ import shutil
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -397,7 +396,6 @@ def mutations(draw):
                                  "exact"]))
     name = draw(st.sampled_from(names))
     shards = 1
-    expect_exact = None  # the tensors a load must reproduce exactly, when it loads
     if kind == "transpose" and tensors[name].ndim == 2:
         tensors[name] = np.ascontiguousarray(tensors[name].T)
     elif kind == "ravel":

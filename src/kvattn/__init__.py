@@ -1,20 +1,27 @@
 """kvattn: multi-head attention with a KV cache for JAX and Flax NNX."""
 
-from kvattn.attention import CacheOverflowError, InvalidStateError, MultiHeadAttention
+from kvattn.attention import MultiHeadAttention
+from kvattn.errors import (
+    CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError, SnapshotError,
+    UnsupportedConfigError,
+)
 from kvattn.config import AttentionConfig
 from kvattn.rope import RoPE
 from kvattn.decoding import Decoder, Generation, attend, decode, generate
 from kvattn.sharding import make_mesh, shard
-from kvattn.paging import OutOfPagesError, PageBatch, PageManager
+from kvattn.paging import PageBatch, PageManager
 from kvattn.paged_snapshot import load_sequence, save_sequence
-from kvattn.snapshot import SnapshotError, SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
+from kvattn.snapshot import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 
 __all__ = [
     "AttentionConfig",
     "CacheOverflowError",
+    "CheckpointError",
     "Decoder",
     "Generation",
     "InvalidStateError",
+    "KvattnError",
+    "MissingExtraError",
     "MultiHeadAttention",
     "OutOfPagesError",
     "PageBatch",
@@ -22,6 +29,7 @@ __all__ = [
     "RoPE",
     "SnapshotError",
     "SnapshotInfo",
+    "UnsupportedConfigError",
     "attend",
     "decode",
     "generate",

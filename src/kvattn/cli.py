@@ -13,6 +13,8 @@ import math
 import sys
 from pathlib import Path
 
+from kvattn.errors import KvattnError, MissingExtraError
+
 
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, without the usage block."""
@@ -136,16 +138,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvattn import extra
-
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except extra.MissingExtraError as error:
+    except MissingExtraError as error:
         print(f"kvattn {args.command}: {error}", file=sys.stderr)
         return 2
-    # The library's own refusals (UnsupportedConfigError, SnapshotError, CacheOverflowError) are ValueErrors.
-    except (ValueError, TypeError, OSError) as error:
+    # The library's own refusals (kvattn.errors) are ValueErrors, and OutOfPagesError a RuntimeError.
+    except (KvattnError, ValueError, TypeError, OSError) as error:
         print(f"kvattn {args.command}: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
 

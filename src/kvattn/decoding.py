@@ -35,7 +35,7 @@ from kvattn import cache as cache_ops
 from kvattn import ops
 from kvattn import validation as check
 from kvattn.attention import MultiHeadAttention
-from kvattn.validation import CacheOverflowError
+from kvattn.errors import CacheOverflowError
 from kvattn.config import AttentionConfig
 from kvattn.step import FusedWeights, Weights, extend
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["BENCH_MODULES", "MissingExtraError", "require"]
+from kvattn.errors import MissingExtraError
+
+__all__ = ["BENCH_MODULES", "require"]
 
 BENCH_MODULES = ("rich", "matplotlib", "tqdm")
 _USERS = {"bench": "kvattn demo and the benchmarks need", "generate": "kvattn generate --prompt needs"}
-
-
-class MissingExtraError(ImportError):
-    """A module of an extra is not installed."""
 
 
 def require(module: str, extra_name: str = "bench") -> ModuleType:

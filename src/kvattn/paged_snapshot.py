@@ -44,7 +44,7 @@ from flax import nnx
 from kvattn import paged
 from kvattn import snapshot_files as files
 from kvattn.cache import Stored
-from kvattn.pages import NULL_PAGE, OutOfPagesError, PageManager
+from kvattn.paging import NULL_PAGE, OutOfPagesError, PageManager
 from kvattn.snapshot import attention_layers, weights_fingerprint
 from kvattn.snapshot_files import SnapshotError
 

@@ -57,7 +57,7 @@ from kvattn.snapshot_files import SnapshotError
 from kvattn.validation import host
 
 __all__ = [
-    "SnapshotError", "SnapshotInfo", "attention_layers", "load_cache", "save_cache", "snapshot_info",
+    "SnapshotInfo", "attention_layers", "load_cache", "save_cache", "snapshot_info",
     "weights_fingerprint",
 ]
 

@@ -78,11 +78,12 @@ import safetensors
 import safetensors.numpy
 from jax.experimental import multihost_utils
 
+from kvattn.errors import SnapshotError
+
 __all__ = [
     "MAX_HEADER_BYTES",
     "METADATA_CHECKSUM",
     "Header",
-    "SnapshotError",
     "check_entries_match_specs",
     "check_tensors_match_specs",
     "check_weights",
@@ -131,10 +132,6 @@ NUMPY_DTYPES = {
 DTYPES_BY_NAME = {dtype.name: dtype for dtype in NUMPY_DTYPES.values()}
 
 
-class SnapshotError(ValueError):
-    """A snapshot file cannot be loaded into this layer; the layer was not changed."""
-
-    __module__ = "kvattn.snapshot"  # raised and documented there
 
 
 # -------------------------------------------------------------------- writing

@@ -16,10 +16,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from kvattn.config import AttentionConfig
+from kvattn.errors import CacheOverflowError, InvalidStateError
 
 __all__ = [
-    "CacheOverflowError",
-    "InvalidStateError",
     "capacity",
     "free_tokens",
     "host",
@@ -36,18 +35,6 @@ __all__ = [
     "tokens",
     "which",
 ]
-
-
-class CacheOverflowError(ValueError):
-    """A step or prefill would write past `max_len`; nothing was changed."""
-
-    __module__ = "kvattn"  # shown as `kvattn.CacheOverflowError`, where users import it from
-
-
-class InvalidStateError(ValueError):
-    """The layer's `pos` is out of range (e.g. left by an out-of-range index under `jit`); nothing was changed."""
-
-    __module__ = "kvattn"
 
 
 def is_traced(*arrays) -> bool:

@@ -18,16 +18,13 @@ import math
 
 import numpy as np
 
+from kvattn.errors import UnsupportedConfigError
 from kvattn.rope import RoPE, rope_tables
 
-__all__ = ["ModelConfig", "UnsupportedConfigError", "from_hf_config"]
+__all__ = ["ModelConfig", "from_hf_config"]
 
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _FAMILIES = ("gpt2", "llama")
-
-
-class UnsupportedConfigError(ValueError):
-    """A checkpoint's configuration asks for something kvattn.models does not implement, or is not valid."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,17 +36,14 @@ import numpy as np
 import safetensors
 from flax import nnx
 
+from kvattn.errors import CheckpointError
 from kvattn.models.config import ModelConfig, from_hf_config
 from kvattn.models.decoder import DecoderLM
 
-__all__ = ["CheckpointError", "from_pretrained", "load_safetensors"]
+__all__ = ["from_pretrained", "load_safetensors"]
 
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refuse anything absurd unread
-
-
-class CheckpointError(ValueError):
-    """A checkpoint's files are not what its config describes; nothing was built."""
 
 
 # ------------------------------------------------------------------ the tables

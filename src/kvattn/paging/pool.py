@@ -39,15 +39,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvattn.errors import OutOfPagesError
+
 NULL_PAGE = 0
 DIGEST_SIZE = 32
 INT32_MAX = 2**31 - 1
-
-
-class OutOfPagesError(RuntimeError):
-    """Raised before any state changes when a request needs more pages, slots or positions than can be had."""
-
-    __module__ = "kvattn"  # shown as `kvattn.OutOfPagesError`, where users import it from
 
 
 class BlockKey(NamedTuple):

@@ -1,0 +1,65 @@
+"""Every error kvattn raises on purpose, in one place and one hierarchy.
+
+```
+KvattnError                         catch this for any refusal of kvattn's own
+├── CacheOverflowError  (ValueError)     a step or prefill would pass max_len
+├── InvalidStateError   (ValueError)     a sequence's pos is outside [0, capacity]
+├── OutOfPagesError     (RuntimeError)   a request needs more pages or slots than can be had
+├── SnapshotError       (ValueError)     a snapshot file cannot be loaded into these layers
+├── UnsupportedConfigError (ValueError)  a model config kvattn does not run, or not valid
+├── CheckpointError     (ValueError)     a checkpoint's files do not fit its config
+└── MissingExtraError   (ImportError)    a module of an optional extra is not installed
+```
+
+Each also derives from the built-in error it has always been, so code that
+catches `ValueError` (or `RuntimeError`, `ImportError`) keeps working.
+Every one is raised before any state changes: the layer, the model, the
+page manager or the file on disk is left exactly as it was. Bad arguments of
+the wrong type or shape raise plain `TypeError` / `ValueError` naming what
+was expected and what was got.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheOverflowError",
+    "CheckpointError",
+    "InvalidStateError",
+    "KvattnError",
+    "MissingExtraError",
+    "OutOfPagesError",
+    "SnapshotError",
+    "UnsupportedConfigError",
+]
+
+
+class KvattnError(Exception):
+    """The base of every error kvattn raises on purpose."""
+
+
+class CacheOverflowError(KvattnError, ValueError):
+    """A step or prefill would write past `max_len`; nothing was changed."""
+
+
+class InvalidStateError(KvattnError, ValueError):
+    """The layer's `pos` is out of range (e.g. left by an out-of-range index under `jit`); nothing was changed."""
+
+
+class OutOfPagesError(KvattnError, RuntimeError):
+    """A request needs more pages, slots or positions than can be had; nothing was changed."""
+
+
+class SnapshotError(KvattnError, ValueError):
+    """A snapshot file cannot be loaded into these layers; they were not changed."""
+
+
+class UnsupportedConfigError(KvattnError, ValueError):
+    """A checkpoint's configuration asks for something kvattn.models does not implement, or is not valid."""
+
+
+class CheckpointError(KvattnError, ValueError):
+    """A checkpoint's files are not what its config describes; nothing was built."""
+
+
+class MissingExtraError(KvattnError, ImportError):
+    """A module of an optional extra (`bench`, `generate`) is not installed."""
