@@ -23,11 +23,9 @@ from kvattn import cache as cache_ops
 from kvattn import paged as paged_ops
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
-from kvattn.rope import RoPE
 from kvattn.step import Weights, causal_self_attention, extend
-from kvattn.validation import CacheOverflowError, InvalidStateError
 
-__all__ = ["CacheOverflowError", "InvalidStateError", "MultiHeadAttention"]
+__all__ = ["MultiHeadAttention"]
 
 default_kernel_init = initializers.lecun_normal()
 
@@ -55,49 +53,21 @@ class MultiHeadAttention(nnx.Module):
     are emptied with `pos = -1`, their outputs are NaN, and eager calls
     raise `InvalidStateError` until they are `reset`.
 
-    Every size and option is normalised once into `layer.config`, a frozen
-    `AttentionConfig`; the attributes of the same names read it.
+    Every size and option is a keyword argument normalised once into
+    `layer.config`, a frozen `AttentionConfig`, which documents them all
+    (`max_len` or `window`, `head_dim`, `num_kv_heads`, `batch_size`,
+    `use_bias`, `cache_dtype`, `cache_layout`, `length_buckets`, `rope`,
+    `normalize_qk`, `logit_softcap`, `dtype`, `param_dtype`, mesh axes, and
+    `num_pages`/`page_size` for a paged cache); the attributes of the same
+    names read it.
 
     Args:
       num_heads: query heads N.
       in_features: model width D.
-      max_len: cache capacity in tokens, per sequence. Not used with `window`.
-      head_dim: width H of a head; defaults to `in_features // num_heads`.
-      num_kv_heads: key/value heads K (grouped-query attention); must divide
-        `num_heads`. Defaults to `num_heads`; 1 gives multi-query attention.
-      batch_size: number of sequences the cache holds, or None for one
-        unbatched sequence.
-      use_bias: whether the projections have biases.
-      window: sliding-window attention over the last `window` tokens, kept
-        in a ring of `window` slots: a stream can run forever at constant
-        memory. Replaces `max_len`.
-      cache_dtype: storage of keys and values: float32 (the default),
-        bfloat16 (half the memory) or int8 (a quarter, plus one float32
-        scale per token and head), as a name or a dtype (`jnp.bfloat16`).
-        Attention math is float32.
-      cache_layout: `"slots_major"`, `(max_len, K, H)`, or
-        `"heads_major"`, `(K, max_len, H)`: the same results, and faster
-        attention on XLA:CPU, whose batched dots want the head axis first.
-      length_buckets: attend only over the smallest of these static prefix
-        lengths that holds every filled slot, so a step costs about the filled
-        length rather than `max_len`. None picks `config.default_length_buckets`; `()`
-        always reads the whole buffer; buckets past `max_len` are ignored.
-      num_pages, page_size: a paged cache instead of a contiguous one: one
-        pool of `num_pages` pages of `page_size` tokens (`k_pages`,
-        `v_pages`, `(P, page, K, H)`, or `(P, K, page, H)` heads-major),
-        shared by the `batch_size` sequence slots, each holding up to
-        `max_len` tokens; `window` may be given with `max_len`. Every
-        `step`/`prefill` then takes `pages=`, the `PageBatch` that a host
-        `kvattn.PageManager` hands out, and takes any number of rows (each
-        brings its page table); `reset`, `truncate`, `fork` and `reorder`
-        are the manager's. See docs/paged.md.
-      data_axis, model_axis: names of mesh axes to shard over: sequences of
-        the batch over `data_axis`, heads (projections and cache) over
-        `model_axis`. Recorded as Flax `out_sharding` annotations, applied
-        when the layer is built under `jax.set_mesh(mesh)` or by
-        `kvattn.shard`.
-      kernel_init, bias_init: initializers, as in Flax.
+      kernel_init, bias_init: initializers of the projections, as in Flax.
+      out_kernel_init, out_bias_init: those of `out`, if they differ.
       rngs: random streams for the initializers.
+      **options: the `AttentionConfig` fields.
 
     Example:
       >>> import jax.numpy as jnp
@@ -118,41 +88,14 @@ class MultiHeadAttention(nnx.Module):
         num_heads: int,
         in_features: int,
         *,
-        max_len: int | None = None,
-        head_dim: int | None = None,
-        num_kv_heads: int | None = None,
-        batch_size: int | None = None,
-        use_bias: bool = True,
-        window: int | None = None,
-        cache_dtype="float32",
-        cache_layout: str = "slots_major",
-        length_buckets=None,
-        data_axis: str | None = None,
-        model_axis: str | None = None,
-        qkv_features: int | None = None,
-        out_features: int | None = None,
-        dtype=None,
-        param_dtype=jnp.float32,
-        normalize_qk: bool | str = False,
-        qk_norm_eps: float = 1e-6,
-        logit_softcap: float | None = None,
-        rope: RoPE | None = None,
-        num_pages: int | None = None,
-        page_size: int | None = None,
         kernel_init=default_kernel_init,
         bias_init=initializers.zeros_init(),
         out_kernel_init=None,
         out_bias_init=None,
         rngs: nnx.Rngs,
+        **options,
     ):
-        self.config = config = AttentionConfig(
-            num_heads, in_features, max_len=max_len, window=window, head_dim=head_dim, num_kv_heads=num_kv_heads,
-            batch_size=batch_size, use_bias=use_bias, cache_dtype=cache_dtype, cache_layout=cache_layout,
-            length_buckets=length_buckets, data_axis=data_axis, model_axis=model_axis, qkv_features=qkv_features,
-            out_features=out_features, dtype=dtype, param_dtype=param_dtype, normalize_qk=normalize_qk,
-            qk_norm_eps=qk_norm_eps, logit_softcap=logit_softcap, rope=rope, num_pages=num_pages,
-            page_size=page_size,
-        )
+        self.config = config = AttentionConfig(num_heads, in_features, **options)
 
         def linear(name, in_f, out_f, kernel_axes, bias_axes, kernel_init=kernel_init, bias_init=bias_init, **kw):
             return nnx.LinearGeneral(

@@ -54,7 +54,8 @@ class AttentionConfig:
       max_len: cache capacity in tokens per sequence; exactly one of
         `max_len` and `window` is given.
       window: sliding-window attention over the last `window` tokens, kept
-        in a ring of `window` slots.
+        in a ring of `window` slots: a stream can run forever at constant
+        memory.
       head_dim: width H of a head; defaults to `qkv_features // num_heads`.
       qkv_features: width of all query heads together, `N * H` (Flax's
         name); defaults to `in_features`. Give it or `head_dim`, not both
@@ -81,18 +82,32 @@ class AttentionConfig:
         absolute position, applied to queries and keys before the key is
         cached; None for no positional encoding in the layer.
       cache_dtype: storage of keys and values, anything `numpy.dtype` reads
-        that names float32, bfloat16 or int8 (`jnp.bfloat16`, `"int8"`...).
+        that names float32 (the default), bfloat16 (half the memory) or int8
+        (a quarter, plus one float32 scale per token and head):
+        `jnp.bfloat16`, `"int8"`... Attention math is float32.
       cache_layout: `"slots_major"` `(max_len, K, H)` or `"heads_major"`
-        `(K, max_len, H)`.
-      length_buckets: static prefix lengths a step may read (see
-        `default_length_buckets`); None picks the default, `()` none.
-      data_axis, model_axis: mesh axes that split sequences and heads.
+        `(K, max_len, H)`: the same results; XLA:CPU's batched dots want the
+        head axis first, so heads-major attention is faster there.
+      length_buckets: attend only over the smallest of these static prefix
+        lengths that holds every filled slot, so a step costs about the
+        filled length rather than `max_len`. None picks
+        `default_length_buckets`; `()` always reads the whole buffer;
+        buckets past `max_len` are ignored.
+      data_axis, model_axis: names of mesh axes to shard over: sequences of
+        the batch over `data_axis`, heads (projections and cache) over
+        `model_axis`. Recorded as Flax `out_sharding` annotations, applied
+        when the layer is built under `jax.set_mesh(mesh)` or by
+        `kvattn.shard`.
       num_pages, page_size: a paged cache (give both): one pool of
-        `num_pages` pages of `page_size` tokens shared by the `batch_size`
-        sequences, each holding up to `max_len` tokens through its page
-        table (see `kvattn.paged`). `window` may then be given with
-        `max_len`: it limits what a token sees, and the host frees the pages
-        that fall out of it.
+        `num_pages` pages of `page_size` tokens (`k_pages`, `v_pages`,
+        `(P, page, K, H)`, or `(P, K, page, H)` heads-major) shared by the
+        `batch_size` sequence slots, each holding up to `max_len` tokens
+        through its page table (see `kvattn.paged`). Every `step`/`prefill`
+        then takes `pages=`, the `PageBatch` a host `kvattn.PageManager`
+        hands out, and any number of rows; `reset`, `truncate`, `fork` and
+        `reorder` are the manager's. `window` may be given with `max_len`:
+        it limits what a token sees, and the host frees the pages that fall
+        out of it.
 
     >>> AttentionConfig(2, 8, max_len=np.int64(16), cache_dtype=np.dtype("int8")).max_len
     16

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvattn import ops
 from kvattn import validation as check
 from kvattn.attention import MultiHeadAttention
 from kvattn.models.config import ModelConfig
@@ -29,26 +30,19 @@ from kvattn.models.tokens import in_vocab, token_ids
 __all__ = ["DecoderLM"]
 
 
-def _along_last(vector, x):
-    """A per-feature vector shaped to broadcast against `x` `(..., F)`."""
-    return vector.reshape((1,) * (x.ndim - 1) + vector.shape)
-
-
 class RMSNorm(nnx.Module):
-    """`weight * x / sqrt(mean(x^2) + eps)`, computed in float32 (Llama's)."""
+    """`weight * x / sqrt(mean(x^2) + eps)`, normalised in float32 and scaled after the cast back (Llama's order)."""
 
     def __init__(self, features: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((features,), dtype))
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return normed.astype(x.dtype) * _along_last(self.weight[...], x)
+        return ops.rms_norm(x, self.weight[...], self.eps, scale_after_cast=True)
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with weight and bias (GPT-2's), computed in float32."""
+    """LayerNorm with weight and bias (GPT-2's), normalised in float32 and scaled after the cast back."""
 
     def __init__(self, features: int, eps: float, dtype):
         self.weight = nnx.Param(jnp.ones((features,), dtype))
@@ -56,11 +50,7 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        normed = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
-        return normed * _along_last(self.weight[...], x) + _along_last(self.bias[...], x)
+        return ops.layer_norm(x, self.weight[...], self.eps, self.bias[...], scale_after_cast=True)
 
 
 class Linear(nnx.Module):
@@ -72,7 +62,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         y = x @ self.kernel[...]
-        return y if self.bias is None else y + _along_last(self.bias[...], y)
+        return y if self.bias is None else y + ops.along_last(self.bias[...], y)
 
 
 class MLP(nnx.Module):
