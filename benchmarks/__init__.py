@@ -43,7 +43,7 @@ All need the `bench` extra (tables, progress, plots), which
 `kvattn.extra.require` imports where it is used.
 """
 
-from benchmarks.config import BenchConfig
+from benchmarks.bench_config import BenchConfig
 from benchmarks.model import run_model
 from benchmarks.paged import run_paged
 from benchmarks.runner import run, run_options

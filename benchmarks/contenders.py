@@ -12,7 +12,7 @@ from flax import nnx
 
 import kvattn
 from benchmarks.baselines import flax_scan, flax_step, flax_twin, matvec
-from benchmarks.config import DEFAULT_LAYOUT, BenchConfig, tokens_timed
+from benchmarks.bench_config import DEFAULT_LAYOUT, BenchConfig, tokens_timed
 from benchmarks.timing import PREFILL_CHUNK, CacheFiller, CacheState, Timing, load_state, time_calls
 
 __all__ = ["BatchBench", "Progress"]

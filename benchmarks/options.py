@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from benchmarks.config import DEFAULT_LAYOUT, BenchConfig
+from benchmarks.bench_config import DEFAULT_LAYOUT, BenchConfig
 from benchmarks.contenders import Progress
 from benchmarks.timing import PREFILL_CHUNK, CacheFiller, CacheState, load_state, time_calls
 

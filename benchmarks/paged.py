@@ -135,7 +135,7 @@ def _step_loop(config, burst: int):
     import jax
     import jax.numpy as jnp
 
-    from kvattn.step import extend
+    from kvattn.forward import extend
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def loop(weights, cache, xs):
@@ -163,7 +163,7 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
     from flax import nnx
 
     import kvattn
-    from kvattn import paged
+    from kvattn.paging import device as paged
     batch, max_len, page_size, burst = sizes["batch_size"], sizes["max_len"], sizes["page_size"], sizes["burst"]
     num_pages = 1 + batch * math.ceil(max_len / page_size)
 
@@ -220,7 +220,8 @@ def prefix_hit(sizes: dict, rng, repeats: int) -> dict[str, Any]:
     from flax import nnx
 
     from kvattn import RoPE
-    from kvattn.models import DecoderLM, ModelConfig, Server
+    from kvattn.models import CausalLM, ModelConfig
+    from kvattn.serving import Server
 
     config = ModelConfig(
         "llama", vocab_size=1024, hidden_size=sizes["in_features"], num_layers=2, num_heads=sizes["num_heads"],
@@ -229,7 +230,7 @@ def prefix_hit(sizes: dict, rng, repeats: int) -> dict[str, Any]:
         max_position_embeddings=sizes["max_len"], rope=RoPE(),
     )
     prompt_len, page_size = sizes["prompt_len"], sizes["page_size"]
-    model = DecoderLM(config, max_len=prompt_len + 8, batch_size=1, num_pages=1 + 8 * math.ceil(prompt_len / page_size),
+    model = CausalLM(config, max_len=prompt_len + 8, batch_size=1, num_pages=1 + 8 * math.ceil(prompt_len / page_size),
                       page_size=page_size, rngs=nnx.Rngs(0))
     chunk = max(page_size, 64 // page_size * page_size)
     server = Server(model, chunk=chunk)

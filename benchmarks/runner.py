@@ -10,7 +10,7 @@ from typing import Any
 
 from kvattn import extra
 
-from benchmarks.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders, tokens_timed
+from benchmarks.bench_config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders, tokens_timed
 from benchmarks.contenders import BatchBench
 from benchmarks.options import VARIANTS, measure_options
 from benchmarks.plots import plot_bandwidth, plot_time

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.config import DEFAULT_LAYOUT, BenchConfig, contender_names
+from benchmarks.bench_config import DEFAULT_LAYOUT, BenchConfig, contender_names
 from benchmarks.report import target
 
 __all__ = ["generation_means", "targets"]

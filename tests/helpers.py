@@ -5,9 +5,25 @@ Test modules import from here and from `tests.reference`, never from each other.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+import kvattn
+from kvattn.paging import PageManager
+
+# The tiny Hugging Face checkpoints and transformers' outputs (made by tools/make_hf_fixtures.py).
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+
+
+def expected(family: str) -> dict:
+    """transformers' prompts, logits and greedy continuations for one fixture."""
+    return dict(np.load(FIXTURES / family / "expected.npz"))
 
 
 def stream(shape, seed: int = 1, in_features: int = 8) -> jax.Array:
@@ -28,8 +44,56 @@ def assert_same_bits(got: dict, want: dict):
         assert got[name].tobytes() == want[name].tobytes(), name
 
 
+def replace_once(path, old: bytes, new: bytes):
+    """Edits a file in place: `old` must occur exactly once, and `new` keep its length (a flipped field)."""
+    data = path.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new), old
+    path.write_bytes(data.replace(old, new))
+
+
 def assert_caches_close(got: dict, want: dict, rtol: float, atol: float):
     """The same names, and for each values equal within tolerance."""
     assert sorted(got) == sorted(want)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+# ------------------------------------------------------------- paged layers
+# One shape for every paged test, so their compiled programs are shared.
+BATCH, IN_FEATURES, NUM_HEADS, NUM_KV_HEADS, MAX_LEN = 3, 8, 4, 2, 16
+CHUNK = 3  # one prefill width: each layer compiles prefill once
+
+
+@functools.cache
+def paged_layers(page_size: int, cache_dtype: str = "float32", window: int | None = None, num_pages: int = 12,
+           cache_layout: str = "slots_major"):
+    """A paged layer and a contiguous one with the same weights, built once per configuration."""
+
+    def build(**paging):
+        capacity = dict(max_len=MAX_LEN) if window is None or paging else dict(window=window)
+        return kvattn.MultiHeadAttention(
+            NUM_HEADS, IN_FEATURES, num_kv_heads=NUM_KV_HEADS, batch_size=BATCH, cache_dtype=cache_dtype,
+            rngs=nnx.Rngs(0), **capacity, **paging,
+        )
+
+    paged_layer = build(num_pages=num_pages, page_size=page_size, window=window, cache_layout=cache_layout)
+    return paged_layer, build()
+
+
+def manager_for(layer) -> PageManager:
+    config = layer.config
+    return PageManager(config.num_pages, config.page_size, BATCH, config.pages_per_sequence, window=config.window)
+
+
+def poison_free_pages(layer, manager):
+    """NaN in every page no table points at: no output may change."""
+    free = jnp.asarray(np.flatnonzero(manager.refcount == 0))
+    # int8 pages cannot hold NaN; their scales can.
+    names = ("k_page_scale", "v_page_scale") if layer.cache_dtype == "int8" else ("k_pages", "v_pages")
+    for name in names:
+        variable = getattr(layer, name)
+        variable[...] = variable[...].at[free].set(jnp.nan)
+
+
+def random_tokens(rng, *shape):
+    return jnp.asarray(rng.standard_normal((*shape, IN_FEATURES)).astype(np.float32))

@@ -58,7 +58,7 @@ def decoding_paths(ctx) -> dict:
     out["decoder_pos"] = np.asarray(decoder.pos)
     decoder.sync()
     out["decode"] = host(kvattn.decode(layer, xs[:, 7:9]))
-    generation = kvattn.generate(layer, xs[:, 9], 2, jnp.tanh)
+    generation = kvattn.rollout(layer, xs[:, 9], 2, jnp.tanh)
     out["generate"], out["generate_length"] = host(generation.outputs), host(generation.length)
     out["cache_after_drivers"] = cache(layer)
     layer.fork(0, [3])

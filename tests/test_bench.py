@@ -12,7 +12,7 @@ import pytest
 
 import benchmarks
 from benchmarks.__main__ import main
-from benchmarks.config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders
+from benchmarks.bench_config import QUICK_SIZES, BenchConfig, contender_names, generation_contenders
 from benchmarks.options import VARIANTS
 from benchmarks.summary import generation_means
 from benchmarks.timing import median_ms, time_calls
@@ -178,7 +178,7 @@ def test_a_missing_extra_fails_before_measuring_and_names_the_install(tmp_path, 
 def options_run(tmp_path_factory):
     """`python -m benchmarks --options --quick`, run once: its output directory and results."""
     out_dir = tmp_path_factory.mktemp("options")
-    assert main(["--options", "--quick", "--out-dir", str(out_dir)]) == 0
+    assert main(["--options", "--quick", "--batch-sizes", "1", "--out-dir", str(out_dir)]) == 0
     return out_dir, json.loads((out_dir / "options.json").read_text())
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvattn import cli
+from tests.helpers import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "gpt2"  # vocab_size 97
+FIXTURE = FIXTURES / "gpt2"  # vocab_size 97
 TINY = ["--in-features", "16", "--num-heads", "2", "--max-len", "32", "--tokens", "12"]
 
 

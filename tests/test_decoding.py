@@ -185,7 +185,7 @@ def feedback(y):
 def test_generate_equals_manual_feedback_loop():
     layer, manual = make_layer(), make_layer()
     x0 = stream(())
-    result = kvattn.generate(layer, x0, 6, feedback)
+    result = kvattn.rollout(layer, x0, 6, feedback)
     assert int(result.length) == 6
     x, expected = x0, []
     for _ in range(6):
@@ -202,20 +202,20 @@ def test_generate_stops_cleanly_at_capacity():
     layer = make_layer(max_len=5)
     layer.prefill(stream((2,)))
     before_k = np.asarray(layer.k_cache[...]).copy()
-    result = kvattn.generate(layer, stream((), seed=3), 6, feedback)
+    result = kvattn.rollout(layer, stream((), seed=3), 6, feedback)
     assert int(result.length) == 3
     assert np.isfinite(np.asarray(result.outputs[:3])).all()
     assert np.isnan(np.asarray(result.outputs[3:])).all()
     assert int(layer.pos[...]) == 5
     np.testing.assert_array_equal(np.asarray(layer.k_cache[...])[:2], before_k[:2])
-    full = kvattn.generate(layer, stream(()), 2, feedback)
+    full = kvattn.rollout(layer, stream(()), 2, feedback)
     assert int(full.length) == 0 and np.isnan(np.asarray(full.outputs)).all()
 
 
 def test_batched_generate_runs_until_every_sequence_is_full():
     layer = make_layer(batch_size=2, max_len=4)
     layer.prefill(stream((2, 2)), jnp.array([2, 0]))
-    result = kvattn.generate(layer, stream((2,)), 5, feedback)
+    result = kvattn.rollout(layer, stream((2,)), 5, feedback)
     assert result.outputs.shape == (2, 5, 8)
     assert int(result.length) == 4
     assert np.isfinite(np.asarray(result.outputs[0, :2])).all()
@@ -226,16 +226,16 @@ def test_batched_generate_runs_until_every_sequence_is_full():
 
 def test_generate_rejects_bad_step_count():
     with pytest.raises(ValueError, match="num_steps must be a non-negative int"):
-        kvattn.generate(make_layer(), stream(()), -1, feedback)
+        kvattn.rollout(make_layer(), stream(()), -1, feedback)
 
 
 def test_generate_program_is_reused_for_the_same_next_input():
     layer = make_layer()
-    kvattn.generate(layer, stream(()), 3, feedback)
-    program = decoding._compiled(decoding._generate, False, ("config", "num_steps", "next_input"))
+    kvattn.rollout(layer, stream(()), 3, feedback)
+    program = decoding._compiled(decoding._rollout, False, ("config", "num_steps", "next_input"))
     before = program._cache_size()
     layer.reset()
-    kvattn.generate(layer, stream((), seed=2), 3, feedback)
+    kvattn.rollout(layer, stream((), seed=2), 3, feedback)
     assert program._cache_size() == before
 
 

@@ -171,7 +171,7 @@ def test_generate_feeds_each_output_back(options):
     layer.prefill(stream((3,), seed=3, in_features=D))
     for token in stream((3,), seed=3, in_features=D):
         reference.append(0, token)
-    outputs = kvattn.generate(layer, x, 4, jnp.tanh).outputs
+    outputs = kvattn.rollout(layer, x, 4, jnp.tanh).outputs
     for y in outputs:
         assert_close(y, reference.append(0, x))
         x = jnp.tanh(y)

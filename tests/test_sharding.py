@@ -10,7 +10,6 @@ its report. Argument checks that need no second device run here.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from flax import nnx
 
 import kvattn
 from kvattn.sharding import make_mesh, shard
-from tests.sharding_checks import DEVICES, IN_FEATURES, LAYOUTS, MAX_LEN, cases
+from tests.sharding_checks import DEVICES, IN_FEATURES, LAYOUTS, cases
 
 SCRIPT = Path(__file__).with_name("sharding_checks.py")
 TIMEOUT_S = 600

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvattn
-from kvattn import snapshot, snapshot_files
+from kvattn import snapshot_files
 from kvattn.snapshot import SnapshotError, load_cache, save_cache, snapshot_info, weights_fingerprint
-from tests.helpers import assert_same_bits, cache_arrays
+from tests.helpers import assert_same_bits, cache_arrays, replace_once
 
 CONFIG = dict(num_heads=4, in_features=8, max_len=12, num_kv_heads=2, batch_size=3)
 # What a snapshot of `make_layer()` records.
@@ -304,12 +304,6 @@ def test_refuses_another_format_version(saved):
     tensors, metadata = read_snapshot(path)
     write_snapshot(path, tensors, {**metadata, "format_version": "4"})
     assert_refused(target, path, "unsupported cache snapshot format_version '4'; this kvattn reads versions 1, 2 and 3")
-
-
-def replace_once(path, old: bytes, new: bytes):
-    data = path.read_bytes()
-    assert data.count(old) == 1 and len(old) == len(new), old
-    path.write_bytes(data.replace(old, new))
 
 
 @pytest.mark.parametrize(

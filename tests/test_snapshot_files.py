@@ -18,7 +18,7 @@ import safetensors.numpy
 from flax import nnx
 
 import kvattn
-from kvattn import snapshot_files
+from kvattn import snapshot_files, snapshot_pieces
 from kvattn.snapshot import SnapshotError, load_cache, save_cache, snapshot_info
 from tests.helpers import assert_same_bits, cache_arrays
 
@@ -146,7 +146,7 @@ def saved_in_pieces(tmp_path, layer):
         del metadata[key]
     arrays = {"/".join(map(str, var_path)): variable[...]
               for var_path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Cache))}
-    snapshot_files.write_pieces(path, arrays, metadata)
+    snapshot_pieces.write_pieces(path, arrays, metadata)
     return path, tmp_path / "cache.safetensors.process-0-of-1"
 
 

@@ -91,7 +91,7 @@ def apply(layer, operation, seed):
     elif operation == "decode":
         kvattn.decode(layer, tokens((2, 2), seed))
     elif operation == "generate":
-        kvattn.generate(layer, tokens((2,), seed), 2, feedback)
+        kvattn.rollout(layer, tokens((2,), seed), 2, feedback)
     elif operation == "decoder":
         decoder = kvattn.Decoder(layer)
         decoder.step(tokens((2,), seed))
@@ -145,8 +145,8 @@ def test_donation_is_opt_in_and_equals_the_safe_default(driver):
         ys_safe = kvattn.decode(safe, tokens((2, 2), 1))
         ys_donated = kvattn.decode(donating, tokens((2, 2), 1), donate=True)
     else:
-        ys_safe = kvattn.generate(safe, tokens((2,), 1), 3, feedback).outputs
-        ys_donated = kvattn.generate(donating, tokens((2,), 1), 3, feedback, donate=True).outputs
+        ys_safe = kvattn.rollout(safe, tokens((2,), 1), 3, feedback).outputs
+        ys_donated = kvattn.rollout(donating, tokens((2,), 1), 3, feedback, donate=True).outputs
     np.testing.assert_array_equal(ys_safe, ys_donated)
     assert_same(cache_values(safe), cache_values(donating))
     assert held.is_deleted()  # asked for: the layer's old buffer was updated in place
@@ -160,8 +160,8 @@ def test_keys_and_values_sharing_one_array_decode(donate):
     assert layer.v_cache[...] is layer.k_cache[...]
     xs = tokens((2, 3))
     np.testing.assert_array_equal(kvattn.decode(layer, xs, donate=donate), kvattn.decode(reference, xs))
-    out = kvattn.generate(layer, tokens((2,), 1), 2, feedback, donate=donate).outputs
-    np.testing.assert_array_equal(out, kvattn.generate(reference, tokens((2,), 1), 2, feedback).outputs)
+    out = kvattn.rollout(layer, tokens((2,), 1), 2, feedback, donate=donate).outputs
+    np.testing.assert_array_equal(out, kvattn.rollout(reference, tokens((2,), 1), 2, feedback).outputs)
 
 
 def failing_feedback(y):
@@ -176,7 +176,7 @@ def test_a_generate_that_fails_at_run_time_leaves_the_layer_as_it_was():
     layer.prefill(tokens((2, 3)))
     before = cache_values(layer)
     with pytest.raises(Exception, match="the host said no"):
-        kvattn.generate(layer, tokens((2,), 1), 3, failing_feedback)
+        kvattn.rollout(layer, tokens((2,), 1), 3, failing_feedback)
     assert_same(cache_values(layer), before)
     layer.step(tokens((2,), 2))  # still usable
 
@@ -185,7 +185,7 @@ def test_a_donated_generate_that_fails_leaves_an_empty_usable_layer():
     layer = make()
     layer.prefill(tokens((2, 3)))
     with pytest.raises(Exception, match="the host said no"):
-        kvattn.generate(layer, tokens((2,), 1), 3, failing_feedback, donate=True)
+        kvattn.rollout(layer, tokens((2,), 1), 3, failing_feedback, donate=True)
     assert np.asarray(layer.pos[...]).tolist() == [0, 0]
     assert not np.asarray(layer.k_cache[...]).any()
     layer.step(tokens((2,), 2))
@@ -229,7 +229,7 @@ def test_out_of_range_indices_under_jit_poison_and_eager_calls_refuse_them():
         lambda: layer.step(tokens((3,), 2)),
         lambda: layer.prefill(tokens((3, 2), 2)),
         lambda: kvattn.decode(layer, tokens((3, 2), 2)),
-        lambda: kvattn.generate(layer, tokens((3,), 2), 2, feedback),
+        lambda: kvattn.rollout(layer, tokens((3,), 2), 2, feedback),
         lambda: kvattn.Decoder(layer),
         lambda: layer.truncate(0),
     ):
@@ -301,7 +301,7 @@ def test_a_ring_runs_to_the_int32_limit_and_then_keeps_the_overflow_contract():
     assert_same(cache_values(shifted), before)
     assert np.isnan(nnx.jit(lambda m, x: m.step(x))(shifted, xs[8])).all()
     assert_same(cache_values(shifted), before)
-    gen = kvattn.generate(shifted, xs[8], 2, feedback)
+    gen = kvattn.rollout(shifted, xs[8], 2, feedback)
     assert int(gen.length) == 0
 
 
@@ -325,11 +325,11 @@ def test_generate_with_zero_steps_returns_empty_outputs_and_changes_nothing():
     layer = make()
     layer.prefill(tokens((2, 2)))
     before = cache_values(layer)
-    gen = kvattn.generate(layer, tokens((2,)), 0, feedback)
+    gen = kvattn.rollout(layer, tokens((2,)), 0, feedback)
     assert gen.outputs.shape == (2, 0, D) and int(gen.length) == 0
-    assert kvattn.generate(make(batch_size=None), tokens(()), np.int64(0), feedback).outputs.shape == (0, D)
+    assert kvattn.rollout(make(batch_size=None), tokens(()), np.int64(0), feedback).outputs.shape == (0, D)
     assert_same(cache_values(layer), before)
-    assert kvattn.generate(layer, tokens((2,)), np.int64(2), feedback).outputs.shape == (2, 2, D)
+    assert kvattn.rollout(layer, tokens((2,)), np.int64(2), feedback).outputs.shape == (2, 2, D)
 
 
 def test_numpy_integer_sizes_are_normalised_so_snapshots_round_trip(tmp_path):
@@ -358,7 +358,7 @@ def test_cache_dtype_takes_what_jnp_dtype_takes(dtype):
         (lambda: make(length_buckets=8), None, TypeError, "length_buckets must be a sequence of positive ints"),
         (lambda: make(length_buckets=(2.5,)), None, ValueError, r"length_buckets must be positive ints .* \[2.5\]"),
         (lambda: make(cache_dtype=jnp.float16), None, ValueError, "cache_dtype must be one of .* got"),
-        (lambda: make(), lambda m: kvattn.generate(m, tokens((2,)), 2.0, feedback), ValueError, "num_steps"),
+        (lambda: make(), lambda m: kvattn.rollout(m, tokens((2,)), 2.0, feedback), ValueError, "num_steps"),
     ],
 )
 def test_loose_input_gets_a_named_error(make_layer, call, error, message):

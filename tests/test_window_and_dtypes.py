@@ -68,7 +68,7 @@ def test_window_never_overflows_even_under_jit():
     step = nnx.jit(lambda layer, x: layer.step(x))
     ys = jnp.stack([step(layer, x) for x in stream((7,))])
     assert np.isfinite(np.asarray(ys)).all()
-    gen = kvattn.generate(layer, stream(()), 5, jnp.tanh)
+    gen = kvattn.rollout(layer, stream(()), 5, jnp.tanh)
     assert int(gen.length) == 5
 
 

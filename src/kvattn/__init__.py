@@ -7,10 +7,10 @@ from kvattn.errors import (
 )
 from kvattn.config import AttentionConfig
 from kvattn.rope import RoPE
-from kvattn.decoding import Decoder, Generation, attend, decode, generate
+from kvattn.decoding import Decoder, Rollout, attend, decode, rollout
 from kvattn.sharding import make_mesh, shard
 from kvattn.paging import PageBatch, PageManager
-from kvattn.paged_snapshot import load_sequence, save_sequence
+from kvattn.paging.snapshot import load_sequence, save_sequence
 from kvattn.snapshot import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "CacheOverflowError",
     "CheckpointError",
     "Decoder",
-    "Generation",
     "InvalidStateError",
     "KvattnError",
     "MissingExtraError",
@@ -27,15 +26,16 @@ __all__ = [
     "PageBatch",
     "PageManager",
     "RoPE",
+    "Rollout",
     "SnapshotError",
     "SnapshotInfo",
     "UnsupportedConfigError",
     "attend",
     "decode",
-    "generate",
     "load_cache",
     "load_sequence",
     "make_mesh",
+    "rollout",
     "save_cache",
     "save_sequence",
     "shard",

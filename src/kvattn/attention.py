@@ -2,7 +2,7 @@
 
 The layer is thin: it validates inputs through `kvattn.validation` (raising
 before any state changes), reads its variables, calls the pure step
-(`kvattn.step.extend`) and cache transitions (`kvattn.cache`), and writes
+(`kvattn.forward.extend`) and cache transitions (`kvattn.cache`), and writes
 the results back. Its static settings live in one `AttentionConfig`
 (`layer.config`). Internally every path works on a batch; a layer built
 without `batch_size` holds one sequence and shows the unbatched shapes
@@ -20,10 +20,10 @@ from flax import nnx
 from flax.nnx.nn import initializers
 
 from kvattn import cache as cache_ops
-from kvattn import paged as paged_ops
+from kvattn.paging import device as paged_ops
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
-from kvattn.step import Weights, causal_self_attention, extend
+from kvattn.forward import Weights, causal_self_attention, extend
 
 __all__ = ["MultiHeadAttention"]
 
@@ -124,7 +124,7 @@ class MultiHeadAttention(nnx.Module):
             )
             self.query_ln, self.key_ln = norm(), norm()
 
-        # The cache type names its own arrays (`kvattn.cache.variables`, `kvattn.paged.variables`).
+        # The cache type names its own arrays (`kvattn.cache.variables`, `kvattn.paging.device.variables`).
         for name, (shape, axes, dtype) in self._cache_type.variables(config).items():
             setattr(self, name, nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes)))
 
@@ -292,7 +292,7 @@ class MultiHeadAttention(nnx.Module):
 
     @property
     def _cache_type(self):
-        """The module of the layer's cache type (`kvattn.cache` or `kvattn.paged`): the one place it is chosen."""
+        """The module of the layer's cache type (`kvattn.cache` or `kvattn.paging.device`): the one place it is chosen."""
         return paged_ops if self.config.paged else cache_ops
 
     def _extend(self, xs, lengths, pages=None):

@@ -16,8 +16,8 @@ A ring cache (`window=W`, with `S = W` slots) keeps the last W tokens:
 position p lives in slot `p % W`, and `pos` counts every token ever appended,
 up to the int32 limit (`kvattn.config.INT32_MAX`).
 
-`KVCache` implements the cache interface that `kvattn.step.extend` and the
-layer dispatch on (the paged cache, `kvattn.paged.PagedKVCache`, is the
+`KVCache` implements the cache interface that `kvattn.forward.extend` and the
+layer dispatch on (the paged cache, `kvattn.paging.device.PagedKVCache`, is the
 other implementation): `fits` (which sequences a call may write), `attend`
 (the attention read, and any write made before it), `commit` (the write
 made after it); and, on the layer's side, `variables` (the `nnx.Cache`

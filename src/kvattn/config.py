@@ -21,10 +21,14 @@ import numpy as np
 
 from kvattn.rope import RoPE
 
-__all__ = ["CACHE_DTYPES", "INT32_MAX", "LAYOUTS", "AttentionConfig", "default_length_buckets"]
+__all__ = ["CACHE_DTYPES", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "default_length_buckets"]
 
 # `pos` is int32: the most tokens a sequence may ever append, ring or not.
 INT32_MAX = 2**31 - 1
+
+# Page 0 of every page pool maps nothing: table entries without a page point
+# at it, the host never hands it out, and the device never writes it.
+NULL_PAGE = 0
 
 # Storage name -> bytes per stored element.
 CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
@@ -102,7 +106,7 @@ class AttentionConfig:
         `num_pages` pages of `page_size` tokens (`k_pages`, `v_pages`,
         `(P, page, K, H)`, or `(P, K, page, H)` heads-major) shared by the
         `batch_size` sequence slots, each holding up to `max_len` tokens
-        through its page table (see `kvattn.paged`). Every `step`/`prefill`
+        through its page table (see `kvattn.paging.device`). Every `step`/`prefill`
         then takes `pages=`, the `PageBatch` a host `kvattn.PageManager`
         hands out, and any number of rows; `reset`, `truncate`, `fork` and
         `reorder` are the manager's. `window` may be given with `max_len`:

@@ -7,7 +7,7 @@ on buffers they own, donated from one step to the next, so XLA updates them
 in place instead of copying `max_len` slots per step.
 
 Nothing the caller holds is ever deleted unless the caller asks for it:
-`Decoder` works on its own copy of the cache, and `decode`/`generate`
+`Decoder` works on its own copy of the cache, and `decode`/`rollout`
 donate the layer's cache arrays only with `donate=True` (JAX's
 `donate_argnums` convention). A call that fails leaves the layer as it was.
 
@@ -37,9 +37,9 @@ from kvattn import validation as check
 from kvattn.attention import MultiHeadAttention
 from kvattn.errors import CacheOverflowError
 from kvattn.config import AttentionConfig
-from kvattn.step import FusedWeights, Weights, extend
+from kvattn.forward import FusedWeights, Weights, extend
 
-__all__ = ["Decoder", "Generation", "attend", "decode", "generate"]
+__all__ = ["Decoder", "Rollout", "attend", "decode", "rollout"]
 
 WORKING_LAYOUT = ops.HEADS_MAJOR
 
@@ -270,8 +270,8 @@ def decode(layer: MultiHeadAttention, xs, *, donate: bool = False):
     return _run(layer, _compiled(_decode, donate, ("config",)), (xs,), donate)
 
 
-class Generation(NamedTuple):
-    """What `generate` returns."""
+class Rollout(NamedTuple):
+    """What `rollout` returns."""
 
     outputs: jax.Array
     """`(num_steps, D)` or `(B, num_steps, D)`; rows past `length` are NaN."""
@@ -279,7 +279,7 @@ class Generation(NamedTuple):
     """How many steps ran before every sequence was full (int32 scalar)."""
 
 
-def _generate(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache, x0, num_steps, next_input):
+def _rollout(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache, x0, num_steps, next_input):
     batched = config.batch_size is not None
     weights, cache = working(config, weights, stored)
     outputs = jnp.full((num_steps, *x0.shape), jnp.nan, x0.dtype)
@@ -297,11 +297,11 @@ def _generate(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCac
 
     carry = (jnp.int32(0), cache, x0, outputs)
     length, cache, _, outputs = jax.lax.while_loop(cond, body, carry)
-    return Generation(outputs, length), stored_form(config, cache)
+    return Rollout(outputs, length), stored_form(config, cache)
 
 
 @typing.no_type_check  # `num_steps` is validated by hand, with the documented error
-def generate(
+def rollout(
     layer: MultiHeadAttention,
     x0,
     num_steps: int,
@@ -328,7 +328,7 @@ def generate(
       donate: as in `decode`.
 
     Returns:
-      `Generation(outputs, length)`: outputs `(num_steps, D)` (batched:
+      `Rollout(outputs, length)`: outputs `(num_steps, D)` (batched:
       `(B, num_steps, D)`) and the number of steps that ran.
     """
     if isinstance(num_steps, (bool, np.bool_)) or not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
@@ -339,11 +339,11 @@ def generate(
     check.state(config, layer.pos[...])
     if num_steps == 0:
         outputs = jnp.zeros((*x0.shape[:-1], 0, x0.shape[-1]), x0.dtype)
-        return Generation(outputs, jnp.int32(0))
-    program = _compiled(_generate, donate, ("config", "num_steps", "next_input"))
+        return Rollout(outputs, jnp.int32(0))
+    program = _compiled(_rollout, donate, ("config", "num_steps", "next_input"))
     result = _run(layer, program, (x0, num_steps, next_input), donate)
     if config.batch_size is not None:
-        return Generation(jnp.swapaxes(result.outputs, 0, 1), result.length)
+        return Rollout(jnp.swapaxes(result.outputs, 0, 1), result.length)
     return result
 
 

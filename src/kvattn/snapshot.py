@@ -53,6 +53,7 @@ from flax import nnx
 from kvattn.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
 from kvattn import snapshot_files as files
+from kvattn import snapshot_pieces as pieces
 from kvattn.snapshot_files import SnapshotError
 from kvattn.validation import host
 
@@ -126,7 +127,7 @@ def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
     """Writes the layer's KV cache (its `nnx.Cache` variables) to a snapshot file, atomically.
 
     `layer` may also be any module holding kvattn layers (a whole
-    `kvattn.models.DecoderLM`): every layer's cache goes into the one file,
+    `kvattn.models.CausalLM`): every layer's cache goes into the one file,
     under its path, with each layer's configuration recorded.
 
     The bytes go to an unnamed file beside `path` (a temporary one where
@@ -153,7 +154,7 @@ def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
         "weights_fingerprint": weights_fingerprint(layer),
     }
     if not all(array.is_fully_addressable for array in arrays.values()):
-        files.write_pieces(path, arrays, metadata)
+        pieces.write_pieces(path, arrays, metadata)
         return
     tensors = {name: np.asarray(array) for name, array in arrays.items()}
     metadata["tensors"] = files.dumps({name: files.tensor_spec(array) for name, array in tensors.items()})
@@ -213,7 +214,7 @@ def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_misma
         _check_specs_fit_layer(info.tensors, {name: variable[...] for name, variable in variables.items()})
         if info.pieces:
             legacy = info.format_version < 3
-            tensors = files.read_pieces(Path(path).parent, list(info.pieces), info.tensors, legacy=legacy)
+            tensors = pieces.read_pieces(Path(path).parent, list(info.pieces), info.tensors, legacy=legacy)
         else:
             tensors = files.read_tensors(file, header)
             files.check_tensors_match_specs(tensors, info.tensors)
@@ -306,9 +307,9 @@ def _parse_info(metadata) -> SnapshotInfo:
         config = {"layers": {prefix: _fields(fields, version) for prefix, fields in config["layers"].items()}}
     else:
         config = _fields(config, version)
-    pieces = _pieces(metadata)
-    tensors = files.tensor_specs(metadata, checksummed=not pieces)
-    return SnapshotInfo(version, config, tensors, files.checked_fingerprint(metadata), pieces)
+    piece_files = _pieces(metadata)
+    tensors = files.tensor_specs(metadata, checksummed=not piece_files)
+    return SnapshotInfo(version, config, tensors, files.checked_fingerprint(metadata), piece_files)
 
 
 def _pieces(metadata: dict) -> tuple[str, ...]:

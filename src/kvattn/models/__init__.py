@@ -1,17 +1,15 @@
 """Decoder-only language models on kvattn layers, loaded from Hugging Face checkpoints without torch."""
 
 from kvattn.errors import CheckpointError, UnsupportedConfigError
-from kvattn.models.config import ModelConfig, from_hf_config
-from kvattn.models.decoder import DecoderLM
+from kvattn.models.model_config import ModelConfig, from_hf_config
+from kvattn.models.decoder import CausalLM
 from kvattn.models.generate import Generated, generate, stream
 from kvattn.models.hf import from_pretrained, load_safetensors
 from kvattn.models.sampling import Sampling
-from kvattn.models.serving import Completion, Server
 
 __all__ = [
+    "CausalLM",
     "CheckpointError",
-    "Completion",
-    "DecoderLM",
     "Generated",
     "ModelConfig",
     "UnsupportedConfigError",
@@ -20,6 +18,5 @@ __all__ = [
     "generate",
     "load_safetensors",
     "Sampling",
-    "Server",
     "stream",
 ]

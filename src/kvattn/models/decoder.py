@@ -1,6 +1,6 @@
 """Decoder-only language models built from kvattn layers: GPT-2 and the Llama family.
 
-`DecoderLM(config, max_len=..., batch_size=..., rngs=...)` holds an
+`CausalLM(config, max_len=..., batch_size=..., rngs=...)` holds an
 embedding, `num_layers` blocks (norm, `kvattn.MultiHeadAttention`, norm,
 MLP), a final norm and the output projection (tied to the embedding when
 the checkpoint ties them). Every block's attention owns its KV cache, so the
@@ -11,7 +11,7 @@ outside `[0, vocab_size)` raises before any cache changes; under `jit` its
 sequence writes nothing and gets NaN logits.
 Built with `num_pages` and `page_size`, every layer holds a page pool
 instead, and the calls take `pages=` (a `kvattn.PageBatch`, which one
-`kvattn.PageManager` hands out for all layers): see `kvattn.models.serving`.
+`kvattn.PageManager` hands out for all layers): see `kvattn.serving`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn import ops
+from kvattn import norms
 from kvattn import validation as check
 from kvattn.attention import MultiHeadAttention
-from kvattn.models.config import ModelConfig
+from kvattn.models.model_config import ModelConfig
 from kvattn.models.tokens import in_vocab, token_ids
 
-__all__ = ["DecoderLM"]
+__all__ = ["CausalLM"]
 
 
 class RMSNorm(nnx.Module):
@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return ops.rms_norm(x, self.weight[...], self.eps, scale_after_cast=True)
+        return norms.rms_norm(x, self.weight[...], self.eps, scale_after_cast=True)
 
 
 class LayerNorm(nnx.Module):
@@ -50,7 +50,7 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return ops.layer_norm(x, self.weight[...], self.eps, self.bias[...], scale_after_cast=True)
+        return norms.layer_norm(x, self.weight[...], self.eps, self.bias[...], scale_after_cast=True)
 
 
 class Linear(nnx.Module):
@@ -62,7 +62,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         y = x @ self.kernel[...]
-        return y if self.bias is None else y + ops.along_last(self.bias[...], y)
+        return y if self.bias is None else y + norms.along_last(self.bias[...], y)
 
 
 class MLP(nnx.Module):
@@ -96,7 +96,7 @@ class Block(nnx.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DecoderLM(nnx.Module):
+class CausalLM(nnx.Module):
     """A decoder-only language model whose attention layers carry kvattn's KV caches.
 
     Args:

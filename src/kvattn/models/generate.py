@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from kvattn import validation as check
-from kvattn.models.decoder import DecoderLM
+from kvattn.models.decoder import CausalLM
 from kvattn.models.sampling import Sampling, sample
 from kvattn.models.tokens import stop_ids, token_ids
 
@@ -33,7 +33,7 @@ def _bucket(length: int) -> int:
     return max(8, 1 << (length - 1).bit_length())
 
 
-def generate(model: DecoderLM, prompts, max_new_tokens: int, *, lengths=None, temperature: float = 0.0,
+def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, stop_tokens=(), rng=None) -> Generated:
     """Appends each prompt to the model's caches, then samples `max_new_tokens` tokens per sequence.
 
@@ -42,7 +42,7 @@ def generate(model: DecoderLM, prompts, max_new_tokens: int, *, lengths=None, te
     loop works on its own copy of the caches and the model gets the new ones.
 
     Args:
-      model: a `DecoderLM` built with `batch_size=B`.
+      model: a `CausalLM` built with `batch_size=B`.
       prompts: int `(B, T)`, right-padded.
       max_new_tokens: tokens to produce per sequence.
       lengths: int `(B,)`, the real length of each prompt (1..T); default T.
@@ -84,7 +84,7 @@ def generate(model: DecoderLM, prompts, max_new_tokens: int, *, lengths=None, te
     return Generated(tokens, counts)
 
 
-def _sampling(model: DecoderLM, temperature, top_k, top_p, rng) -> Sampling:
+def _sampling(model: CausalLM, temperature, top_k, top_p, rng) -> Sampling:
     sampling = Sampling(temperature, top_k, top_p).check_vocab(model.config.vocab_size)
     sampling.check_rng(rng)
     return sampling
@@ -116,7 +116,7 @@ def _program(graphdef, params, cache, prompts, lengths, key, max_new_tokens, sam
     return out, counts, cache
 
 
-def stream(model: DecoderLM, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+def stream(model: CausalLM, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, stop_tokens=(), rng=None) -> Iterator[int]:
     """Yields the new tokens of one sequence as they are produced (a model built with `batch_size=1`).
 

@@ -1,4 +1,4 @@
-"""Loading Hugging Face checkpoints (config.json + safetensors) into `DecoderLM`, without torch.
+"""Loading Hugging Face checkpoints (config.json + safetensors) into `CausalLM`, without torch.
 
 Each family's weights map as a table read top to bottom: a checkpoint
 tensor's name (`{i}` for a layer's index, without the base model's prefix
@@ -37,8 +37,8 @@ import safetensors
 from flax import nnx
 
 from kvattn.errors import CheckpointError
-from kvattn.models.config import ModelConfig, from_hf_config
-from kvattn.models.decoder import DecoderLM
+from kvattn.models.model_config import ModelConfig, from_hf_config
+from kvattn.models.decoder import CausalLM
 
 __all__ = ["from_pretrained", "load_safetensors"]
 
@@ -333,8 +333,8 @@ def _read(header: _Header) -> np.ndarray:
 
 
 def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None,
-                    cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> DecoderLM:
-    """A `DecoderLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
+                    cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> CausalLM:
+    """A `CausalLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
 
     Args:
       path: a directory with `config.json` and `model.safetensors` (or a
@@ -345,7 +345,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       dtype: computation and weight dtype; defaults to float32.
       cache_dtype: the caches' storage; defaults to `dtype`.
       num_pages, page_size: paged caches instead of contiguous ones (see
-        `DecoderLM` and `kvattn.models.serving`).
+        `CausalLM` and `kvattn.serving`).
 
     Raises:
       UnsupportedConfigError: the configuration asks for something kvattn
@@ -361,7 +361,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     config = from_hf_config(_read_json(path / "config.json"))
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))
     dtype = jnp.dtype(dtype or jnp.float32)
-    model = DecoderLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, cache_dtype=cache_dtype,
+    model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, cache_dtype=cache_dtype,
                       num_pages=num_pages, page_size=page_size, rngs=nnx.Rngs(0))
     variables = {"/".join(map(str, key)): variable for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     unfilled = set(variables) - {target for _, want in pairs.values() for target in want.targets}

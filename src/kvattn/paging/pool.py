@@ -39,11 +39,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvattn.config import INT32_MAX, NULL_PAGE
 from kvattn.errors import OutOfPagesError
 
-NULL_PAGE = 0
 DIGEST_SIZE = 32
-INT32_MAX = 2**31 - 1
 
 
 class BlockKey(NamedTuple):

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvattn.paging.pool import NULL_PAGE, BlockPool, OutOfPagesError
+from kvattn.config import NULL_PAGE
+from kvattn.paging.pool import BlockPool, OutOfPagesError
 from kvattn.paging.windows import FullAttention, blocks_spanned
 
 

@@ -41,12 +41,13 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn import paged
 from kvattn import snapshot_files as files
 from kvattn.cache import Stored
-from kvattn.paging import NULL_PAGE, OutOfPagesError, PageManager
+from kvattn.config import NULL_PAGE
+from kvattn.errors import OutOfPagesError, SnapshotError
+from kvattn.paging import PageManager
+from kvattn.paging import device as paged
 from kvattn.snapshot import attention_layers, weights_fingerprint
-from kvattn.snapshot_files import SnapshotError
 
 __all__ = ["load_sequence", "save_sequence"]
 
@@ -66,7 +67,7 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
 
     Args:
       module: a paged `MultiHeadAttention`, or a module holding them (a
-        paged `DecoderLM`), whose pools hold the slot's pages.
+        paged `CausalLM`), whose pools hold the slot's pages.
       manager: the `PageManager` that owns the slot.
       slot: a live slot.
       path: the file to create or replace; its directory must exist.

@@ -7,7 +7,6 @@ tools/make_hf_fixtures.py (which needs torch; this suite does not).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,15 +14,11 @@ import numpy as np
 import pytest
 
 from kvattn import models
+from tests.helpers import FAMILIES, FIXTURES, expected
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 # float32 against transformers' float32: |kvattn - transformers| <= RTOL * max|logits| per position.
 RTOL = 1e-4
 
-
-def expected(family):
-    return dict(np.load(FIXTURES / family / "expected.npz"))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

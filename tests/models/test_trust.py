@@ -24,10 +24,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvattn import models
+from kvattn import models, serving
 from kvattn.models import CheckpointError, UnsupportedConfigError
+from tests.helpers import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 VOCAB = 97  # every fixture's vocab_size
 
 
@@ -161,14 +161,14 @@ def paged():
 @pytest.mark.parametrize("settings_, error, message", BAD_SAMPLING[:4] + BAD_SAMPLING[7:])
 def test_the_server_and_stream_check_sampling_too(paged, settings_, error, message):
     with pytest.raises(error, match=message):
-        models.Server(paged, chunk=8, **settings_)
-    single = models.DecoderLM(paged.config, max_len=8, rngs=nnx.Rngs(0))
+        serving.Server(paged, chunk=8, **settings_)
+    single = models.CausalLM(paged.config, max_len=8, rngs=nnx.Rngs(0))
     with pytest.raises(error, match=message):
         models.stream(single, [1, 2], 2, **settings_)  # refused at the call, before iteration
 
 
 def test_server_submit_refuses_without_taking_an_index(paged):
-    server = models.Server(paged, chunk=8)
+    server = serving.Server(paged, chunk=8)
     refused = [
         (np.array([1.0, 2.0]), TypeError),
         (np.array([True, False]), TypeError),
@@ -186,7 +186,7 @@ def test_server_submit_refuses_without_taking_an_index(paged):
         server.submit([1, 2], 2.0)
     assert server.submit([1, 2], 2) == 0  # no refused call took an index
     with pytest.raises(ValueError, match="chunk must be a positive int"):
-        models.Server(paged, chunk=8.0)
+        serving.Server(paged, chunk=8.0)
 
 
 # ------------------------------------------------------------------ configs
@@ -235,7 +235,7 @@ def test_absurd_configs_are_refused_quickly_without_building_anything(tmp_path, 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built before the checkpoint was checked")
 
-    monkeypatch.setattr(models.hf, "DecoderLM", no_model)
+    monkeypatch.setattr(models.hf, "CausalLM", no_model)
     start = time.perf_counter()
     with pytest.raises((UnsupportedConfigError, CheckpointError), match=message):
         models.from_pretrained(directory, max_len=16)

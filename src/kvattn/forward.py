@@ -13,10 +13,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvattn import ops
+from kvattn import norms, ops
 from kvattn.cache import KVCache
 from kvattn.config import AttentionConfig
-from kvattn.paged import PagedKVCache
+from kvattn.paging.device import PagedKVCache
 from kvattn.rope import apply_rope
 
 __all__ = ["FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "output", "project_qkv"]
@@ -105,7 +105,7 @@ def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, x
     weights = jax.tree.map(lambda w: w.astype(dtype), weights)
     q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
     if config.normalize_qk:
-        norm = ops.rms_norm if config.normalize_qk == "rms" else ops.layer_norm
+        norm = norms.rms_norm if config.normalize_qk == "rms" else norms.layer_norm
         q, k = norm(q, weights.query_ln, config.qk_norm_eps), norm(k, weights.key_ln, config.qk_norm_eps)
     if config.rope is not None:
         q, k = apply_rope(q, positions, config.rope), apply_rope(k, positions, config.rope)
@@ -154,7 +154,7 @@ def extend(
     outputs are zeros.
 
     The cache chooses its own path (`fits`, `attend`, `commit`: see
-    `kvattn.cache.KVCache` and `kvattn.paged.PagedKVCache`). `write_first`
+    `kvattn.cache.KVCache` and `kvattn.paging.device.PagedKVCache`). `write_first`
     asks a contiguous cache to write the chunk before attention reads it,
     one pass with fewer ops per step, which the decoding drivers use on the
     buffers they own; by default it reads first and writes last, tied to the

@@ -1,4 +1,4 @@
-"""Continuous batching on a paged `DecoderLM`: a queue of requests admitted, prefilled, decoded and retired.
+"""Continuous batching on a paged `CausalLM`: a queue of requests admitted, prefilled, decoded and retired.
 
 `Server(model)` takes a model built with `num_pages` and `page_size`. Each
 `step()` admits what fits, prefills one chunk of each newly admitted
@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from kvattn import validation as check
-from kvattn.models.decoder import DecoderLM
+from kvattn.models.decoder import CausalLM
 from kvattn.models.sampling import Sampling, sample_with_logprob
 from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.paging import OutOfPagesError, PageBatch, PageManager
@@ -93,10 +93,10 @@ class _Request:
 
 
 class Server:
-    """Serves requests on a paged `DecoderLM` with continuous batching and prefix caching.
+    """Serves requests on a paged `CausalLM` with continuous batching and prefix caching.
 
     Args:
-      model: a `DecoderLM` built with `num_pages` and `page_size`; its
+      model: a `CausalLM` built with `num_pages` and `page_size`; its
         `batch_size` is the number of sequences decoded together.
       chunk: prefill chunk in tokens, a multiple of the page size.
       prefix_caching: share the pages of equal prompt prefixes (off with a
@@ -109,11 +109,12 @@ class Server:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from kvattn import RoPE
-      >>> from kvattn.models import DecoderLM, ModelConfig, Server
+      >>> from kvattn.models import CausalLM, ModelConfig
+      >>> from kvattn.serving import Server
       >>> config = ModelConfig("llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
       ...                      head_dim=8, intermediate_size=64, norm_eps=1e-5, tie_embeddings=True,
       ...                      max_position_embeddings=64, rope=RoPE())
-      >>> model = DecoderLM(config, max_len=64, batch_size=2, num_pages=16, page_size=8, rngs=nnx.Rngs(0))
+      >>> model = CausalLM(config, max_len=64, batch_size=2, num_pages=16, page_size=8, rngs=nnx.Rngs(0))
       >>> server = Server(model, chunk=16)
       >>> [server.submit(list(range(1, n)), 4) for n in (5, 12, 20)]
       [0, 1, 2]
@@ -121,7 +122,7 @@ class Server:
       [4, 4, 4]
     """
 
-    def __init__(self, model: DecoderLM, *, chunk: int = 64, prefix_caching: bool = True, temperature: float = 0.0,
+    def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, rng=None):
         config = model.blocks[0].attention.config
         if not config.paged:

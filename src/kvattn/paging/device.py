@@ -43,7 +43,7 @@ from jaxtyping import Array, Bool, Int
 from kvattn import ops
 from kvattn import validation as check
 from kvattn.cache import Stored, capacity_ok, encode
-from kvattn.config import AttentionConfig
+from kvattn.config import NULL_PAGE, AttentionConfig
 from kvattn.ops import SLOTS_MAJOR
 
 __all__ = [
@@ -62,8 +62,6 @@ __all__ = [
     "view",
     "write_sequence",
 ]
-
-NULL_PAGE = 0
 
 
 @functools.partial(

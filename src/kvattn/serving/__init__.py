@@ -1,0 +1,5 @@
+"""Serving requests on a paged model: continuous batching with prefix caching and preemption."""
+
+from kvattn.serving.server import Completion, Server
+
+__all__ = ["Completion", "Server"]

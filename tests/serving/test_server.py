@@ -1,0 +1,112 @@
+"""`Server` on a paged model: equal to `generate` token for token, prefix hits, preemption, failures, compiles."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from kvattn import models, serving
+from kvattn.serving import server as serving_programs
+from tests.helpers import FIXTURES, expected
+
+
+@functools.cache
+def fixture_run(family: str):
+    """Greedy generation on a tiny checkpoint: contiguous `generate`, and a Server on a tight paged pool."""
+    want = expected(family)
+    prompts, lengths = want["prompts"], want["lengths"]
+    reference = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=len(lengths))
+    generated = np.asarray(models.generate(reference, prompts, 12, lengths=lengths).tokens)
+    model = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=3, num_pages=10, page_size=4)
+    server = serving.Server(model, chunk=8)
+    requests = [prompts[row, :length] for row, length in enumerate(lengths)] * 2  # the repeats hit the cache
+    for prompt in requests:
+        server.submit(prompt, 12)
+    completions = server.run()
+    server.manager.check()
+    return generated, completions, server
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_server_equals_generate_token_for_token(family):
+    generated, completions, server = fixture_run(family)
+    for completion in completions:
+        np.testing.assert_array_equal(completion.tokens, generated[completion.request % len(generated)])
+    if server.config.window is None:  # a window frees pages: nothing to share, and no shortage here
+        assert sum(c.cached_tokens for c in completions) > 0, "the repeated prompts must hit the prefix cache"
+        assert sum(c.preemptions for c in completions) > 0, "the pool is tight enough to preempt"
+
+
+def test_a_prefix_hit_is_bit_identical_to_a_cold_run():
+    _, completions, _ = fixture_run("llama")
+    half = len(completions) // 2
+    assert any(hit.cached_tokens > 0 for hit in completions[half:])
+    for cold, hit in zip(completions[:half], completions[half:], strict=True):
+        assert hit.tokens == cold.tokens
+        assert hit.logprobs == cold.logprobs  # exact: the same programs on the same pages
+
+
+def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
+    generated, _, server = fixture_run("llama")
+    prompt = np.asarray(expected("llama")["prompts"][0, :5])
+    server.submit(prompt, 1)
+    server.submit(prompt, 8, stop_tokens=(int(generated[0, 0]),))
+    for completion in server.run():
+        assert completion.tokens == [int(generated[0, 0])]
+    server.manager.check()
+
+
+def test_a_failed_device_call_loses_no_request(monkeypatch):
+    """The decode program consumes the pools, then fails: every request is recomputed and ends as if nothing failed."""
+    generated, _, server = fixture_run("llama")
+    want = expected("llama")
+    decode, calls = serving_programs._decode_program, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        result = decode(*args, **kwargs)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return result
+
+    monkeypatch.setattr(serving_programs, "_decode_program", failing)
+    for row, length in enumerate(want["lengths"]):
+        server.submit(want["prompts"][row, :length], 12)
+    with pytest.raises(RuntimeError, match="device lost"):
+        server.run()
+    assert server.manager.num_live == 0 and len(server._queue) == len(want["lengths"])
+    completions = server.run()
+    assert all(c.preemptions >= 1 for c in completions)
+    for completion in completions:
+        np.testing.assert_array_equal(completion.tokens, generated[completion.request - completions[0].request])
+    server.manager.check()
+
+
+def test_serving_compiles_once_over_many_admissions():
+    _, _, server = fixture_run("llama")
+    before = (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size())
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        server.submit(rng.integers(0, 64, rng.integers(1, 20)), int(rng.integers(1, 6)))
+    assert len(server.run()) == 8
+    server.manager.check()
+    assert (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size()) == before
+
+
+def test_server_refuses_what_can_never_fit():
+    _, _, server = fixture_run("llama")
+    with pytest.raises(ValueError, match="can never fit"):
+        server.submit([1] * 40, 20)
+    with pytest.raises(ValueError, match="token ids"):
+        server.submit([], 3)
+
+
+def test_a_windowed_server_counts_the_pages_a_whole_chunk_needs():
+    """With a window, prefill writes a chunk at once beside the window: that many pages, not one token's worth."""
+    model = models.from_pretrained(FIXTURES / "mistral", max_len=48, batch_size=2, num_pages=10, page_size=4)
+    server = serving.Server(model, chunk=32)  # window 8: a 32-token chunk spans up to 11 pages, the pool has 9
+    with pytest.raises(ValueError, match="can never fit"):
+        server.submit(list(range(1, 41)), 1)
+    server.submit(list(range(1, 9)), 1)  # an 8-token chunk fits
