@@ -1,4 +1,4 @@
-"""Makes the tiny Hugging Face checkpoints and expected outputs that tests/test_models.py checks kvattn against.
+"""Makes the tiny Hugging Face checkpoints and expected outputs that tests/models/test_hf_equivalence.py checks kvattn against.
 
 Dev-only: needs torch and transformers (`pip install -e '.[fixtures]'`, or any
 environment with them). The outputs are committed under tests/fixtures/hf/,
