@@ -30,12 +30,12 @@ as it was.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
 
 import numpy as np
 
 from kvattn.config import INT32_MAX, NULL_PAGE
-from kvattn.paging.pool import BlockPool, OutOfPagesError, block_chain
+from kvattn.paging.pool import BlockPool, OutOfPagesError, block_chain, require
+from kvattn.paging.prompts import cached_prefix, checked_salt, prompt_blocks, token_array
 from kvattn.paging.reservation import PageBatch, checked_counts, reserve_pages
 from kvattn.paging.windows import blocks_spanned, window_policy
 
@@ -45,29 +45,6 @@ def _size(name: str, value, minimum: int = 1) -> int:
     if not minimum <= value <= INT32_MAX:
         raise ValueError(f"{name} must be an integer from {minimum} to {INT32_MAX}, got {value}")
     return value
-
-
-def _token_array(tokens) -> np.ndarray:
-    """Token ids as a 1-D little-endian int32 array, refusing anything that would change on the way."""
-    array = np.asarray(tokens)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise ValueError(
-            f"tokens must be a 1-D sequence of integer ids, got shape {array.shape} dtype {array.dtype}"
-        )
-    if array.size and (array.min() < -INT32_MAX - 1 or array.max() > INT32_MAX):
-        raise ValueError(f"token ids must fit in int32, got ids from {array.min()} to {array.max()}")
-    return array.astype("<i4")
-
-
-def _salt(salt) -> bytes:
-    if not isinstance(salt, bytes):
-        raise TypeError(f"salt must be bytes, got {type(salt).__name__}; encode a string first")
-    return salt
-
-
-def _require(condition, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
 
 
 class PageManager:
@@ -274,7 +251,7 @@ class PageManager:
             a multiple of `page_size`, at most `len(tokens) - 1`: the last prompt
             token is always computed, for its logits.
         """
-        return len(self._cached_prefix(tokens, salt)) * self.page_size
+        return len(cached_prefix(self.pool, tokens, salt, self.page_size, self.max_pages_per_sequence)) * self.page_size
 
     def attach(self, slot: int, tokens, salt: bytes = b"") -> int:
         """Maps into a live, empty slot the cached pages of a prompt's longest hit (as `lookup`).
@@ -288,7 +265,7 @@ class PageManager:
                 f"attach needs an empty slot, but slot {slot} holds {self.lengths[slot]} tokens; "
                 "free it and add a new one"
             )
-        pages = self._cached_prefix(tokens, salt)
+        pages = cached_prefix(self.pool, tokens, salt, self.page_size, self.max_pages_per_sequence)
         self.pool.share(pages)
         self.tables[slot, : len(pages)] = pages
         self.lengths[slot] = len(pages) * self.page_size
@@ -301,11 +278,12 @@ class PageManager:
         `lookup`, unless another page already holds the same digest.
         """
         slot = self._live_slot(slot)
-        tokens, salt = _token_array(tokens), _salt(salt)
+        tokens, salt = token_array(tokens), checked_salt(salt)
         if len(tokens) > self.lengths[slot]:
             raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens, fewer than the {len(tokens)} to register")
         new = []  # (page, key) to register once every block is known to agree
-        for block, key in enumerate(block_chain(salt, self._blocks(tokens, len(tokens) // self.page_size))):
+        blocks = prompt_blocks(tokens, self.page_size, len(tokens) // self.page_size)
+        for block, key in enumerate(block_chain(salt, blocks)):
             page = int(self.tables[slot, block])
             if page == NULL_PAGE:  # left the window; the chain goes on
                 continue
@@ -324,14 +302,14 @@ class PageManager:
         """Asserts every invariant of the state, raising `AssertionError` naming the first broken one."""
         self.pool.check()
         tables, live, lengths = self.tables, self.live, self.lengths
-        _require(((tables >= 0) & (tables < self.num_pages)).all(), "a table entry is out of range")
-        _require((tables[~live] == NULL_PAGE).all(), "a dead slot maps pages")
-        _require((lengths[~live] == 0).all(), "a dead slot holds tokens")
-        _require(((lengths >= 0) & (lengths <= self.capacity)).all(), f"lengths out of range: {lengths}")
+        require(((tables >= 0) & (tables < self.num_pages)).all(), "a table entry is out of range")
+        require((tables[~live] == NULL_PAGE).all(), "a dead slot maps pages")
+        require((lengths[~live] == 0).all(), "a dead slot holds tokens")
+        require(((lengths >= 0) & (lengths <= self.capacity)).all(), f"lengths out of range: {lengths}")
         references = np.bincount(tables[live].ravel(), minlength=self.num_pages)
         references[NULL_PAGE] = 0
         wrong = np.flatnonzero(references != self.refcount)
-        _require(
+        require(
             not wrong.size, f"pages {wrong.tolist()}: refcount {self.refcount[wrong]} != references {references[wrong]}"
         )
         for slot in np.flatnonzero(live).tolist():
@@ -340,16 +318,16 @@ class PageManager:
     def _check_row(self, slot: int) -> None:
         blocks = blocks_spanned(int(self.lengths[slot]), self.page_size)
         row = self.tables[slot]
-        _require((row[blocks:] == NULL_PAGE).all(), f"slot {slot} maps blocks past its length: {row}")
+        require((row[blocks:] == NULL_PAGE).all(), f"slot {slot} maps blocks past its length: {row}")
         mapped = row[:blocks] != NULL_PAGE
         first = int(np.argmax(mapped)) if mapped.any() else blocks
-        _require(mapped[first:].all(), f"slot {slot}: an unmapped block after a mapped one: {row}")
+        require(mapped[first:].all(), f"slot {slot}: an unmapped block after a mapped one: {row}")
         needed = self.policy.first_block_seen(int(self.lengths[slot]))
-        _require(
+        require(
             first <= needed,
             f"slot {slot}: blocks {needed} to {first - 1} are still in its window but unmapped: {row}",
         )
-        _require(len(set(row[first:blocks].tolist())) == blocks - first, f"slot {slot} maps one page twice: {row}")
+        require(len(set(row[first:blocks].tolist())) == blocks - first, f"slot {slot} maps one page twice: {row}")
 
     # Internals.
 
@@ -364,23 +342,6 @@ class PageManager:
         if not self.live[slot]:
             raise ValueError(f"{name} {slot} is not in use; call add() first")
         return slot
-
-    def _blocks(self, tokens: np.ndarray, count: int) -> Iterator[bytes]:
-        """The bytes of a prompt's first `count` full blocks."""
-        for block in range(count):
-            yield tokens[block * self.page_size : (block + 1) * self.page_size].tobytes()
-
-    def _cached_prefix(self, tokens, salt: bytes) -> list[int]:
-        """The cached pages of a prompt's longest page-aligned hit, leaving its last token out."""
-        tokens, salt = _token_array(tokens), _salt(salt)
-        count = min(max(len(tokens) - 1, 0) // self.page_size, self.max_pages_per_sequence)
-        pages = []
-        for key in block_chain(salt, self._blocks(tokens, count)):
-            page = self.pool.find(key)
-            if page is None:
-                break
-            pages.append(page)
-        return pages
 
     def _release_blocks(self, slot: int, first: int) -> None:
         """Releases a slot's blocks from `first` on, latest first.

@@ -82,7 +82,8 @@ def block_chain(salt: bytes, blocks: Iterable[bytes]) -> Iterator[BlockKey]:
         parent = key.digest
 
 
-def _require(condition, message: str) -> None:
+def require(condition, message: str) -> None:
+    """An invariant `check()` asserts: raises `AssertionError(message)` when it does not hold (even under -O)."""
     if not condition:
         raise AssertionError(message)
 
@@ -205,25 +206,25 @@ class BlockPool:
     def check(self) -> None:
         """Asserts every invariant of the pool, raising `AssertionError` naming the first broken one."""
         free, cached, registered = set(self._free), set(self._cached), set(self._key_of_page)
-        _require(len(free) == len(self._free), f"free list has duplicates: {self._free}")
-        _require(not free & cached, f"pages both free and cached: {sorted(free & cached)}")
-        _require(NULL_PAGE not in free | cached | registered, "the null page is free, cached or registered")
-        _require(self.refcount[NULL_PAGE] == 0, f"the null page has refcount {self.refcount[NULL_PAGE]}")
-        _require((self.refcount >= 0).all(), f"negative refcounts on pages {np.flatnonzero(self.refcount < 0)}")
-        _require(all(0 < p < self.num_pages for p in free | cached | registered), "a page is out of range")
-        _require(not self.refcount[list(free | cached)].any(), "a free or cached page is referenced")
+        require(len(free) == len(self._free), f"free list has duplicates: {self._free}")
+        require(not free & cached, f"pages both free and cached: {sorted(free & cached)}")
+        require(NULL_PAGE not in free | cached | registered, "the null page is free, cached or registered")
+        require(self.refcount[NULL_PAGE] == 0, f"the null page has refcount {self.refcount[NULL_PAGE]}")
+        require((self.refcount >= 0).all(), f"negative refcounts on pages {np.flatnonzero(self.refcount < 0)}")
+        require(all(0 < p < self.num_pages for p in free | cached | registered), "a page is out of range")
+        require(not self.refcount[list(free | cached)].any(), "a free or cached page is referenced")
         live = int((self.refcount > 0).sum())
-        _require(
+        require(
             len(free) + len(cached) + live == self.num_pages - 1,
             f"free {len(free)} + cached {len(cached)} + live {live} != {self.num_pages - 1} pages",
         )
-        _require(
+        require(
             all(self._page_of_digest.get(key.digest) == page for page, key in self._key_of_page.items())
             and len(self._page_of_digest) == len(self._key_of_page),
             "registered pages and digests disagree",
         )
         unreferenced = {page for page in registered if self.refcount[page] == 0}
-        _require(
+        require(
             cached == unreferenced,
             f"cached pages {sorted(cached)} != unreferenced registered pages {sorted(unreferenced)}",
         )
