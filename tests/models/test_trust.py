@@ -294,6 +294,18 @@ def test_tensors_that_do_not_fit_are_refused_by_name(tmp_path, change, message):
         models.from_pretrained(write_checkpoint(tmp_path / "c", config, tensors), max_len=8)
 
 
+def test_gpt2_mask_buffers_of_any_dtype_are_allowed_and_left_unread(tmp_path):
+    """Older GPT-2 checkpoints keep the causal mask as `attn.bias` / `attn.masked_bias`: not weights, not refused."""
+    config, tensors = fixture("gpt2")
+    tensors["transformer.h.0.attn.bias"] = np.tril(np.ones((1, 1, 8, 8), np.bool_))
+    tensors["transformer.h.1.attn.masked_bias"] = np.array(-1e4, np.float32)
+    model = models.from_pretrained(write_checkpoint(tmp_path / "c", config, tensors), max_len=8)
+    reference = models.from_pretrained(FIXTURES / "gpt2", max_len=8)
+    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                      nnx.to_flat_state(nnx.state(reference, nnx.Param)), strict=True):
+        np.testing.assert_array_equal(got[...], want[...], err_msg=str(path))
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_non_finite_weights_are_refused(tmp_path, value):
     config, tensors = fixture("llama")

@@ -55,7 +55,7 @@ class Row(NamedTuple):
     source: str
     """Its name without the base prefix; `{i}` stands for a layer index."""
     targets: tuple[str, ...]
-    """The kvattn parameter paths it fills (`{i}` as in `source`); () for a buffer that is read and dropped."""
+    """The kvattn parameter paths it fills (`{i}` as in `source`); () for a buffer, left unread."""
     shape: tuple[str, ...] | None
     """Its stored shape in named sizes (see `_sizes`); None: any (buffers only)."""
     convert: Callable = lambda w, config: (w,)
@@ -162,7 +162,7 @@ GPT2 = ("transformer.", (
     Row("h.{i}.mlp.c_fc.bias", ("blocks/{i}/mlp/up/bias",), ("I",)),
     Row("h.{i}.mlp.c_proj.weight", ("blocks/{i}/mlp/down/kernel",), ("I", "D")),
     Row("h.{i}.mlp.c_proj.bias", ("blocks/{i}/mlp/down/bias",), ("D",)),
-    # Non-parameter buffers some GPT-2 checkpoints keep (the causal mask): read past, never used.
+    # Non-parameter buffers some GPT-2 checkpoints keep (the causal mask): allowed, never read.
     Row("h.{i}.attn.bias", (), None, optional=True),
     Row("h.{i}.attn.masked_bias", (), None, optional=True),
 ))
@@ -296,7 +296,7 @@ def match_headers(config: ModelConfig, headers: dict[str, _Header]) -> dict[str,
         want = expected.get(short)
         if want is None:
             continue
-        if header.dtype not in _FLOATS:
+        if want.targets and header.dtype not in _FLOATS:  # a buffer read past (GPT-2's mask) may be anything
             problems.append(f"{header.name} is {header.dtype}; weights must be one of {sorted(_FLOATS)}")
         elif want.shape is not None and header.shape != want.shape:
             problems.append(f"{header.name} has shape {header.shape}, expected {want.shape}")
