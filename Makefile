@@ -20,9 +20,11 @@ demo: $(STAMP)
 	$(BIN)/kvattn demo
 
 # The plain install first: a missing run-time dependency fails fast; the docs
-# site last (its examples already ran as doctests in the suite).
+# site last (its examples already ran as doctests in the suite). The suite
+# runs a test file per core (pytest-xdist), so a file's compiled programs stay
+# shared between its tests.
 test: plain-install $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 	$(MAKE) docs
 
 # The documentation site, into site/; --strict turns every warning (a broken
