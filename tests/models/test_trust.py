@@ -216,13 +216,15 @@ def fixture(family: str) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("field, value, message", [
     ("vocab_size", 4_000_000, r"model.embed_tokens.weight has shape \(97, 64\), expected \(4000000, 64\)"),
-    ("vocab_size", 10**12, "expected"),
+    ("vocab_size", 10**12, "vocab_size must be a positive int of at most 2147483647"),
     ("num_hidden_layers", 10**6, "1000000 layers, but the checkpoint holds only"),
-    ("hidden_size", 0, "hidden_size must be a positive int, got 0"),
-    ("hidden_size", 64.0, "hidden_size must be a positive int, got 64.0"),
+    ("hidden_size", 0, "hidden_size must be a positive int of at most 2147483647, got 0"),
+    ("head_dim", 10**12, "head_dim must be a positive int of at most 2147483647"),  # found by the wide fuzz
+    ("head_dim", 2**20, "head_dim must be at most 65536, got 1048576"),
+    ("hidden_size", 64.0, "hidden_size must be a positive int of at most 2147483647, got 64.0"),
     ("num_attention_heads", 3, "not a multiple of num_attention_heads=3|num_heads=3 must be a multiple"),
     ("num_key_value_heads", 3, "must be a multiple of num_kv_heads=3"),
-    ("num_key_value_heads", 0, "num_kv_heads must be a positive int, got 0"),
+    ("num_key_value_heads", 0, "num_kv_heads must be a positive int of at most 2147483647, got 0"),
     ("rms_norm_eps", -1.0, "norm_eps must be a positive finite number"),
     ("rms_norm_eps", "small", "norm_eps"),
     ("max_position_embeddings", None, "lacks 'max_position_embeddings'"),

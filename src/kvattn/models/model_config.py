@@ -18,12 +18,16 @@ import math
 
 import numpy as np
 
+from kvattn.config import INT32_MAX
 from kvattn.errors import UnsupportedConfigError
 from kvattn.rope import RoPE, rope_tables
 
 __all__ = ["ModelConfig", "from_hf_config"]
 
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Far past any real model's (64-256), and small enough that checking the rotary
+# frequencies of a config, before its weights are read, allocates next to nothing.
+MAX_HEAD_DIM = 2**16
 _FAMILIES = ("gpt2", "llama")
 
 
@@ -59,6 +63,8 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
             object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        if self.head_dim > MAX_HEAD_DIM:
+            raise UnsupportedConfigError(f"head_dim must be at most {MAX_HEAD_DIM}, got {self.head_dim}")
         if self.sliding_window is not None:
             object.__setattr__(self, "sliding_window", _positive_int("sliding_window", self.sliding_window))
         if self.num_heads % self.num_kv_heads:
@@ -88,8 +94,8 @@ class ModelConfig:
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise UnsupportedConfigError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 1 <= value <= INT32_MAX:
+        raise UnsupportedConfigError(f"{name} must be a positive int of at most {INT32_MAX}, got {value!r}")
     return int(value)
 
 
@@ -164,7 +170,9 @@ def from_hf_config(config: dict) -> ModelConfig:
     rotary_dim = None
     if rotary is not None and rotary != 1.0:
         if isinstance(rotary, bool) or not isinstance(rotary, (int, float)) or not 0 < rotary <= 1:
-            raise UnsupportedConfigError(f"config.json has partial_rotary_factor={rotary!r}; expected a number in (0, 1]")
+            raise UnsupportedConfigError(
+                f"config.json has partial_rotary_factor={rotary!r}; expected a number in (0, 1]"
+            )
         rotary_dim = int(_positive_int("head_dim", head_dim) * rotary)
     sliding = None
     if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and config.get("use_sliding_window")):
@@ -178,7 +186,8 @@ def from_hf_config(config: dict) -> ModelConfig:
     return ModelConfig(
         family="llama", vocab_size=_get(config, "vocab_size"), hidden_size=_get(config, "hidden_size"),
         num_layers=_get(config, "num_hidden_layers"), num_heads=heads,
-        num_kv_heads=heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"], head_dim=head_dim,
+        num_kv_heads=heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"],
+        head_dim=head_dim,
         intermediate_size=_get(config, "intermediate_size"), norm_eps=_get(config, "rms_norm_eps", 1e-6),
         tie_embeddings=config.get("tie_word_embeddings", False),
         max_position_embeddings=_get(config, "max_position_embeddings"),
