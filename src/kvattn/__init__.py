@@ -2,8 +2,8 @@
 
 from kvattn.attention import MultiHeadAttention
 from kvattn.errors import (
-    CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError, SnapshotError,
-    UnsupportedConfigError,
+    CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
+    SnapshotError, UnsupportedConfigError,
 )
 from kvattn.config import AttentionConfig
 from kvattn.rope import RoPE

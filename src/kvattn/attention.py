@@ -292,7 +292,7 @@ class MultiHeadAttention(nnx.Module):
 
     @property
     def _cache_type(self):
-        """The module of the layer's cache type (`kvattn.cache` or `kvattn.paging.device`): the one place it is chosen."""
+        """The module of the layer's cache type (`kvattn.cache` or `kvattn.paging.device`), chosen here only."""
         return paged_ops if self.config.paged else cache_ops
 
     def _extend(self, xs, lengths, pages=None):

@@ -113,7 +113,8 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
                  cache_dtype=None, num_pages: int | None = None, page_size: int | None = None, rngs: nnx.Rngs):
-        if config.family == "gpt2" and isinstance(max_len, (int, np.integer)) and max_len > config.max_position_embeddings:
+        learned = config.family == "gpt2"
+        if learned and isinstance(max_len, (int, np.integer)) and max_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_len={max_len} exceeds the {config.max_position_embeddings} learned positions of this "
                 f"{config.family} model (n_positions): it cannot place a token past them"
@@ -165,7 +166,7 @@ class CausalLM(nnx.Module):
         return (x @ head).astype(jnp.float32)
 
     def _tokens(self, tokens, shape, lengths=None):
-        """`(tokens, valid)`: checked ids (eagerly: raises; traced: bad ids zeroed), and which rows hold only good ones."""
+        """`(tokens, valid)`: checked ids (eagerly it raises; traced, bad ids become 0) and the rows without a bad one."""
         tokens = token_ids(tokens, self.config.vocab_size, "tokens", shape)
         if not check.is_traced(tokens):
             return jnp.asarray(tokens), None

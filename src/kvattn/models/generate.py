@@ -69,7 +69,9 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
         lengths = np.asarray(check.host(lengths))
         if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer) or lengths.dtype == np.bool_ \
                 or lengths.min() < 1 or lengths.max() > num_prompt:
-            raise ValueError(f"lengths must be int ({batch},) in [1, {num_prompt}], got {lengths.dtype} {lengths.tolist()}")
+            raise ValueError(
+                f"lengths must be int ({batch},) in [1, {num_prompt}], got {lengths.dtype} {lengths.tolist()}"
+            )
     attention = model.blocks[0].attention
     pos = check.state(attention.config, attention.pos[...])
     check.capacity(attention.config, pos, lengths + max_new_tokens)
@@ -134,7 +136,8 @@ def stream(model: CausalLM, prompt, max_new_tokens: int, *, temperature: float =
     sampling = _sampling(model, temperature, top_k, top_p, rng)
     stop_tokens = stop_ids(stop_tokens, model.config.vocab_size)
     attention = model.blocks[0].attention
-    check.capacity(attention.config, check.state(attention.config, attention.pos[...]), prompt.shape[1] + max_new_tokens)
+    pos = check.state(attention.config, attention.pos[...])
+    check.capacity(attention.config, pos, prompt.shape[1] + max_new_tokens)
     padded = np.zeros((1, _bucket(prompt.shape[1])), np.int32)
     padded[:, : prompt.shape[1]] = prompt
     # Checked above, eagerly; the tokens come from a generator, which runs only when iterated.

@@ -43,7 +43,8 @@ def token_ids(value, vocab_size: int, name: str, shape: tuple[int | None, ...]) 
     dtype = np.dtype(array.dtype) if array.dtype != object else None
     if dtype is None or dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
         raise TypeError(f"{name} must be integer token ids, got dtype {array.dtype}")
-    wanted = "(" + ", ".join("T" if size is None else str(size) for size in shape) + ("," if len(shape) == 1 else "") + ")"
+    sizes = ["T" if size is None else str(size) for size in shape]
+    wanted = "(" + ", ".join(sizes) + ("," if len(sizes) == 1 else "") + ")"
     if array.ndim != len(shape) or any(want is not None and got != want for got, want in zip(array.shape, shape)):
         raise ValueError(f"{name} must have shape {wanted}, got {tuple(array.shape)}")
     if check.is_traced(array):
