@@ -13,7 +13,7 @@ setup: $(STAMP)
 # Exact versions come from constraints.txt, so every clone installs the same thing.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench,generate,docs]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench,generate,serve,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,4 +1,4 @@
-"""`kvattn demo` and `kvattn generate`: parse arguments, call the library.
+"""`kvattn demo`, `kvattn generate` and `kvattn serve`: parse arguments, call the library.
 
 Bad input never ends in a traceback: one line on stderr, `kvattn <command>:
 <what was expected, what was got>`, and exit status 2 for arguments refused
@@ -43,6 +43,8 @@ _POSITIVE = _number("int", ">= 1", lambda v: v >= 1)
 _TOKEN_ID = _number("int", ">= 0", lambda v: v >= 0)
 _TEMPERATURE = _number("float", ">= 0 and finite (0: greedy)", lambda v: math.isfinite(v) and v >= 0)
 _TOP_P = _number("float", "in (0, 1]", lambda v: 0 < v <= 1)
+_PORT = _number("int", "in [0, 65535]", lambda v: 0 <= v <= 65535)
+_SECONDS = _number("float", ">= 0 and finite", lambda v: math.isfinite(v) and v >= 0)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +76,27 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     generate.set_defaults(run=functools.partial(_generate, usage=generate))
+
+    serve = commands.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API (continuous batching)")
+    serve.add_argument("checkpoint", help="directory with config.json, model.safetensors and tokenizer.json")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=_PORT, default=8000)
+    serve.add_argument("--model-name", help="the `model` requests name (default: the directory's name)")
+    serve.add_argument("--max-len", type=_POSITIVE, help="context per sequence (default: the checkpoint's, at most "
+                       "4096)")
+    serve.add_argument("--max-batch", type=_POSITIVE, default=8, help="sequences decoded together")
+    serve.add_argument("--page-size", type=_POSITIVE, default=16)
+    serve.add_argument("--num-pages", type=_POSITIVE, help="pages in the pool (default: every sequence at full "
+                       "length, plus one)")
+    serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 4 pages)")
+    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
+    serve.add_argument("--chat-template", help="a jinja2 file replacing the checkpoint's chat_template")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/")
+    serve.add_argument("--shutdown-timeout", type=_SECONDS, default=30.0,
+                       help="on SIGTERM, seconds running requests get to finish")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    serve.set_defaults(run=functools.partial(_serve, usage=serve))
     return parser
 
 
@@ -117,6 +140,55 @@ def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
     elapsed = time.perf_counter() - start
     rate = (count - 1) / elapsed if count > 1 and elapsed > 0 else float("nan")
     print(f"\n{count} tokens; {rate:.1f} tokens/s after the first", file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
+    """Loads everything and checks it before the port opens; serves until SIGTERM; exits 0 after a graceful stop."""
+    import json
+
+    from kvattn import extra
+
+    for module in ("fastapi", "uvicorn", "jinja2", "prometheus_client", "tokenizers"):
+        extra.require(module, extra_name="serve")
+    from kvattn import models
+    from kvattn.serving import Server
+    from kvattn.serving.engine import Engine
+    from kvattn.serving.http import create_app, run
+    from kvattn.serving.metrics import Metrics
+    from kvattn.serving.text import Tokenizer
+
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_dir():
+        usage.error(f"expected a checkpoint directory, got {args.checkpoint!r}")
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            usage.error(f"expected --chat-template to name a file, got {args.chat_template!r}")
+        template = path.read_text()
+    tokenizer = Tokenizer.from_directory(checkpoint, chat_template=template)
+    config = json.loads((checkpoint / "config.json").read_text())
+    max_len = args.max_len or min(int(config.get("max_position_embeddings") or config.get("n_positions") or 4096),
+                                  4096)
+    chunk = args.chunk or 4 * args.page_size
+    if chunk % args.page_size:
+        usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")
+    pages_per_sequence = -(-max_len // args.page_size)
+    num_pages = args.num_pages or args.max_batch * pages_per_sequence + 1
+    model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=args.max_batch, dtype=args.dtype,
+                                   num_pages=num_pages, page_size=args.page_size)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+                         f"{model.config.vocab_size}")
+    metrics = Metrics()
+    engine = Engine(Server(model, chunk=chunk, prefix_caching=args.prefix_caching), max_waiting=args.max_waiting,
+                    on_step=metrics.on_step, on_error=lambda _: metrics.engine_errors.inc())
+    app = create_app(engine, tokenizer, metrics, model_name=args.model_name or checkpoint.resolve().name,
+                     max_len=max_len, api_key=args.api_key)
+    print(f"kvattn serve: {checkpoint} on http://{args.host}:{args.port} (max_len {max_len}, batch {args.max_batch}, "
+          f"{num_pages} pages of {args.page_size})", file=sys.stderr, flush=True)
+    run(app, engine, host=args.host, port=args.port, shutdown_seconds=args.shutdown_timeout)
     return 0
 
 

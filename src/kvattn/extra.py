@@ -1,7 +1,8 @@
 """Optional extras, imported only where they are used, so `import kvattn` needs only the core dependencies.
 
 `bench` (rich, matplotlib, tqdm) serves `kvattn demo` and the repository's
-benchmarks; `generate` (tokenizers) serves `kvattn generate --prompt`.
+benchmarks; `generate` (tokenizers) serves `kvattn generate --prompt`; `serve`
+(FastAPI, uvicorn, tokenizers, jinja2, prometheus_client) serves `kvattn serve`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from kvattn.errors import MissingExtraError
 __all__ = ["BENCH_MODULES", "require"]
 
 BENCH_MODULES = ("rich", "matplotlib", "tqdm")
-_USERS = {"bench": "kvattn demo and the benchmarks need", "generate": "kvattn generate --prompt needs"}
+_USERS = {"bench": "kvattn demo and the benchmarks need", "generate": "kvattn generate --prompt needs",
+          "serve": "kvattn serve needs"}
 
 
 def require(module: str, extra_name: str = "bench") -> ModuleType:

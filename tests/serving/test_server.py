@@ -110,3 +110,55 @@ def test_a_windowed_server_counts_the_pages_a_whole_chunk_needs():
     with pytest.raises(ValueError, match="can never fit"):
         server.submit(list(range(1, 41)), 1)
     server.submit(list(range(1, 9)), 1)  # an 8-token chunk fits
+
+
+def test_n_choices_share_the_prompt_pages_and_each_samples_its_own_stream():
+    _, _, server = fixture_run("llama")
+    prompt = list(expected("llama")["prompts"][1, :7])  # one chunk: a full page of 4 and a partial one
+    live = []
+    first = server.submit(prompt, 3, n=3, sampling=models.Sampling(1.0), seed=5,
+                          on_token=lambda index, token: live.append(server.manager.num_live))
+    completions = server.run()
+    # Admitted together, the prompt prefilled once and forked: the choices map the leader's two pages. Then each
+    # writes its first token: two take a private copy of the shared partial page, the last writes it in place.
+    assert live[:6] == [2, 2, 2, 4, 4, 4]
+    assert [c.request for c in completions] == [first, first + 1, first + 2]
+    assert len({tuple(c.tokens) for c in completions}) > 1, "three streams of one seed differ"
+    server.manager.check()
+    again = server.submit(prompt, 3, n=3, sampling=models.Sampling(1.0), seed=5)
+    assert [c.tokens for c in server.run()] == [c.tokens for c in completions], "a seed reproduces its choices"
+    assert again == first + 3
+
+
+def test_abort_frees_pages_at_once_and_streams_every_token(monkeypatch):
+    _, _, server = fixture_run("llama")
+    seen = []
+    running = server.submit(list(range(1, 12)), 12, on_token=lambda i, token: seen.append((i, token.id)))
+    queued = [server.submit([1, 2, 3], 12) for _ in range(4)]  # three slots: the last two wait
+    server.step()
+    server.step()
+    assert server.stats.running == 3 and server.stats.waiting == 2 and len(seen) == 2
+    aborted = server.abort(running)
+    assert aborted.finish_reason == "abort" and aborted.tokens == [t for _, t in seen]
+    assert server.abort(queued[-1]).tokens == [] and server.abort(running) is None
+    assert server.stats.running == 2 and server.stats.waiting == 1
+    server.manager.check()
+    done = server.run()
+    assert [c.request for c in done] == queued[:3] and all(c.finish_reason == "length" for c in done)
+    assert server.manager.num_live == 0
+    server.manager.check()
+
+
+def test_per_request_sampling_and_top_logprobs():
+    _, _, server = fixture_run("llama")
+    tokens = []
+    server.submit([5, 6, 7], 4, top_logprobs=3, on_token=lambda i, token: tokens.append(token))
+    server.submit([5, 6, 7], 4, sampling=models.Sampling(0.7, top_k=2), seed=1)
+    greedy, _ = server.run()
+    assert [t.id for t in tokens] == greedy.tokens
+    for token in tokens:
+        assert len(token.top) == 3 and token.top[0][0] == token.id and token.top[0][1] == token.logprob
+    with pytest.raises(ValueError, match="seed"):
+        server.submit([1], 2, seed=-1)
+    with pytest.raises(ValueError, match="n must be at most"):
+        server.submit([1], 2, n=4)

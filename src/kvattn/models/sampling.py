@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Sampling", "sample", "sample_with_logprob"]
+__all__ = ["MAX_TOP_LOGPROBS", "RowSampling", "Sampling", "sample", "sample_rows", "sample_with_logprob"]
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token `sample_rows` reports (OpenAI's `top_logprobs` limit)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +91,67 @@ def sample_with_logprob(logits: jax.Array, key: jax.Array, sampling: Sampling) -
     token = sample(logits, key, sampling)
     logprobs = jax.nn.log_softmax(logits / (sampling.temperature or 1.0), axis=-1)
     return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling settings as arrays, so one compiled program serves every mix of requests.
+
+    Row b samples at `temperature[b]` (0: greedy), among its `top_k[b]` most
+    likely tokens (0: all) holding probability `top_p[b]` (1: all), with the
+    key `fold_in(fold_in(key(seed[b]), stream[b]), index[b])`: a request's
+    tokens depend on its seed, its stream (one per choice of a request) and
+    the token's index, never on which other requests share the batch.
+    """
+
+    temperature: jax.Array  # (B,) float32
+    top_k: jax.Array  # (B,) int32
+    top_p: jax.Array  # (B,) float32
+    seed: jax.Array  # (B,) uint32
+    stream: jax.Array  # (B,) uint32
+    index: jax.Array  # (B,) uint32
+
+    @classmethod
+    def of(cls, rows: list[tuple[Sampling, int, int, int]], batch: int) -> RowSampling:
+        """Host arrays for `rows` of `(sampling, seed, stream, index)`, padded to `batch` greedy rows."""
+        values = np.zeros((6, batch), np.float64)
+        values[2] = 1.0
+        for row, (sampling, seed, stream, index) in enumerate(rows):
+            values[:, row] = (sampling.temperature, sampling.top_k or 0, sampling.top_p or 1.0, seed, stream, index)
+        return cls(values[0].astype(np.float32), values[1].astype(np.int32), values[2].astype(np.float32),
+                   *(v.astype(np.uint32) for v in values[3:]))
+
+
+def _row_filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`logits` `(B, V)` with what lies outside each row's top-k and then top-p set at -inf (ties at the edge stay)."""
+    vocab = logits.shape[-1]
+    ranked = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    ranked = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ranked, -jnp.inf)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.maximum(jnp.sum((before < top_p[:, None]) & (ranked > -jnp.inf), axis=-1), 1)  # the best always stays
+    threshold = jnp.take_along_axis(ranked, (kept - 1)[:, None], axis=-1)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def sample_rows(logits: jax.Array, settings: RowSampling) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token per row of `logits` `(B, V)`, each row with its own `settings`.
+
+    Returns:
+      `(tokens, logprobs, top_ids, top_logprobs)`: int32 `(B,)`; each token's
+      log-probability under the model after its temperature, float32 `(B,)`;
+      the `MAX_TOP_LOGPROBS` most likely tokens and their log-probabilities,
+      `(B, MAX_TOP_LOGPROBS)`.
+    """
+    temperature = settings.temperature
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    filtering = jnp.any((settings.top_k > 0) | (settings.top_p < 1.0))
+    filtered = jax.lax.cond(filtering, _row_filter, lambda x, *_: x, scaled, settings.top_k, settings.top_p)
+    keys = jax.vmap(lambda s, t, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), t), i))(
+        settings.seed, settings.stream, settings.index)
+    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
+    tokens = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen, top_ids.astype(jnp.int32), top_logprobs

@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +49,21 @@ from flax import nnx
 
 from kvattn import validation as check
 from kvattn.models.decoder import CausalLM
-from kvattn.models.sampling import Sampling, sample_with_logprob
+from kvattn.models.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampling, sample_rows
 from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.paging import OutOfPagesError, PageBatch, PageManager
 
-__all__ = ["Completion", "Server"]
+__all__ = ["Completion", "Server", "Stats", "Token"]
+
+
+class Token(NamedTuple):
+    """One new token of a request, as its `on_token` callback receives it."""
+
+    id: int
+    logprob: float
+    """Its log-probability under the model (after the request's temperature)."""
+    top: tuple[tuple[int, float], ...]
+    """The request's `top_logprobs` most likely tokens and their log-probabilities, most likely first."""
 
 
 @dataclasses.dataclass
@@ -69,15 +82,43 @@ class Completion:
     """Times it was preempted and recomputed."""
     first_token_seconds: float
     """Wall time from its (last) admission to its first new token."""
+    finish_reason: str = "length"
+    """`"stop"` (it produced a stop token), `"length"` (`max_new_tokens`) or `"abort"` (`Server.abort`)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Counts for monitoring; the totals grow over the server's life."""
+
+    waiting: int
+    """Requests queued, not holding a slot."""
+    running: int
+    """Requests holding a slot."""
+    pages_free: int
+    pages_cached: int
+    """Unreferenced pages kept for the prefix cache (evictable)."""
+    pages_live: int
+    prompt_tokens: int
+    """Prompt tokens of every admission (a recomputed request counts again)."""
+    cached_tokens: int
+    """Of those, the ones found in the prefix cache."""
+    generated_tokens: int
+
+
+@dataclasses.dataclass(eq=False)
 class _Request:
     index: int
     prompt: list[int]
     max_new_tokens: int
     stop_tokens: frozenset
     salt: bytes
+    sampling: Sampling
+    seed: int
+    stream: int  # which choice of its submit: each has its own random stream
+    top_logprobs: int
+    on_token: Callable[[int, Token], None] | None
+    siblings: list[_Request] = dataclasses.field(default_factory=list)  # forked from it after its prompt
+    leader: _Request | None = None  # set while this choice waits to be forked from its leader
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     preemptions: int = 0
@@ -91,6 +132,22 @@ class _Request:
         """Tokens whose keys and values the sequence needs: the prompt, then all but the last new token."""
         return self.prompt + self.generated[:-1] if self.generated else self.prompt
 
+    @property
+    def group(self) -> list[_Request]:
+        """It and the choices still waiting to be forked from it."""
+        return [self, *self.siblings]
+
+    def settings(self) -> tuple[Sampling, int, int, int]:
+        """Its row of `RowSampling` for the next token."""
+        return self.sampling, self.seed, self.stream, len(self.generated)
+
+    def append(self, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray):
+        self.generated.append(token)
+        self.logprobs.append(logprob)
+        if self.on_token is not None:
+            top = tuple(zip(top_ids[: self.top_logprobs].tolist(), top_logprobs[: self.top_logprobs].tolist()))
+            self.on_token(self.index, Token(token, logprob, top))
+
 
 class Server:
     """Serves requests on a paged `CausalLM` with continuous batching and prefix caching.
@@ -101,9 +158,10 @@ class Server:
       chunk: prefill chunk in tokens, a multiple of the page size.
       prefix_caching: share the pages of equal prompt prefixes (off with a
         sliding window, whose early pages are freed).
-      temperature, top_k, top_p: sampling, as in `kvattn.models.generate`
-        (greedy by default).
-      rng: a `jax.random.key`, needed when `temperature > 0`.
+      temperature, top_k, top_p: the sampling of a request that names none,
+        as in `kvattn.models.generate` (greedy by default).
+      rng: a `jax.random.key`, needed when `temperature > 0`; it draws the
+        seed of each request that brings none.
 
     Example:
       >>> import jax.numpy as jnp
@@ -143,17 +201,34 @@ class Server:
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each step may donate it
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
         self._sampling = sampling
-        self._key = jax.random.key(0) if rng is None else rng
+        seed = None if rng is None else np.asarray(jax.random.key_data(rng)).ravel().tolist()
+        self._seeds = np.random.default_rng(seed)  # without rng: fresh entropy
         self._queue: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * config.batch_size
         self._prefilled = np.zeros(config.batch_size, np.int64)  # context tokens already in the cache
         self._submitted = 0
-        self._done: dict[int, Completion] = {}
+        self._totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0)
 
     # ------------------------------------------------------------------ public
 
-    def submit(self, prompt, max_new_tokens: int, *, stop_tokens=(), salt: bytes = b"") -> int:
-        """Queues a request; returns its index. Raises if it could never fit."""
+    def submit(self, prompt, max_new_tokens: int, *, stop_tokens=(), salt: bytes = b"", n: int = 1,
+               sampling: Sampling | None = None, seed: int | None = None, top_logprobs: int = 0,
+               on_token: Callable[[int, Token], None] | None = None) -> int:
+        """Queues a request; returns its index. Raises, taking no index, if it could never fit.
+
+        Args:
+          prompt: token ids, one or more.
+          max_new_tokens: tokens to produce at most.
+          stop_tokens: the request ends after producing one of these.
+          salt: prefix-cache namespace: only requests with the same salt share pages.
+          n: choices: `n` requests under indices `index .. index + n - 1`
+            that share the prompt's pages (prefilled once, then forked).
+          sampling: this request's `Sampling` (default: the server's).
+          seed: its random stream (default: drawn from the server's `rng`);
+            the same seed gives the same tokens, whatever else is running.
+          top_logprobs: alternatives per token passed to `on_token`, at most `MAX_TOP_LOGPROBS`.
+          on_token: called as `on_token(index, Token)` by `step()` for every new token.
+        """
         prompt = token_ids(prompt, self.vocab_size, "prompt", (None,)).tolist()
         if not prompt:
             raise ValueError("prompt must hold one or more token ids, got none")
@@ -161,42 +236,95 @@ class Server:
         stops = frozenset(stop_ids(stop_tokens, self.vocab_size))
         if not isinstance(salt, bytes):
             raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
+        n = check.positive_int(n, "n")
+        if n > self.config.batch_size:
+            raise ValueError(f"n must be at most the batch size {self.config.batch_size}, got {n}")
+        if sampling is None:
+            sampling = self._sampling
+        elif not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a kvattn.models.Sampling, got {type(sampling).__name__}")
+        sampling.check_vocab(self.vocab_size)
+        seed = _bounded_int(seed, "seed", 0, 2**32 - 1) if seed is not None else int(self._seeds.integers(2**32))
+        top_logprobs = _bounded_int(top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if on_token is not None and not callable(on_token):
+            raise TypeError(f"on_token must be callable or None, got {type(on_token).__name__}")
         total = len(prompt) + int(max_new_tokens) - 1  # the last new token is never fed back
-        if total > self.config.max_len or self._pages_needed(total) > self.config.num_pages - 1:
+        pages = self._pages_needed(total)
+        if total > self.config.max_len or pages > self.config.num_pages - 1:
             raise ValueError(
                 f"a request of {len(prompt)} prompt + {max_new_tokens} new tokens can never fit: a sequence holds "
                 f"at most max_len={self.config.max_len} tokens, in a pool of {self.config.num_pages - 1} pages of "
-                f"{self.config.page_size} (it needs {self._pages_needed(total)})"
+                f"{self.config.page_size} (it needs {pages})"
             )
-        request = _Request(self._submitted, prompt, int(max_new_tokens), stops, salt)
-        self._queue.append(request)
-        self._submitted += 1  # only now: a refused request takes no index
-        return request.index
+        if self._group_pages(len(prompt), n) > self.config.num_pages - 1:
+            raise ValueError(f"{n} choices of a {len(prompt)}-token prompt can never start together: they need "
+                             f"{self._group_pages(len(prompt), n)} pages, the pool has {self.config.num_pages - 1}")
+        requests = [_Request(self._submitted + i, prompt, max_new_tokens, stops, salt, sampling, seed, i,
+                             top_logprobs, on_token) for i in range(n)]
+        leader = requests[0]
+        for sibling in requests[1:]:
+            sibling.leader = leader
+        leader.siblings = requests[1:]
+        self._queue.append(leader)
+        self._submitted += n  # only now: a refused request takes no index
+        return leader.index
+
+    def abort(self, index: int) -> Completion | None:
+        """Ends request `index` now, freeing its slot and pages; None if it is not queued or running.
+
+        A request whose prompt is not prefilled yet ends with the other choices of its `submit`.
+        """
+        for request in list(self._queue):
+            if index in (r.index for r in request.group):
+                self._queue.remove(request)
+                return self._aborted(request.group, index)
+        for slot, request in enumerate(self._slots):
+            if request is not None and request.index == index:
+                group = request.group if request.leader is None else request.leader.group
+                for member in group:
+                    self._release(self._slots.index(member))
+                return self._aborted(group, index)
+        return None
 
     @property
     def idle(self) -> bool:
         return not self._queue and all(s is None for s in self._slots)
 
+    @property
+    def stats(self) -> Stats:
+        running = sum(r is not None for r in self._slots)
+        waiting = sum(len(r.group) for r in self._queue)
+        return Stats(waiting, running, self.manager.num_free, self.manager.num_cached, self.manager.num_live,
+                     **self._totals)
+
     def step(self) -> list[Completion]:
         """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished."""
         self._admit()
         for slot, request in enumerate(self._slots):
-            if request is not None and self._prefilled[slot] < len(request.context):
+            if self._slots[slot] is request and self._prefilling(slot):  # an earlier chunk may have preempted it
                 self._prefill_chunk(slot)
         finished = self._retire_finished()  # a first token may already end a request
-        decoding = [s for s, r in enumerate(self._slots) if r is not None and self._prefilled[s] >= len(r.context)]
+        decoding = [s for s, r in enumerate(self._slots) if r is not None and self._decoding(s)]
         if decoding:
             self._decode(decoding)
         return finished + self._retire_finished()
 
     def run(self) -> list[Completion]:
-        """Steps until every submitted request has finished; their completions in `submit` order."""
+        """Steps until every submitted request has finished; the completions of this run in `submit` order."""
+        done = []
         while not self.idle:
-            self.step()
-        done, self._done = self._done, {}
-        return [done[i] for i in sorted(done)]
+            done += self.step()
+        return sorted(done, key=lambda c: c.request)
 
     # ---------------------------------------------------------------- internal
+
+    def _prefilling(self, slot: int) -> bool:
+        request = self._slots[slot]
+        return request is not None and request.leader is None and self._prefilled[slot] < len(request.context)
+
+    def _decoding(self, slot: int) -> bool:
+        request = self._slots[slot]
+        return request.leader is None and self._prefilled[slot] >= len(request.context)
 
     def _pages_needed(self, tokens: int) -> int:
         """Pages a sequence holds at most while it grows to `tokens`, prefilled a chunk at a time."""
@@ -208,22 +336,33 @@ class Server:
         chunk = -(-(window - 1 + min(self.chunk, tokens)) // manager.page_size) + 1
         return min(whole, max(manager.pages_for(tokens), chunk))
 
+    def _group_pages(self, tokens: int, n: int) -> int:
+        """Pages `n` choices of a `tokens`-long context hold after forking: shared pages, a private last page each."""
+        return self._pages_needed(tokens) + (n - 1) * bool(tokens % self.manager.page_size)
+
     def _admit(self):
-        while self._queue and None in self._slots:
+        while self._queue:
             request = self._queue[0]
-            needed = self._pages_needed(len(request.context))
-            if needed > self.manager.num_free + self.manager.num_cached:
+            group = request.group
+            needed = self._group_pages(len(request.context), len(group))
+            if self._slots.count(None) < len(group) or needed > self.manager.num_free + self.manager.num_cached:
                 return
             self._queue.popleft()
-            slot = self.manager.add()
+            now = time.perf_counter()
+            for member in group:
+                slot = self.manager.add()
+                member.admitted_at = now
+                if member.first_admitted is None:
+                    member.first_admitted = now
+                self._slots[slot] = member
+                self._prefilled[slot] = 0
+            slot = self._slots.index(request)
             request.cached_tokens = (
                 self.manager.attach(slot, request.context, request.salt) if self.prefix_caching else 0
             )
             self._prefilled[slot] = request.cached_tokens
-            request.admitted_at = time.perf_counter()
-            if request.first_admitted is None:
-                request.first_admitted = request.admitted_at
-            self._slots[slot] = request
+            self._totals["prompt_tokens"] += len(request.context)
+            self._totals["cached_tokens"] += request.cached_tokens
 
     def _reserve(self, counts: np.ndarray) -> PageBatch:
         """Reserves pages for `counts`, preempting the most recently admitted requests while pages run short."""
@@ -231,21 +370,32 @@ class Server:
             try:
                 return self.manager.reserve(counts)
             except OutOfPagesError:
-                running = [s for s, r in enumerate(self._slots) if r is not None]
-                if len(running) <= 1:
+                leaders = {id(r.leader or r): r.leader or r for r in self._slots if r is not None}
+                if len(leaders) <= 1:
                     raise
-                victim = max(running, key=lambda s: self._slots[s].first_admitted)
-                counts[victim] = 0
+                victim = max(leaders.values(), key=lambda r: r.first_admitted)
+                for member in victim.group:
+                    counts[self._slots.index(member)] = 0
                 self._preempt(victim)
 
-    def _preempt(self, slot: int):
+    def _release(self, slot: int):
+        """Frees a slot and its pages, registering what it prefilled for the prefix cache."""
         request = self._slots[slot]
-        if self.prefix_caching:
+        if self.prefix_caching and request.leader is None:
             self.manager.register(slot, request.context[: self._prefilled[slot]], request.salt)
         self.manager.free(slot)
         self._slots[slot] = None
+
+    def _preempt(self, request: _Request):
+        """Back to the head of the queue, with the choices still waiting for it."""
+        for member in request.group:
+            self._release(self._slots.index(member))
         request.preemptions += 1
         self._queue.appendleft(request)
+
+    def _rows(self, requests: list[_Request | None]) -> RowSampling:
+        rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0) for r in requests]
+        return RowSampling.of(rows, self.config.batch_size)
 
     def _prefill_chunk(self, slot: int):
         request = self._slots[slot]
@@ -258,19 +408,27 @@ class Server:
             return
         tokens = np.zeros((1, self.chunk), np.int32)
         tokens[0, : end - start] = context[start:end]
-        self._key, key = jax.random.split(self._key)
-        token, logprob = self._run(
-            _prefill_program, tokens, np.int32([end - start]), batch.table[slot : slot + 1], batch.pos[slot : slot + 1],
-            batch.copy_from, batch.copy_to, key,
+        group = request.group  # each choice samples its first token from these logits
+        new, logprobs, top_ids, top_logprobs = self._run(
+            _prefill_program, tokens, np.int32([end - start]), batch.table[slot : slot + 1],
+            batch.pos[slot : slot + 1], batch.copy_from, batch.copy_to, self._rows(group),
         )
         self._prefilled[slot] = end
-        if end == len(context):
-            if self.prefix_caching:
-                self.manager.register(slot, context, request.salt)
-            if not request.generated:  # a recomputed request already has its next token
-                request.generated.append(int(token))
-                request.logprobs.append(float(logprob))
-                request.first_token_seconds = time.perf_counter() - request.admitted_at
+        if end < len(context):
+            return
+        if self.prefix_caching:
+            self.manager.register(slot, context, request.salt)
+        for row, member in enumerate(group):
+            if member is not request:  # a choice: the prompt's pages by reference, a private copy of a partial one
+                target = self._slots.index(member)
+                self.manager.fork(slot, target)
+                self._prefilled[target] = end
+                member.leader = None
+            if not member.generated:  # a recomputed request already has its next token
+                member.append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
+                member.first_token_seconds = time.perf_counter() - member.admitted_at
+                self._totals["generated_tokens"] += 1
+        request.siblings = []
 
     def _decode(self, slots: list[int]):
         counts = np.zeros(self.config.batch_size, np.int32)
@@ -278,22 +436,22 @@ class Server:
         batch = self._reserve(counts)
         active = counts > 0
         tokens = np.zeros(self.config.batch_size, np.int32)
+        requests = [r if active[s] else None for s, r in enumerate(self._slots)]
         for slot in np.flatnonzero(active):
             tokens[slot] = self._slots[slot].generated[-1]
-        self._key, key = jax.random.split(self._key)
-        new, logprobs = self._run(
-            _decode_program, tokens, active, batch.table, batch.pos, batch.copy_from, batch.copy_to, key
+        new, logprobs, top_ids, top_logprobs = self._run(
+            _decode_program, tokens, active, batch.table, batch.pos, batch.copy_from, batch.copy_to,
+            self._rows(requests),
         )
         for slot in np.flatnonzero(active):
-            request = self._slots[slot]
             self._prefilled[slot] += 1
-            request.generated.append(int(new[slot]))
-            request.logprobs.append(float(logprobs[slot]))
+            self._slots[slot].append(int(new[slot]), float(logprobs[slot]), top_ids[slot], top_logprobs[slot])
+            self._totals["generated_tokens"] += 1
 
     def _run(self, program, *args):
         """One device call on the server's pools; on any failure, `_recover` and re-raise."""
         try:
-            *outputs, pools = program(self._graphdef, self._params, self._pools, *args, sampling=self._sampling)
+            *outputs, pools = program(self._graphdef, self._params, self._pools, *args)
             outputs = [np.asarray(output) for output in outputs]  # waits for the call to finish
         except BaseException:
             self._recover()
@@ -303,8 +461,8 @@ class Server:
 
     def _recover(self):
         """After a failed device call: every running request back to the queue; pages and prefix cache afresh."""
-        running = sorted((r for r in self._slots if r is not None), key=lambda r: r.first_admitted, reverse=True)
-        for request in running:
+        leaders = {id(r.leader or r): r.leader or r for r in self._slots if r is not None}
+        for request in sorted(leaders.values(), key=lambda r: r.first_admitted, reverse=True):
             request.preemptions += 1
             self._queue.appendleft(request)
         self._slots = [None] * self.config.batch_size
@@ -327,31 +485,42 @@ class Server:
 
     def _retire(self, slot: int) -> Completion:
         request = self._slots[slot]
-        if self.prefix_caching:
-            self.manager.register(slot, request.context[: self._prefilled[slot]], request.salt)
-        self.manager.free(slot)
-        self._slots[slot] = None
-        completion = Completion(
+        self._release(slot)
+        stopped = bool(request.generated) and request.generated[-1] in request.stop_tokens
+        return self._completion(request, "stop" if stopped else "length")
+
+    def _aborted(self, group: list[_Request], index: int) -> Completion:
+        return next(self._completion(r, "abort") for r in group if r.index == index)
+
+    @staticmethod
+    def _completion(request: _Request, reason: str) -> Completion:
+        return Completion(
             request.index, request.generated[: request.max_new_tokens], request.logprobs[: request.max_new_tokens],
-            request.cached_tokens, request.preemptions, request.first_token_seconds,
+            request.cached_tokens, request.preemptions, request.first_token_seconds, reason,
         )
-        self._done[request.index] = completion
-        return completion
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("pools",))
-def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, key, sampling):
+def _bounded_int(value, name: str, low: int, high: int) -> int:
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    return value
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, rows):
+    """A chunk of one sequence; every row of `rows` samples from its last logits (the choices of a request)."""
     model = nnx.merge(graphdef, params, pools)
-    pages = PageBatch(table, pos, copy_from, copy_to)
-    logits = model.prefill(tokens, length, pages=pages, last_only=True)
-    token, logprob = sample_with_logprob(logits, key, sampling)
-    return token[0], logprob[0], nnx.state(model, nnx.Cache)
+    logits = model.prefill(tokens, length, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
+    logits = jnp.broadcast_to(logits, (rows.seed.shape[0], logits.shape[-1]))
+    return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("pools",))
-def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, key, sampling):
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, rows):
     model = nnx.merge(graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
-    token, logprob = sample_with_logprob(logits, key, sampling)
-    return token, logprob, nnx.state(model, nnx.Cache)
-
+    return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)

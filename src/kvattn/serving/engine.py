@@ -1,0 +1,229 @@
+"""The `Server` on a thread of its own, and the asyncio side that talks to it.
+
+A `Server` is not thread-safe and its `step()` blocks for a device call, so
+one engine thread owns it: it takes commands (submit, abort) from a queue
+between steps, steps while anything is queued or running, and hands every
+new token and completion to the event loop of the request that asked for
+it (`loop.call_soon_threadsafe`). Nothing on the event loop ever waits for
+the device.
+
+- A submit is answered before the response starts: the request's indices,
+  or the error that refused it (`Full` past `max_waiting` queued requests,
+  `ShuttingDown` after `shutdown`, the server's `ValueError` for a request
+  that can never fit).
+- `abort` is fire-and-forget: the engine frees the request's slot and pages
+  before its next step.
+- A step that fails loses no request (the server re-queues them); after
+  `max_failures` failures in a row the engine gives up on the requests it
+  holds and ends each with an error event, and keeps serving new ones.
+- `shutdown(deadline)` stops admission; running and queued requests go on
+  until the deadline, and whatever is left then ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from kvattn.serving.server import Server, Stats, Token
+
+__all__ = ["Engine", "Full", "Handle", "ShuttingDown"]
+
+log = logging.getLogger("kvattn.serve")
+
+
+class Full(Exception):
+    """The waiting queue is full: try again later."""
+
+
+class ShuttingDown(Exception):
+    """The engine admits nothing more."""
+
+
+@dataclasses.dataclass
+class Handle:
+    """A submitted request as the event loop sees it: its indices and the events the engine sends it.
+
+    Events are `("token", index, Token)`, `("done", index, Completion)` and
+    `("error", index, message)`; each index gets exactly one `done` or `error`.
+    """
+
+    indices: list[int]
+    events: asyncio.Queue
+
+
+@dataclasses.dataclass
+class _Submit:
+    args: tuple
+    kwargs: dict
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    future: asyncio.Future
+
+
+class Engine:
+    """Runs `server` on a daemon thread.
+
+    Args:
+      server: the `Server` it owns from now on; nothing else may call it.
+      max_waiting: requests queued, not yet running, before `submit` raises `Full`.
+      max_failures: failed steps in a row after which the held requests end with an error.
+      on_step: called on the engine thread after each step with the server's `Stats` (metrics).
+      on_error: called on the engine thread with the exception of each failed step.
+    """
+
+    def __init__(self, server: Server, *, max_waiting: int = 64, max_failures: int = 3,
+                 on_step: Callable[[Stats], None] | None = None, on_error: Callable[[Exception], None] | None = None):
+        self.server = server
+        self.max_waiting = max_waiting
+        self.max_failures = max_failures
+        self._on_step = on_step
+        self._on_error = on_error
+        self._commands: queue.Queue = queue.Queue()
+        self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._deadline: float | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvattn-engine", daemon=True)
+        self.failures = 0
+
+    # -------------------------------------------------------- event-loop side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(self, *args, **kwargs) -> Handle:
+        """`Server.submit(*args, **kwargs)` on the engine thread (`on_token` is the engine's)."""
+        loop = asyncio.get_running_loop()
+        command = _Submit(args, kwargs, loop, asyncio.Queue(), loop.create_future())
+        self._commands.put(command)
+        indices = await command.future
+        return Handle(indices, command.events)
+
+    async def check(self) -> None:
+        """Runs the page manager's invariant check on the engine thread; raises what it finds."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("check", loop, future))
+        await future
+
+    def abort(self, indices) -> None:
+        """Ends these requests before the next step, if they are still queued or running."""
+        self._commands.put(("abort", list(indices)))
+
+    def shutdown(self, deadline_seconds: float) -> None:
+        """Admits nothing more; what is left after `deadline_seconds` ends with an error."""
+        self._commands.put(("shutdown", time.monotonic() + deadline_seconds))
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or running (read without a lock: for waiting loops, not decisions)."""
+        return bool(self._routes)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ends the thread (after `shutdown`'s deadline has done its work)."""
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # ----------------------------------------------------------- engine thread
+
+    def _loop(self):
+        while not self._stopped.is_set():
+            self._take_commands(block=self.server.idle)
+            if self._deadline is not None and time.monotonic() >= self._deadline and self._routes:
+                self._end_all("the server is shutting down and this request ran past its deadline")
+            if self.server.idle:
+                continue
+            try:
+                finished = self.server.step()
+            except Exception as error:  # the server re-queued every request: report, and go on
+                self.failures += 1
+                log.exception("engine step failed (%d in a row)", self.failures)
+                if self._on_error is not None:
+                    self._on_error(error)
+                if self.failures >= self.max_failures:
+                    self._end_all(f"the device failed {self.failures} times in a row: {error}")
+                continue
+            self.failures = 0
+            for completion in finished:
+                self._send(completion.request, ("done", completion.request, completion))
+            if self._on_step is not None:
+                self._on_step(self.server.stats)
+
+    def _take_commands(self, block: bool):
+        try:
+            command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._do(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _do(self, command):
+        if isinstance(command, _Submit):
+            command.loop.call_soon_threadsafe(self._settle, command.future, *self._submit(command))
+        elif command[0] == "abort":
+            for index in command[1]:
+                completion = self.server.abort(index)
+                if completion is not None:
+                    self._send(index, ("done", index, completion))
+                else:  # ended with another choice of its submit, or already finished
+                    self._routes.pop(index, None)
+        elif command[0] == "shutdown":
+            self._deadline = command[1]
+        elif command[0] == "check":
+            try:
+                self.server.manager.check()
+                error = None
+            except AssertionError as failed:
+                error = RuntimeError(f"page bookkeeping is inconsistent: {failed}")
+            command[1].call_soon_threadsafe(self._settle, command[2], None if error else [], error)
+
+    def _submit(self, command: _Submit):
+        if self._deadline is not None:
+            return None, ShuttingDown("the server is shutting down")
+        if self.server.stats.waiting >= self.max_waiting:
+            return None, Full(f"{self.server.stats.waiting} requests are waiting, the most this server queues")
+        try:
+            first = self.server.submit(*command.args, on_token=self._on_token, **command.kwargs)
+        except (ValueError, TypeError) as error:
+            return None, error
+        indices = list(range(first, first + command.kwargs.get("n", 1)))
+        for index in indices:
+            self._routes[index] = (command.loop, command.events)
+        return indices, None
+
+    def _on_token(self, index: int, token: Token):
+        route = self._routes.get(index)
+        if route is not None:
+            route[0].call_soon_threadsafe(route[1].put_nowait, ("token", index, token))
+
+    def _send(self, index: int, event):
+        route = self._routes.pop(index, None)
+        if route is not None:
+            route[0].call_soon_threadsafe(route[1].put_nowait, event)
+
+    def _settle(self, future: asyncio.Future, indices, error):
+        """On the event loop: answers a submit; a request whose caller has gone is aborted."""
+        if future.cancelled():
+            if indices is not None:
+                self.abort(indices)
+        elif error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(indices)
+
+    def _end_all(self, message: str):
+        """Aborts every held request; each gets an error event."""
+        for index in list(self._routes):
+            self.server.abort(index)
+            self._send(index, ("error", index, message))
+        self.failures = 0

@@ -1,0 +1,347 @@
+"""`kvattn serve` as a user runs it: a real process on loopback, driven by the `openai` client and raw HTTP.
+
+One server for the module (started once: the first request would otherwise
+carry the compilation), on the tiny chat checkpoint whose greedy
+continuation transformers recorded. Tests run in file order; the last one
+stops the server with SIGTERM under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.helpers import FIXTURES
+
+CHECKPOINT = FIXTURES / "chat"
+EXPECTED = json.loads((CHECKPOINT / "expected.json").read_text())
+GREEDY = EXPECTED["greedy"]
+MESSAGES = EXPECTED["chats"][GREEDY["chat"]]["messages"]
+KEY = "sk-test"
+MAX_LEN, BATCH, PAGE, MAX_WAITING = 192, 4, 8, 64
+GREEDY_ARGS = dict(temperature=0, max_tokens=len(GREEDY["new_tokens"]), extra_body={"return_token_ids": True})
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = (tmp_path_factory.mktemp("serve") / "stderr.txt").open("w+")
+    command = [str(Path(sys.executable).parent / "kvattn"), "serve", str(CHECKPOINT), "--port", str(port),
+               "--max-len", str(MAX_LEN), "--max-batch", str(BATCH), "--page-size", str(PAGE), "--num-pages", "64",
+               "--max-waiting", str(MAX_WAITING), "--api-key", KEY, "--shutdown-timeout", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=30).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    else:
+        process.kill()
+        process.wait()
+        log.seek(0)
+        pytest.fail(f"kvattn serve did not start: {log.read()[-2000:]}")
+    yield process, url
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def aclient(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server[1]}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    """The server's Prometheus samples by name (labels included)."""
+    text = httpx.get(f"{server[1]}/metrics", timeout=10).text
+    return {name: float(value) for name, value in re.findall(r"^(kvattn_\S+) (\S+)$", text, re.MULTILINE)}
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["chat"]
+    assert httpx.get(f"{server[1]}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_chat_streaming_equals_whole_equals_transformers(client):
+    whole = client.chat.completions.create(model="chat", messages=MESSAGES, **GREEDY_ARGS)
+    assert whole.choices[0].token_ids == GREEDY["new_tokens"]
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(GREEDY["prompt"])
+    assert whole.usage.completion_tokens == len(GREEDY["new_tokens"])
+    chunks = list(client.chat.completions.create(model="chat", messages=MESSAGES, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY_ARGS))
+    streamed = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed == GREEDY["new_tokens"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == len(GREEDY["new_tokens"])
+
+
+def test_completions_of_token_ids_and_text(client):
+    by_ids = client.completions.create(model="chat", prompt=GREEDY["prompt"], **GREEDY_ARGS)
+    assert by_ids.choices[0].token_ids == GREEDY["new_tokens"]
+    text = EXPECTED["texts"][0]
+    by_text = client.completions.create(model="chat", prompt=text["text"], temperature=0, max_tokens=4)
+    assert by_text.usage.prompt_tokens == len(text["ids"])  # encoded with the tokenizer's BOS
+
+
+def test_n_choices_share_one_prefill(server, client):
+    before = metrics(server)
+    reply = client.chat.completions.create(model="chat", messages=MESSAGES, n=4, **GREEDY_ARGS)
+    after = metrics(server)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert all(c.token_ids == GREEDY["new_tokens"] for c in reply.choices)
+    admitted = after["kvattn_prompt_tokens_total"] - before["kvattn_prompt_tokens_total"]
+    assert admitted == len(GREEDY["prompt"]), "the prompt is admitted once and forked, not four times"
+    assert reply.usage.completion_tokens == 4 * len(GREEDY["new_tokens"])
+
+
+def test_stop_strings_end_the_text_before_them_across_tokens(client):
+    full = client.chat.completions.create(model="chat", messages=MESSAGES, **GREEDY_ARGS).choices[0].message.content
+    stop = full[5:9]  # four characters: in this byte-level BPE, more than one token's worth
+    cut = full[: full.index(stop)]
+    whole = client.chat.completions.create(model="chat", messages=MESSAGES, stop=[stop, "never"], **GREEDY_ARGS)
+    assert whole.choices[0].message.content == cut and whole.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="chat", messages=MESSAGES, stop=stop, stream=True, **GREEDY_ARGS) if c.choices]
+    assert "".join(pieces) == cut and not any(stop in piece for piece in pieces)
+
+
+def test_logprobs(client):
+    reply = client.completions.create(model="chat", prompt=GREEDY["prompt"], logprobs=3, **GREEDY_ARGS)
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(GREEDY["new_tokens"])
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        # Greedy takes the most likely (the legacy dict keeps one entry of tokens that print alike).
+        assert 1 <= len(top) <= 3 and chosen >= max(top.values()) - 1e-6
+    chat = client.chat.completions.create(model="chat", messages=MESSAGES, logprobs=True, top_logprobs=2,
+                                          **GREEDY_ARGS)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == len(GREEDY["new_tokens"]) and all(len(t.top_logprobs) == 2 for t in content)
+    for token in content:
+        assert token.logprob == token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+
+
+def test_a_seed_reproduces_a_sample_whatever_else_runs(server, client):
+    args = dict(model="chat", messages=MESSAGES, temperature=1.0, max_tokens=12, seed=1234,
+                extra_body={"return_token_ids": True})
+    alone = client.chat.completions.create(**args).choices[0].token_ids
+
+    async def crowded():
+        async with aclient(server) as ac:
+            others = [ac.completions.create(model="chat", prompt=[7 + i] * (3 + i), temperature=1.0, max_tokens=10)
+                      for i in range(5)]
+            results = await asyncio.gather(ac.chat.completions.create(**args), *others)
+            return results[0].choices[0].token_ids
+
+    assert asyncio.run(crowded()) == alone
+    other_seed = client.chat.completions.create(**{**args, "seed": 99}).choices[0].token_ids
+    assert other_seed != alone
+
+
+def test_64_concurrent_streams_each_get_their_own_greedy_output(server, client):
+    prompts = [GREEDY["prompt"][: 8 + 6 * i] for i in range(4)]
+    want = [client.completions.create(model="chat", prompt=p, temperature=0, max_tokens=12,
+                                      extra_body={"return_token_ids": True}).choices[0].token_ids for p in prompts]
+
+    async def one(ac, i):
+        stream = await ac.completions.create(model="chat", prompt=prompts[i % 4], temperature=0, max_tokens=12,
+                                             stream=True, extra_body={"return_token_ids": True})
+        return [t async for chunk in stream for t in (chunk.choices[0].model_extra.get("token_ids") or [])]
+
+    async def many():
+        async with aclient(server) as ac:
+            return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(64))), timeout=120)
+
+    assert asyncio.run(many()) == [want[i % 4] for i in range(64)]
+
+
+def _idle(server) -> dict:
+    """Metrics once nothing runs (the engine frees an aborted request before its next step)."""
+    deadline = time.monotonic() + 10
+    while True:
+        values = metrics(server)
+        if values["kvattn_requests_running"] == 0 and values["kvattn_requests_waiting"] == 0 or \
+                time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def test_50_clients_that_disconnect_cost_only_their_own_requests(server, client):
+    rng = random.Random(0)
+    want = client.completions.create(model="chat", prompt=GREEDY["prompt"], **GREEDY_ARGS).choices[0].token_ids
+    body = {"model": "chat", "prompt": GREEDY["prompt"], "temperature": 0, "max_tokens": 100, "stream": True}
+
+    async def leaver(http, chunks):
+        async with http.stream("POST", "/v1/completions", json={**body, "prompt": GREEDY["prompt"][:chunks + 3]}) \
+                as response:
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data:")
+                if seen > chunks:
+                    return  # closes the connection mid-stream
+
+    async def stayer(ac):
+        reply = await ac.completions.create(model="chat", prompt=GREEDY["prompt"], **GREEDY_ARGS)
+        return reply.choices[0].token_ids
+
+    async def crowd():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=server[1], headers=headers, timeout=60) as http, aclient(server) as ac:
+            tasks = [leaver(http, rng.randrange(0, 20)) for _ in range(50)] + [stayer(ac) for _ in range(6)]
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    results = asyncio.run(crowd())
+    assert results[50:] == [want] * 6
+    values = _idle(server)
+    assert values["kvattn_requests_running"] == 0 and values["kvattn_requests_waiting"] == 0
+    assert values["kvattn_pages_used"] == 0, "an aborted request kept its pages"
+    assert values["kvattn_pages_free"] + values["kvattn_pages_cached"] == 63
+    assert httpx.get(f"{server[1]}/health", timeout=30).status_code == 200  # runs the manager's check()
+
+
+MALFORMED = [
+    b"{", b"[]", b"null", b'"x"', b"{}", b'{"model": "chat"}', b'{"model": 3, "prompt": "a"}',
+    b'{"model": "chat", "prompt": "a", "max_tokens": "4"}', b'{"model": "chat", "prompt": "a", "max_tokens": 0}',
+    b'{"model": "chat", "prompt": "a", "max_tokens": 1e400}', b'{"model": "chat", "prompt": "a", "max_tokens": true}',
+    b'{"model": "chat", "prompt": "a", "temperature": -1}', b'{"model": "chat", "prompt": "a", "temperature": NaN}',
+    b'{"model": "chat", "prompt": "a", "top_p": 0}', b'{"model": "chat", "prompt": "a", "top_k": 100000}',
+    b'{"model": "chat", "prompt": [1, -1]}', b'{"model": "chat", "prompt": [1, 384]}', b'{"model": "chat", "prompt": []}',
+    b'{"model": "chat", "prompt": [1.5]}', b'{"model": "chat", "prompt": ["a", "b"]}',
+    b'{"model": "chat", "prompt": "a", "n": 0}', b'{"model": "chat", "prompt": "a", "n": 5}',
+    b'{"model": "chat", "prompt": "a", "stop": [""]}', b'{"model": "chat", "prompt": "a", "seed": -3}',
+    b'{"model": "chat", "prompt": "a", "logprobs": 99}', b'{"model": "chat", "prompt": "a", "max_tokens": 100000}',
+    b'{"model": "chat", "prompt": "a", "stream": "yes"}', b'{"model": "chat", "prompt": "a", "echo": true}',
+    b'{"model": "chat", "prompt": "a", "presence_penalty": 1}', b'{"model": "chat", "prompt": "a", "logit_bias": {"1": 5}}',
+    b'{"model": "other", "prompt": "a"}', b'{"model": "chat", "prompt": "a", "stream_options": {"include_usage": true}}',
+    b'{"model": "chat", "prompt": "a", "stop_token_ids": [999]}', b'\xff\xfe', b'{"model": "chat", "prompt": "\\ud800"}',
+]
+CHAT_MALFORMED = [
+    b'{"model": "chat"}', b'{"model": "chat", "messages": []}', b'{"model": "chat", "messages": [{"role": "user"}]}',
+    b'{"model": "chat", "messages": [{"role": "robot", "content": "x"}]}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": 5}]}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+    b'{"model": "chat", "messages": "hi"}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+]
+
+
+def _mutations(rng: random.Random, count: int):
+    """Random bodies: valid ones with a field replaced, dropped, or bytes cut or flipped."""
+    values = [None, -1, 0, 2**70, 1e308, -1e308, "", "x" * 300, [], {}, [None], True, 0.5, "\u0000", [[1]]]
+    fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
+              "stream", "messages", "stop_token_ids", "ignore_eos", "user", "return_token_ids"]
+    for _ in range(count):
+        chat = rng.random() < 0.5
+        body = ({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if chat
+                else {"model": "chat", "prompt": "hi", "max_tokens": 2})
+        body[rng.choice(fields)] = rng.choice(values)
+        data = json.dumps(body).encode()
+        if rng.random() < 0.3:
+            cut = rng.randrange(len(data))
+            data = data[:cut] + bytes([rng.randrange(256)]) + data[cut + 1:]
+        yield ("/v1/chat/completions" if chat else "/v1/completions"), data
+
+
+def test_malformed_requests_get_4xx_never_5xx(server, client):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    cases = [("/v1/completions", body) for body in MALFORMED] + [("/v1/chat/completions", b) for b in CHAT_MALFORMED]
+    cases += list(_mutations(random.Random(0), 300))
+    statuses = []
+    with httpx.Client(base_url=server[1], timeout=60) as http:
+        for path, body in cases:
+            response = http.post(path, content=body, headers=headers)
+            statuses.append(response.status_code)
+            assert response.status_code < 500, (body, response.text)
+            if response.status_code >= 400:
+                assert set(response.json()["error"]) >= {"message", "type"}
+        for method, path, want in [("GET", "/v1/completions", 405), ("POST", "/v2/x", 404), ("GET", "/nothing", 404)]:
+            assert http.request(method, path, headers=headers).status_code == want
+        assert http.post("/v1/completions", content=b"{}", headers={**headers, "Authorization": "Bearer no"}
+                         ).status_code == 401
+        big = b'{"model": "chat", "prompt": "' + b"a" * (5 * 2**20) + b'"}'
+        assert http.post("/v1/completions", content=big, headers=headers).status_code == 413
+    refused = sum(s >= 400 for s in statuses)
+    print(f"\nmalformed-request fuzz: {len(cases)} requests, {refused} refused with 4xx, 0 with 5xx")
+    known = len(MALFORMED) + len(CHAT_MALFORMED)
+    accepted = [body for (_, body), status in zip(cases[:known], statuses[:known], strict=True) if status not in (400, 404)]
+    assert accepted == [], "each hand-written case is refused"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="a", max_tokens=1)
+    assert client.completions.create(model="chat", prompt="a", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_full_queue_answers_429_with_retry_after(server):
+    body = {"model": "chat", "prompt": GREEDY["prompt"], "temperature": 0, "max_tokens": 60, "ignore_eos": True}
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=server[1], headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(BATCH + MAX_WAITING
+                                                                                                 + 24)))
+
+    responses = asyncio.run(flood())
+    statuses = sorted({r.status_code for r in responses})
+    assert statuses == [200, 429]
+    assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
+    assert all(r.json()["usage"]["completion_tokens"] == 60 for r in responses if r.status_code == 200)
+
+
+def test_sigterm_under_load_finishes_or_ends_each_stream_cleanly_and_exits_0(server):
+    process, url = server
+    body = {"model": "chat", "prompt": GREEDY["prompt"], "temperature": 0, "max_tokens": 150, "stream": True,
+            "ignore_eos": True}
+
+    async def one(http, started):
+        events = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    started.set()
+                    events.append(line[5:].strip())
+        return events
+
+    async def load():
+        started = asyncio.Event()
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            tasks = [asyncio.create_task(one(http, started)) for _ in range(12)]
+            await asyncio.wait_for(started.wait(), timeout=60)
+            process.send_signal(signal.SIGTERM)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+
+    for events in asyncio.run(load()):
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        if "error" in last:  # ran past the deadline: told so
+            assert "shutting down" in last["error"]["message"]
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+    assert process.wait(timeout=30) == 0
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health", timeout=5)
