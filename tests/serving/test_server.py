@@ -162,3 +162,47 @@ def test_per_request_sampling_and_top_logprobs():
         server.submit([1], 2, seed=-1)
     with pytest.raises(ValueError, match="n must be at most"):
         server.submit([1], 2, n=4)
+
+
+def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_failing(monkeypatch):
+    """What `kvattn serve` sees: one failure costs no request; `max_failures` in a row end the held ones with errors."""
+    import asyncio
+
+    from kvattn.serving.engine import Engine
+
+    generated, _, server = fixture_run("llama")
+    want = expected("llama")
+    prompts = [want["prompts"][row, :length] for row, length in enumerate(want["lengths"])]
+    decode, calls, errors, broken = serving_programs._decode_program, [], [], []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3 or broken:
+            raise RuntimeError("device lost")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(serving_programs, "_decode_program", failing)
+    engine = Engine(server, max_failures=3, on_error=errors.append)
+
+    async def run(new_tokens):
+        handles = [await engine.submit(prompt, new_tokens) for prompt in prompts]
+        outcomes = []
+        for handle in handles:
+            while (event := await asyncio.wait_for(handle.events.get(), timeout=60))[0] == "token":
+                pass
+            outcomes.append(event)
+        return outcomes
+
+    engine.start()
+    try:
+        outcomes = asyncio.run(run(12))
+        assert [event[0] for event in outcomes] == ["done"] * 3 and len(errors) == 1
+        for row, event in enumerate(outcomes):
+            np.testing.assert_array_equal(event[2].tokens, generated[row])
+        broken.append(True)  # from now on, every decode step fails
+        outcomes = asyncio.run(run(12))
+        assert [event[0] for event in outcomes] == ["error"] * 3 and "device failed 3 times" in outcomes[0][2]
+    finally:
+        engine.stop()
+    assert server.idle
+    server.manager.check()
