@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -110,3 +111,19 @@ def test_generate_refuses_a_checkpoint_that_does_not_load_in_one_line(tmp_path, 
     refused_in_one_line(status, err, 1)
     if damage == "unsupported config":
         assert "model_type='falcon'" in err
+
+
+@pytest.mark.parametrize("arguments, status, words", [
+    (["/nonexistent"], 2, "expected a checkpoint directory"),
+    ([str(FIXTURES / "chat"), "--chunk", "12"], 2, "multiple of --page-size 16, got 12"),
+    ([str(FIXTURES / "chat"), "--port", "70000"], 2, "in [0, 65535], got '70000'"),
+    ([str(FIXTURES / "chat"), "--chat-template", "/nonexistent"], 2, "--chat-template to name a file"),
+    ([str(FIXTURE)], 1, "has no tokenizer.json"),
+])
+def test_serve_refuses_what_cannot_work_before_loading_anything(capsys, arguments, status, words):
+    with pytest.raises(SystemExit) if status == 2 else contextlib.nullcontext() as exit_:
+        assert cli.main(["serve", *arguments]) == status
+    if status == 2:
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
