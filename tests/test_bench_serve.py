@@ -1,0 +1,227 @@
+"""The serve benchmark's pure parts: arrival schedules, workloads, stream reading, summaries, targets and the report.
+
+No server runs here: the outcomes are written by hand, their figures worked out in the comments.
+"""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from benchmarks.report import write
+from benchmarks.serve import (
+    LoadConfig,
+    Outcome,
+    Pool,
+    arrivals,
+    cached_share,
+    make_workload,
+    parse_metrics,
+    percentile,
+    plot_serve,
+    request_body,
+    serve_markdown,
+    summarize,
+    targets,
+    text_window,
+)
+
+WORDS = [f"w{i}" for i in range(1000)]
+
+
+def encode(text):
+    """A word-level toy tokenizer: one id per space-separated word."""
+    return [int(word[1:]) for word in text.split()]
+
+
+def decode(ids):
+    return " ".join(WORDS[i] for i in ids)
+
+
+STREAM = list(range(1000)) * 3
+
+
+def test_arrivals_all_at_once_at_inf():
+    assert arrivals(5, math.inf, np.random.default_rng(0)).tolist() == [0.0] * 5
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    times = arrivals(20000, 4.0, np.random.default_rng(1))
+    assert times[0] == 0.0
+    assert np.all(np.diff(times) >= 0)
+    # Exponential gaps of mean 1/rate: over 20000 the mean is within 2% (its standard error is 0.7%).
+    assert np.mean(np.diff(times)) == pytest.approx(0.25, rel=0.02)
+    assert np.array_equal(times, arrivals(20000, 4.0, np.random.default_rng(1)))
+
+
+def test_arrivals_reject_a_rate_that_is_not_positive():
+    with pytest.raises(ValueError, match="positive"):
+        arrivals(3, 0.0, np.random.default_rng(0))
+
+
+def test_text_window_has_the_length_asked():
+    text, count = text_window(STREAM, 7, encode, decode, np.random.default_rng(0))
+    assert count == 7 and len(encode(text)) == 7
+
+
+def test_text_window_cuts_back_what_encodes_longer():
+    def splitting(text):
+        """Encodes the words from w500 on as two tokens each, so a window can encode longer than it was."""
+        return [i for i in encode(text) for _ in range(1 + (i >= 500))]
+
+    for seed in range(20):
+        text, count = text_window(STREAM, 8, splitting, decode, np.random.default_rng(seed))
+        assert count in (7, 8) and len(splitting(text)) == count
+
+
+def test_workload_lengths_and_system_share():
+    requests = make_workload(STREAM, encode, decode, num_requests=40, prompt_tokens=(3, 9), output_tokens=(2, 5),
+                             system_share=0.5, rng=np.random.default_rng(2))
+    assert [r.index for r in requests] == list(range(40))
+    assert sum(r.system for r in requests) == 20
+    assert all(3 <= r.user_tokens <= 9 and len(encode(r.user)) == r.user_tokens for r in requests)
+    assert all(2 <= r.max_tokens <= 5 for r in requests)
+    assert {r.max_tokens for r in requests} == {2, 3, 4, 5}  # both ends of the range are drawn
+    again = make_workload(STREAM, encode, decode, num_requests=40, prompt_tokens=(3, 9), output_tokens=(2, 5),
+                          system_share=0.5, rng=np.random.default_rng(2))
+    assert again == requests
+
+
+def test_request_bodies_for_chat_and_completions():
+    request = make_workload(STREAM, encode, decode, num_requests=1, prompt_tokens=(4, 4), output_tokens=(3, 3),
+                            system_share=1.0, rng=np.random.default_rng(0))[0]
+    chat = request_body(request, "SYS ", endpoint="chat", model="m")
+    assert chat["messages"] == [{"role": "system", "content": "SYS "}, {"role": "user", "content": request.user}]
+    assert (chat["max_tokens"], chat["temperature"], chat["stream"], chat["model"]) == (3, 0.0, True, "m")
+    completion = request_body(request, "SYS ", endpoint="completions", model="m")
+    assert completion["prompt"] == "SYS " + request.user and "messages" not in completion
+
+
+def test_outcome_reads_chat_and_completion_chunks():
+    chat = Outcome(0, False, 4, 3)
+    chat.read({"id": "a", "choices": [{"delta": {"role": "assistant"}, "index": 0}]}, 0.1)  # no text: not a token
+    chat.read({"id": "a", "choices": [{"delta": {"content": "x"}, "index": 0}]}, 0.2)
+    chat.read({"id": "a", "choices": [{"delta": {}, "index": 0, "finish_reason": "length"}],
+               "usage": {"prompt_tokens": 9, "completion_tokens": 1}}, 0.3)
+    assert (chat.ttft_s, chat.chunk_s, chat.text, chat.finishes, chat.ids) == (0.2, [0.2], "x", 1, ["a"])
+    assert (chat.prompt_tokens, chat.completion_tokens, chat.finish_reason) == (9, 1, "length")
+    completion = Outcome(1, False, 4, 3)
+    completion.read({"id": "b", "choices": [{"text": "y", "index": 0}]}, 0.5)
+    completion.read({"id": "b", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 1}}, 0.6)
+    assert (completion.ttft_s, completion.text, completion.finishes) == (0.5, "y", 0)
+    failed = Outcome(2, False, 4, 3)
+    failed.read({"error": "boom"}, 0.1)
+    assert failed.error.startswith("error chunk")
+
+
+def _outcome(index, *, chunk_s, end_s, system=False, max_tokens=4, finishes=1, ids=None, error=None,
+             completion_tokens=None, done_markers=1):
+    chunk_s = list(chunk_s)
+    return dataclasses.asdict(Outcome(
+        index, system, 10, max_tokens, sent_s=0.0, status=200, error=error, ttft_s=chunk_s[0] if chunk_s else None,
+        end_s=end_s, chunk_s=chunk_s, finishes=finishes, done_markers=done_markers,
+        ids=[f"id{index}"] if ids is None else ids, completion_tokens=completion_tokens))
+
+
+def test_percentile_interpolates_linearly():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
+    assert percentile([], 50) is None
+
+
+def test_summary_figures():
+    outcomes = [
+        # TTFT 100 ms, gaps 100 and 200 ms, 3 tokens: TPOT (400 - 100) / 2 = 150 ms.
+        _outcome(0, chunk_s=[0.1, 0.2, 0.4], end_s=0.4, system=True, max_tokens=3),
+        # usage says 4 tokens over 3 chunks: TTFT 300 ms, TPOT (600 - 300) / 3 = 100 ms; stopped short of 8.
+        _outcome(1, chunk_s=[0.3, 0.5, 0.6], end_s=0.6, completion_tokens=4, max_tokens=8),
+        _outcome(2, chunk_s=[], end_s=None, finishes=0, error="lost: the stream ended without a finish"),
+        _outcome(3, chunk_s=[], end_s=None, finishes=0, error="HTTP 429: busy"),
+    ]
+    s = summarize(outcomes, wall_s=2.0)
+    assert (s["requests"], s["completed"], s["failed"], s["lost"], s["duplicated"]) == (4, 2, 2, 1, 0)
+    assert s["errors"] == [("HTTP 429", 1), ("lost", 1)]
+    assert (s["output_tokens"], s["output_tokens_per_s"], s["stopped_early"], s["usage_reported"]) == (7, 3.5, 1, 1)
+    assert (s["output_tokens_min"], s["output_tokens_max"]) == (3, 4)
+    assert s["ttft_ms"]["p50"] == pytest.approx(200) and s["ttft_ms"]["count"] == 2
+    assert s["tpot_ms"]["p50"] == pytest.approx(125) and s["tpot_ms"]["p99"] == pytest.approx(149.5)
+    assert s["itl_ms"]["count"] == 4 and s["itl_ms"]["p50"] == pytest.approx(150)  # gaps 100, 200, 200, 100
+    assert s["ttft_system_p50_ms"] == pytest.approx(100) and s["ttft_no_system_p50_ms"] == pytest.approx(300)
+
+
+def test_summary_counts_duplicates():
+    outcomes = [
+        _outcome(0, chunk_s=[0.1, 0.2], end_s=0.2, finishes=2),  # two finishes in one stream
+        _outcome(1, chunk_s=[0.1, 0.2], end_s=0.2, done_markers=2),  # two [DONE]
+        _outcome(2, chunk_s=[0.1, 0.2], end_s=0.2, ids=["same"]),  # one completion sent to two requests
+        _outcome(3, chunk_s=[0.1, 0.2], end_s=0.2, ids=["same"]),
+        _outcome(4, chunk_s=[0.1, 0.2], end_s=0.2),
+    ]
+    s = summarize(outcomes, wall_s=1.0)
+    assert s["duplicated"] == 4 and s["completed"] == 4  # two finishes is not one completion
+
+
+def test_metrics_give_the_share_of_prompt_tokens_cached():
+    before = parse_metrics("# HELP x\nkvattn_prompt_tokens_total 100.0\nkvattn_prompt_tokens_cached_total 20.0\n"
+                           'kvattn_ttft_seconds_bucket{le="0.1"} 3.0\nkvattn_requests_total{finish_reason="length"} 4.0')
+    assert before == {"kvattn_prompt_tokens_total": 100.0, "kvattn_prompt_tokens_cached_total": 20.0,
+                      'kvattn_requests_total{finish_reason="length"}': 4.0}
+    after = {**before, "kvattn_prompt_tokens_total": 300.0, "kvattn_prompt_tokens_cached_total": 170.0}
+    assert cached_share(before, after) == 0.75  # 150 of the 200 admitted since
+    assert cached_share(None, after) is None and cached_share(before, before) is None
+    assert cached_share({}, {"other_total": 1.0}) is None
+
+
+def _results(tmp_rates=(1.0, math.inf)):
+    """Three contenders over two rates; kvattn twice as fast as transformers, prefix caching 10x its TTFT."""
+
+    def measured(rate, tokens_per_s, tpot_p99, ttft_system):
+        outcomes = [_outcome(0, chunk_s=[ttft_system / 1e3, ttft_system / 1e3 + 0.1], end_s=ttft_system / 1e3 + 0.1,
+                             system=True, max_tokens=2)]
+        summary = summarize(outcomes, wall_s=1.0)
+        summary.update(output_tokens_per_s=tokens_per_s, tpot_ms={"p50": tpot_p99 / 2, "p99": tpot_p99, "count": 1},
+                       ttft_system_p50_ms=ttft_system)
+        return {"rate": rate, "summary": summary, "requests": outcomes}
+
+    figures = {"kvattn": (40.0, 50.0, 10.0), "kvattn-no-prefix": (30.0, 60.0, 100.0),
+               "transformers": (20.0, 100.0, 200.0)}
+    contenders = [{"contender": name, "rates": [measured(rate, *figure) for rate in tmp_rates]}
+                  for name, figure in figures.items()]
+    config = {**dataclasses.asdict(LoadConfig(rates=tmp_rates)), "rates": list(tmp_rates),
+              "pool": {**dataclasses.asdict(Pool()), "tokens": Pool().tokens,
+                       "transformers_blocks": Pool().transformers_blocks}}
+    results = {"config": config, "contenders": contenders}
+    results["targets"] = targets(results)
+    return results
+
+
+def test_targets_against_transformers_and_without_prefix_caching():
+    rows = {(t["name"], t["rate"]): t for t in _results()["targets"]}
+    throughput = rows[("output tokens/s at saturation, kvattn / transformers", math.inf)]
+    assert (throughput["value"], throughput["met"]) == (2.0, True)
+    assert rows[("p99 TPOT, kvattn / transformers", 1.0)]["value"] == 0.5
+    ttft = "p50 TTFT with the system prompt, no prefix caching / prefix caching"
+    assert (rows[(ttft, 1.0)]["value"], rows[(ttft, 1.0)]["met"]) == (10.0, True)
+    assert rows[(ttft, math.inf)]["met"] is None  # reported only: queueing dominates at saturation
+    assert rows[("lost or duplicated requests, transformers", "all")]["value"] == 0
+
+
+def test_targets_not_measured_without_transformers():
+    results = _results()
+    results["contenders"] = [row for row in results["contenders"] if row["contender"] != "transformers"]
+    rows = targets(results)
+    assert rows[0]["value"] is None and rows[0]["met"] is None
+
+
+def test_report_writes_markdown_json_and_plot(tmp_path):
+    results = _results()
+    results["contenders"].append({"contender": "broken", "unavailable": "exited with code 1 before it was ready"})
+    markdown = serve_markdown(results)
+    assert "| inf | kvattn | 1/0/0 |" in markdown and "`broken` unavailable" in markdown
+    assert "### Targets" in markdown
+    write(tmp_path, "serve", json.loads(json.dumps(results, default=str)), markdown)
+    plot_serve(results, tmp_path / "serve.png")
+    assert (tmp_path / "serve.md").read_text() == markdown
+    assert (tmp_path / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
