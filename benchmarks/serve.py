@@ -34,7 +34,9 @@ more than one finish or `[DONE]`, or a completion id another request also
 got. Per rate: those counts, output tokens per second over the rate's wall
 time (the first send to the last stream's end), p50/p99 of each latency, and,
 where the server's `/metrics` counts them (kvattn), the share of admitted
-prompt tokens its prefix cache held.
+prompt tokens its prefix cache held. Decoding is greedy on one checkpoint, so
+each contender's texts are compared with the first's: equal texts show the
+servers computed the same thing.
 
 Writes `serve.json` (config, machine, versions, commands, every request),
 `serve.md` (the tables and the targets) and `serve.png` (TTFT, TPOT and
@@ -70,7 +72,8 @@ from benchmarks.report import _targets_table, table, target, write
 from kvattn.extra import require
 
 __all__ = [
-    "LoadConfig", "Outcome", "Pool", "Request", "arrivals", "cached_share", "make_workload", "parse_metrics",
+    "LoadConfig", "Outcome", "Pool", "Request", "arrivals", "cached_share", "make_workload", "mark_agreement",
+    "parse_metrics",
     "percentile", "plot_serve", "request_body", "run_serve", "serve_markdown", "summarize", "targets", "text_window",
 ]
 
@@ -468,6 +471,24 @@ def summarize(outcomes: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     return summary
 
 
+def mark_agreement(rows: list[dict[str, Any]]) -> None:
+    """Adds to each rate's summary how many requests got the same text as from the first contender that ran.
+
+    Greedy decoding of one checkpoint: equal texts show the servers computed
+    the same thing, so their times compare like for like.
+    """
+    ran = [row for row in rows if "rates" in row]
+    if not ran:
+        return
+    reference = {(m["rate"], o["index"]): o["text"] for m in ran[0]["rates"] for o in m["requests"]
+                 if o["error"] is None}
+    for row in ran:
+        for measured in row["rates"]:
+            both = [o for o in measured["requests"] if o["error"] is None and (measured["rate"], o["index"]) in reference]
+            same = sum(o["text"] == reference[(measured["rate"], o["index"])] for o in both)
+            measured["summary"]["same_text"] = {"as": ran[0]["contender"], "count": same, "of": len(both)}
+
+
 def _figure(results: dict[str, Any], contender: str, rate: float, read: Callable[[dict], float | None]):
     """`read(summary)` of one contender at one rate, None where it did not run."""
     for row in results["contenders"]:
@@ -518,6 +539,13 @@ def _rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def _agreement(summary: dict[str, Any], contender: str) -> str:
+    same = summary.get("same_text")
+    if same is None or same["as"] == contender:
+        return "—"
+    return f"{same['count']}/{same['of']}"
+
+
 def serve_markdown(results: dict[str, Any]) -> str:
     """The run's tables: per rate and contender the counts, throughput and latencies; then the targets."""
     config = results["config"]
@@ -537,13 +565,14 @@ def serve_markdown(results: dict[str, Any]) -> str:
                 *(f"{_ms(s[k]['p50'])} / {_ms(s[k]['p99'])}" for k in ("ttft_ms", "tpot_ms", "itl_ms")),
                 f"{_ms(s['ttft_system_p50_ms'])} / {_ms(s['ttft_no_system_p50_ms'])}",
                 "—" if s.get("prompt_tokens_cached_share") is None else f"{s['prompt_tokens_cached_share']:.0%}",
+                _agreement(s, row["contender"]),
             ])
     for row in results["contenders"]:
         if "unavailable" in row:
             unavailable.append(f"- `{row['contender']}` unavailable: {row['unavailable']}")
     header = ["rate (req/s)", "contender", "done/failed/dup", "output tokens (min–max)", "output tok/s",
               "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p50 / p99 ms", "TTFT p50 system / none ms",
-              "prompt tokens cached"]
+              "prompt tokens cached", "same text as the first"]
     low, high = config["prompt_tokens"]
     out_low, out_high = config["output_tokens"]
     lines = [
@@ -729,6 +758,7 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
         "source": source_revision(), "load_average": {"before": load, "after": load_average()},
         "contenders": rows, "elapsed_s": time.perf_counter() - started,
     }
+    mark_agreement(rows)
     results["targets"] = targets(results)
     out = Path(out_dir)
     write(out, "serve", _json_safe(results), serve_markdown(results))

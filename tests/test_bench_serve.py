@@ -18,6 +18,7 @@ from benchmarks.serve import (
     arrivals,
     cached_share,
     make_workload,
+    mark_agreement,
     parse_metrics,
     percentile,
     plot_serve,
@@ -193,6 +194,7 @@ def _results(tmp_rates=(1.0, math.inf)):
               "pool": {**dataclasses.asdict(Pool()), "tokens": Pool().tokens,
                        "transformers_blocks": Pool().transformers_blocks}}
     results = {"config": config, "contenders": contenders}
+    mark_agreement(contenders)
     results["targets"] = targets(results)
     return results
 
@@ -215,11 +217,26 @@ def test_targets_not_measured_without_transformers():
     assert rows[0]["value"] is None and rows[0]["met"] is None
 
 
+def test_agreement_with_the_first_contender():
+    def row(name, texts):
+        outcomes = [_outcome(i, chunk_s=[0.1], end_s=0.1) for i in range(len(texts))]
+        for outcome, text in zip(outcomes, texts):
+            outcome["text"] = text
+        return {"contender": name, "rates": [{"rate": 1.0, "summary": {}, "requests": outcomes}]}
+
+    rows = [{"contender": "down", "unavailable": "no"}, row("a", ["x", "y", "z"]), row("b", ["x", "y", "q"])]
+    rows[2]["rates"][0]["requests"][1]["error"] = "HTTP 500: oops"  # not compared
+    mark_agreement(rows)
+    assert rows[1]["rates"][0]["summary"]["same_text"] == {"as": "a", "count": 3, "of": 3}
+    assert rows[2]["rates"][0]["summary"]["same_text"] == {"as": "a", "count": 1, "of": 2}
+
+
 def test_report_writes_markdown_json_and_plot(tmp_path):
     results = _results()
     results["contenders"].append({"contender": "broken", "unavailable": "exited with code 1 before it was ready"})
     markdown = serve_markdown(results)
     assert "| inf | kvattn | 1/0/0 |" in markdown and "`broken` unavailable" in markdown
+    assert markdown.splitlines()[4].endswith("| — |") and markdown.splitlines()[5].endswith("| 1/1 |")
     assert "### Targets" in markdown
     write(tmp_path, "serve", json.loads(json.dumps(results, default=str)), markdown)
     plot_serve(results, tmp_path / "serve.png")
