@@ -119,11 +119,6 @@ class Engine:
         """Admits nothing more; what is left after `deadline_seconds` ends with an error."""
         self._commands.put(("shutdown", time.monotonic() + deadline_seconds))
 
-    @property
-    def busy(self) -> bool:
-        """Requests are queued or running (read without a lock: for waiting loops, not decisions)."""
-        return bool(self._routes)
-
     def stop(self, timeout: float = 10.0) -> None:
         """Ends the thread (after `shutdown`'s deadline has done its work)."""
         self._stopped.set()
