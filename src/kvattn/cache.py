@@ -2,9 +2,11 @@
 
 A batch of caches is a `KVCache`: keys and values as `Stored` arrays (the
 storage dtype, with int8's per-slot, per-head scales bundled alongside),
-`(B, S, K, H)` or `(B, K, S, H)`, the next free position `pos: (B,)`, and two
-static facts carried in the pytree structure: the `layout` and, for a ring,
-the `window`. Axis letters follow `kvattn.ops`.
+`(B, S, K, H)` or `(B, K, S, H)`, the next free position `pos: (B,)`, and
+static facts carried in the pytree structure: the `layout`, for a ring the
+`window`, and the `kernel` a decode step's attention runs
+(`AttentionConfig.decode_kernel`, see `kvattn.kernels`). Axis letters follow
+`kvattn.ops`.
 
 Every function returns a new cache and never touches a slot it was not asked
 to: writes that must not happen are sent to an explicit out-of-range index
@@ -39,10 +41,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvattn import ops
+from kvattn import kernels, ops
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
-from kvattn.ops import SLOTS_MAJOR
+from kvattn.ops import HEADS_MAJOR, SLOTS_MAJOR
 
 __all__ = [
     "INVALID_POS",
@@ -76,10 +78,12 @@ class Stored(NamedTuple):
     scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("k", "v", "pos"), meta_fields=("layout", "window"))
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=("k", "v", "pos"), meta_fields=("layout", "window", "kernel")
+)
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """The decoding state of a batch of sequences, as plain arrays plus its static layout and window.
+    """The decoding state of a batch of sequences, as plain arrays plus its static layout, window and kernel.
 
     `pos` is int32 `(B,)`. The fields are typed loosely on purpose: JAX
     rebuilds pytrees with other leaves (shardings, tracers, placeholders).
@@ -90,6 +94,7 @@ class KVCache:
     pos: Any
     layout: str = SLOTS_MAJOR
     window: int | None = None
+    kernel: str = "auto"
 
     @property
     def num_slots(self) -> int:
@@ -111,12 +116,21 @@ class KVCache:
         apart and the write waits for `commit`; `write_first` writes `written`
         tokens now and reads the cache alone (one pass, fewer ops per step). A
         ring chunk of several tokens cannot be written first (a later token
-        would overwrite a slot an earlier one still sees): refused.
+        would overwrite a slot an earlier one still sees): refused. A decode
+        step may run on a Pallas kernel instead (`kvattn.kernels.route`).
         """
         if write_first and self.window is not None and q.shape[1] > 1:
             raise ValueError(f"a ring chunk of {q.shape[1]} tokens must be read first; use write_first only for steps")
         old_pos = self.pos
         cache = append(self, k, v, written) if write_first else self
+        path = "xla" if q.shape[1] > 1 else kernels.route(
+            self.kernel,
+            kernels.contiguous_limits(self.k.values, self.k.scale, self.layout, window=self.window,
+                                      write_first=write_first, logit_softcap=options["logit_softcap"]),
+            in_place=self.layout == HEADS_MAJOR,
+        )
+        if path != "xla":
+            return cache._kernel_read(q, k, v, lengths, written, old_pos, write_first, path == "interpret"), cache
 
         def read(kv):
             (k_cache, k_scale), (v_cache, v_scale) = kv
@@ -135,6 +149,15 @@ class KVCache:
     def commit(self, k, v, written, *, after, write_first: bool) -> KVCache:
         """The write `attend` left for later: after the output `after`, so XLA updates donated buffers in place."""
         return self if write_first else append(self, k, v, written, after=after)
+
+    def _kernel_read(self, q, k, v, lengths, written, old_pos, write_first: bool, interpret: bool):
+        """`attend`'s read on `kvattn.kernels.contiguous_step`: the written cache, or the old one and the new token."""
+        if write_first:  # a ring written first holds exactly the window up to the new token
+            visible = self.pos if self.window is None else jnp.minimum(self.pos, self.window)
+            return kernels.contiguous_step(q, written, self.k.values, self.v.values, visible, self.layout,
+                                           interpret=interpret)
+        return kernels.contiguous_step(q, lengths, self.k.values, self.v.values, old_pos, self.layout, new=(k, v),
+                                       interpret=interpret)
 
 
 def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
@@ -330,7 +353,7 @@ def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, bat
         raise ValueError("pages= is only for a paged layer (built with num_pages and page_size)")
     cache = KVCache(
         k=Stored(arrays["k_cache"], arrays.get("k_scale")), v=Stored(arrays["v_cache"], arrays.get("v_scale")),
-        pos=arrays["pos"], layout=config.layout, window=config.window,
+        pos=arrays["pos"], layout=config.layout, window=config.window, kernel=kernels.mode(config),
     )
     if lengths is not None:
         check.capacity(config, check.state(config, cache.pos), lengths)

@@ -21,7 +21,9 @@ import numpy as np
 
 from kvattn.rope import RoPE
 
-__all__ = ["CACHE_DTYPES", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "default_length_buckets"]
+__all__ = [
+    "CACHE_DTYPES", "DECODE_KERNELS", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "default_length_buckets",
+]
 
 # `pos` is int32: the most tokens a sequence may ever append, ring or not.
 INT32_MAX = 2**31 - 1
@@ -35,6 +37,9 @@ CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 # A cache layout is named by the letters of its axes (legend in `kvattn.ops`).
 LAYOUTS = {"slots_major": "BSKH", "heads_major": "BKSH"}
+
+# What a decode step's attention runs (the rule is `kvattn.kernels.route`).
+DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")
 
 # Caches of a batch larger than this no longer fit a typical last-level CPU cache.
 _CACHE_RESIDENT_BYTES = 32 * 2**20
@@ -112,6 +117,14 @@ class AttentionConfig:
         `reorder` are the manager's. `window` may be given with `max_len`:
         it limits what a token sees, and the host frees the pages that fall
         out of it.
+      decode_kernel: what a decode step's attention runs (one new token per
+        sequence; prefill always runs XLA): `"auto"` (the default) jax's
+        Pallas GPU kernels when the backend is a GPU and they serve this
+        layer, else XLA; `"xla"` always XLA; `"pallas"` always the kernels,
+        refusing a layer or a backend they cannot serve; `"interpret"` the
+        kernels in Pallas's interpret mode, on any backend (slow: for
+        tests). See `kvattn.kernels`. A sharded layer (`data_axis` or
+        `model_axis`) runs XLA: the kernels have no sharding rule.
 
     >>> AttentionConfig(2, 8, max_len=np.int64(16), cache_dtype=np.dtype("int8")).max_len
     16
@@ -142,6 +155,7 @@ class AttentionConfig:
     rope: RoPE | None = _recorded(None)
     num_pages: int | None = None
     page_size: int | None = None
+    decode_kernel: str = "auto"
 
     def __post_init__(self):
         def put(name, value):
@@ -216,6 +230,13 @@ class AttentionConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a mesh axis name (str) or None, got {value!r}")
+        if not isinstance(self.decode_kernel, str) or self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {self.decode_kernel!r}")
+        if self.decode_kernel in ("pallas", "interpret") and (self.data_axis or self.model_axis):
+            raise ValueError(
+                f"decode_kernel={self.decode_kernel!r} cannot run a sharded layer (data_axis={self.data_axis!r}, "
+                f"model_axis={self.model_axis!r}): the Pallas kernels have no sharding rule; use 'auto' or 'xla'"
+            )
 
     def biased(self, projection: str) -> bool:
         """Whether projection `"query"`, `"key"`, `"value"` or `"out"` has a bias."""

@@ -27,7 +27,9 @@ are logical: slot s of a view starting at block f holds position
 
 `PagedKVCache` implements the same cache interface as `kvattn.cache.KVCache`
 (`fits`, `attend`, `commit`; `variables`, `bind`, `unbind` on the layer's
-side): it always writes first, then reads.
+side): it always writes first, then reads. A decode step may read through
+jax's Pallas paged-attention kernel instead (`kvattn.kernels.route`), which
+reads the pool where it lies, whole pages at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from kvattn import ops
+from kvattn import kernels, ops
 from kvattn import validation as check
 from kvattn.cache import Stored, capacity_ok, encode
 from kvattn.config import NULL_PAGE, AttentionConfig
@@ -61,13 +63,14 @@ __all__ = [
     "variables",
     "view",
     "write_sequence",
+    "zero_page_tails",
 ]
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("k", "v", "table", "pos", "copy_from", "copy_to"),
-    meta_fields=("layout", "window"),
+    meta_fields=("layout", "window", "kernel"),
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -76,7 +79,8 @@ class PagedKVCache:
     `layout` names the axes of a gathered view (`"BSKH"` for a pool
     `(P, page, K, H)`, `"BKSH"` for `(P, K, page, H)`); `window`, if set,
     limits what a query sees to the last `window` positions (pages that fall
-    out of it are freed by the host, not overwritten in a ring).
+    out of it are freed by the host, not overwritten in a ring); `kernel` is
+    `AttentionConfig.decode_kernel` (see `kvattn.kernels`).
     """
 
     k: Any
@@ -87,6 +91,7 @@ class PagedKVCache:
     copy_to: Any = None
     layout: str = SLOTS_MAJOR
     window: int | None = None
+    kernel: str = "auto"
 
     @property
     def page_size(self) -> int:
@@ -120,6 +125,16 @@ class PagedKVCache:
         old_pos = self.pos
         cache = append(self, k, v, written)
         filled = old_pos + written
+        path = "xla" if q.shape[1] > 1 else kernels.route(
+            self.kernel, kernels.paged_limits(self.k.values, self.layout, window=self.window)
+        )
+        if path != "xla":
+            cache = zero_page_tails(cache, filled, written)
+            ctx = kernels.paged_step(
+                q, written, cache.k.values, cache.v.values, cache.table, filled, cache.layout, k_scale=cache.k.scale,
+                v_scale=cache.v.scale, logit_softcap=options["logit_softcap"], interpret=path == "interpret",
+            )
+            return ctx, cache
         first = first_block(cache, old_pos)
         needed = jnp.max((filled + cache.page_size - 1) // cache.page_size - first)
         sizes = chunk_sizes(cache)
@@ -190,6 +205,14 @@ def _slots(cache: PagedKVCache, positions: Int[Array, "B T"], keep: Bool[Array, 
     return jnp.where(keep, pages, cache.num_pages), positions % cache.page_size
 
 
+def _put(cache: PagedKVCache, stored: Stored, pages, slots, new: Stored) -> Stored:
+    """`stored` with rows `new` (`(B, T, K[, H])`) written at `pages`, `slots` (`(B*T,)`; page `P` is dropped)."""
+    new = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), new)  # (B*T, K[, H])
+    if cache.layout == SLOTS_MAJOR:
+        return jax.tree.map(lambda pool, x: pool.at[pages, slots].set(x, mode="drop"), stored, new)
+    return jax.tree.map(lambda pool, x: pool.at[pages, :, slots].set(x, mode="drop"), stored, new)
+
+
 def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> PagedKVCache:
     """Writes the first `lengths[b]` new keys and values `(B, T, K, H)` of each sequence and advances `pos`.
 
@@ -202,13 +225,31 @@ def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> Page
     pages, slots = pages.reshape(-1), slots.reshape(-1)
 
     def put(stored: Stored, new):
-        new = encode(new, stored.values.dtype)
-        new = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), new)  # (B*T, K[, H])
-        if cache.layout == SLOTS_MAJOR:
-            return jax.tree.map(lambda pool, x: pool.at[pages, slots].set(x, mode="drop"), stored, new)
-        return jax.tree.map(lambda pool, x: pool.at[pages, :, slots].set(x, mode="drop"), stored, new)
+        return _put(cache, stored, pages, slots, encode(new, stored.values.dtype))
 
     return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new), pos=cache.pos + lengths)
+
+
+def zero_page_tails(cache: PagedKVCache, filled: Int[Array, " B"], written: Int[Array, " B"]) -> PagedKVCache:
+    """Zeroes the slots past position `filled[b] - 1` in the page each writing sequence wrote last.
+
+    Those slots hold no token of the sequence (a page's earlier owner may
+    have left anything there, NaN included). A kernel that reads whole pages
+    weighs them exactly zero, and zero times NaN is not zero. The page was
+    just written, so it is the sequence's alone (copy-on-write).
+    """
+    offsets = jnp.arange(cache.page_size)[None, :]
+    positions = filled[:, None] + offsets
+    same_page = positions // cache.page_size == (filled[:, None] - 1) // cache.page_size
+    pages, slots = _slots(cache, positions, same_page & (written[:, None] > 0))
+    pages, slots = pages.reshape(-1), slots.reshape(-1)
+    values = cache.k.values
+    zeros = jnp.zeros((*positions.shape, values.shape[2 if cache.layout == SLOTS_MAJOR else 1], values.shape[-1]))
+
+    def put(stored: Stored):
+        return _put(cache, stored, pages, slots, encode(zeros, stored.values.dtype))
+
+    return cache.replace(k=put(cache.k), v=put(cache.v))
 
 
 # Attention reads a sequence in chunks of pages gathered into a view: short
@@ -341,6 +382,7 @@ def bound_pool(config: AttentionConfig, arrays: dict, table, pos, copy_from=None
     return PagedKVCache(
         k=Stored(arrays["k_pages"], arrays.get("k_page_scale")), v=Stored(arrays["v_pages"], arrays.get("v_page_scale")),
         table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=config.layout, window=config.window,
+        kernel=kernels.mode(config),
     )
 
 
