@@ -288,7 +288,8 @@ def test_auto_runs_xla_on_a_gpu_where_the_kernel_would_not_serve(gpu, options):
 
 
 @pytest.mark.parametrize("options", RUNS_THE_KERNEL, ids=str)
-def test_auto_runs_xla_on_cpu(options):
+def test_auto_runs_xla_off_a_gpu(monkeypatch, options):
+    monkeypatch.setattr(kernels, "on_gpu", lambda: False)
     assert "pallas_call" not in attention_jaxpr(config(**options), write_first=True)
 
 
@@ -302,8 +303,9 @@ def test_a_forced_kernel_refuses_what_it_cannot_serve(gpu):
         attention_jaxpr(config(decode_kernel="pallas", window=8, **PAGED))
 
 
-def test_a_forced_kernel_refuses_a_cpu_backend_and_a_sharded_layer():
-    with pytest.raises(UnsupportedConfigError, match="the backend is 'cpu', not a GPU"):
+def test_a_forced_kernel_refuses_a_backend_off_a_gpu_and_a_sharded_layer(monkeypatch):
+    monkeypatch.setattr(kernels, "on_gpu", lambda: False)
+    with pytest.raises(UnsupportedConfigError, match="not a GPU"):
         attention_jaxpr(config(decode_kernel="pallas", cache_layout="heads_major"))
     with pytest.raises(ValueError, match="no sharding rule"):
         config(decode_kernel="interpret", model_axis="model")
@@ -326,3 +328,12 @@ def test_a_forced_kernel_refuses_a_cpu_backend_and_a_sharded_layer():
 def test_route(monkeypatch, mode, cannot, in_place, on_gpu, path):
     monkeypatch.setattr(kernels, "on_gpu", lambda: on_gpu)
     assert kernels.route(mode, cannot, in_place=in_place) == path
+
+
+def test_the_benchmark_reports_the_kernel_path_unavailable_off_a_gpu(monkeypatch, tmp_path):
+    from benchmarks.kernels import run_kernels
+
+    monkeypatch.setattr(kernels, "on_gpu", lambda: False)
+    result = run_kernels(out_dir=tmp_path, quick=True)
+    assert not result["available"] and "decode" not in result
+    assert "Kernel path unavailable" in (tmp_path / "kernels.md").read_text()

@@ -353,7 +353,7 @@ def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, bat
         raise ValueError("pages= is only for a paged layer (built with num_pages and page_size)")
     cache = KVCache(
         k=Stored(arrays["k_cache"], arrays.get("k_scale")), v=Stored(arrays["v_cache"], arrays.get("v_scale")),
-        pos=arrays["pos"], layout=config.layout, window=config.window, kernel=kernels.mode(config),
+        pos=arrays["pos"], layout=config.layout, window=config.window, kernel=kernels.cache_kernel(config),
     )
     if lengths is not None:
         check.capacity(config, check.state(config, cache.pos), lengths)

@@ -32,8 +32,8 @@ the cache types as their static `kernel` field) and from what the call asks:
 Both kernels run their dots on float32 operands (an int8 pool is converted
 in the kernel, its scales applied as `kvattn.ops` does) at the backend's
 default matmul precision: TF32 on recent NVIDIA GPUs, as XLA's own float32
-dots there. Axis letters follow `kvattn.ops`; P pages,
-M blocks per sequence in a page table.
+dots there. Axis letters follow `kvattn.ops`; P pages, M blocks per
+sequence in a page table.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from jaxtyping import Array, Float, Int, Shaped
 from kvattn.config import LAYOUTS
 from kvattn.errors import UnsupportedConfigError
 
-__all__ = ["contiguous_limits", "contiguous_step", "mode", "on_gpu", "paged_limits", "paged_step", "route"]
+__all__ = ["cache_kernel", "contiguous_limits", "contiguous_step", "on_gpu", "paged_limits", "paged_step", "route"]
 
 SLOTS_MAJOR = LAYOUTS["slots_major"]
 HEADS_MAJOR = LAYOUTS["heads_major"]
@@ -62,7 +62,7 @@ BLOCK_TOKENS = 128
 MAX_SPLITS = 16
 
 
-def mode(config) -> str:
+def cache_kernel(config) -> str:
     """The `kernel` a layer's cache carries: `config.decode_kernel`, and `"xla"` for a sharded layer under `"auto"`.
 
     A `pallas_call` has no sharding rule: XLA would gather a sharded cache

@@ -382,7 +382,7 @@ def bound_pool(config: AttentionConfig, arrays: dict, table, pos, copy_from=None
     return PagedKVCache(
         k=Stored(arrays["k_pages"], arrays.get("k_page_scale")), v=Stored(arrays["v_pages"], arrays.get("v_page_scale")),
         table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=config.layout, window=config.window,
-        kernel=kernels.mode(config),
+        kernel=kernels.cache_kernel(config),
     )
 
 
