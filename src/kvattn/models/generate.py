@@ -34,7 +34,8 @@ def _bucket(length: int) -> int:
 
 
 def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, stop_tokens=(), rng=None) -> Generated:
+             top_k: int | None = None, top_p: float | None = None, stop_tokens=(), rng=None,
+             speculative=None) -> Generated:
     """Appends each prompt to the model's caches, then samples `max_new_tokens` tokens per sequence.
 
     The caches afterwards hold the prompts and every new token, so
@@ -51,10 +52,43 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
         smallest set holding probability p.
       stop_tokens: a sequence stops after producing one of these.
       rng: a `jax.random.key`, needed when `temperature > 0`.
+      speculative: a `PromptLookup` or `DraftModel` to produce several
+        tokens per call of the model, with the same output (see
+        `kvattn.models.speculate`).
 
     Returns:
       `Generated(tokens, counts)`.
     """
+    if speculative is not None:
+        from kvattn.models.speculative import speculate  # it imports this module
+
+        return Generated(*speculate(
+            model, prompts, max_new_tokens, speculative=speculative, lengths=lengths, temperature=temperature,
+            top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
+        )[:2])
+    padded, lengths, sampling, stop_tokens = _checked(
+        model, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens, rng
+    )
+    graphdef, params, cache = nnx.split(model, nnx.Param, nnx.Cache)
+    tokens, counts, cache = _program(
+        graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32),
+        jax.random.key(0) if rng is None else rng, int(max_new_tokens), sampling, stop_tokens,
+    )
+    nnx.update(model, cache)
+    return Generated(tokens, counts)
+
+
+class _Inputs(NamedTuple):
+    padded: np.ndarray
+    """`(B, bucket)` int32: the prompts, right-padded to their bucket."""
+    lengths: np.ndarray
+    sampling: Sampling
+    stop_tokens: tuple[int, ...]
+
+
+def _checked(model: CausalLM, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens,
+             rng) -> _Inputs:
+    """`generate`'s arguments checked (before anything changes) and padded to their bucket."""
     batch = model.blocks[0].attention.config.batch_size
     prompts = token_ids(prompts, model.config.vocab_size, "prompts", (batch, None))
     check.positive_int(max_new_tokens, "max_new_tokens")
@@ -77,13 +111,7 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
     check.capacity(attention.config, pos, lengths + max_new_tokens)
     padded = np.zeros((batch, _bucket(num_prompt)), np.int32)
     padded[:, :num_prompt] = prompts
-    graphdef, params, cache = nnx.split(model, nnx.Param, nnx.Cache)
-    tokens, counts, cache = _program(
-        graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32),
-        jax.random.key(0) if rng is None else rng, int(max_new_tokens), sampling, stop_tokens,
-    )
-    nnx.update(model, cache)
-    return Generated(tokens, counts)
+    return _Inputs(padded, lengths, sampling, stop_tokens)
 
 
 def _sampling(model: CausalLM, temperature, top_k, top_p, rng) -> Sampling:

@@ -1,0 +1,382 @@
+"""Speculative decoding: the tokens of plain greedy decoding, the distribution of plain sampling, in fewer calls.
+
+Greedy runs are held to transformers' greedy continuations on the committed
+fixtures (which `generate` equals token for token, see
+test_hf_equivalence.py), with ragged prompts and a stop token inside the
+batch. Sampled runs are held to the exact distribution of plain sampling by
+a chi-square test over thousands of sequences decoded in one call, and the
+same test refuses a wrong acceptance rule. Every compiled program serves
+several tests (module-scope fixtures), to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+from flax import nnx
+
+from kvattn import models
+from kvattn.errors import CacheOverflowError
+from kvattn.models import speculative
+from kvattn.models.model_config import ModelConfig
+from kvattn.rope import RoPE
+from tests.helpers import FIXTURES, expected
+
+NEW = 32  # the fixtures' greedy continuations are 32 tokens long
+
+
+def stop_token(want) -> int:
+    """A token the middle sequence first produces midway and another sequence never: a stop inside the batch."""
+    greedy = want["greedy"]
+    return int(next(token for index, token in enumerate(greedy[1]) if index >= 6 and token not in greedy[1, :index]
+                    and (token not in greedy[0] or token not in greedy[2])))
+
+
+def with_stop(greedy, stop):
+    """What generate returns for `greedy` continuations cut at `stop`: tokens, counts, and who stopped."""
+    tokens, counts, stopped = np.zeros_like(greedy), [], []
+    for row, sequence in enumerate(greedy):
+        hits = np.flatnonzero(sequence == stop)
+        count = int(hits[0]) + 1 if hits.size else len(sequence)
+        tokens[row, :count] = sequence[:count]
+        counts.append(count)
+        stopped.append(bool(hits.size))
+    return tokens, np.array(counts), np.array(stopped)
+
+
+# Each family is decoded by one drafter, a compiled program each (the suite's time is short).
+DRAFTERS = {
+    "gpt2": lambda family: models.PromptLookup(num_tokens=3),
+    "qwen2": lambda family: models.PromptLookup(num_tokens=2, max_ngram=1),
+    "qwen3": lambda family: models.PromptLookup(num_tokens=4, max_ngram=2),
+    # The target in bfloat16: most drafts kept, at half the bytes, so rounds pay.
+    "llama": lambda family: models.DraftModel(load(family, dtype=jnp.bfloat16), num_tokens=4),
+}
+
+
+def load(family, **options):
+    return models.from_pretrained(FIXTURES / family, **{"max_len": 64, "batch_size": 3, **options})
+
+
+@pytest.fixture(scope="module", params=sorted(DRAFTERS))
+def decoded(request):
+    """Each family's fixture prompts decoded greedily with a stop token: (family, model, drafter, want, result)."""
+    family = request.param
+    want = expected(family)
+    model, drafter = load(family), DRAFTERS[family](family)
+    result = models.speculate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
+                              stop_tokens=(stop_token(want),))
+    return family, model, drafter, want, result
+
+
+def test_greedy_output_is_plain_greedy_decoding_token_for_token(decoded):
+    family, model, _, want, result = decoded
+    tokens, counts, stopped = with_stop(want["greedy"], stop_token(want))
+    np.testing.assert_array_equal(np.asarray(result.tokens), tokens, err_msg=family)
+    np.testing.assert_array_equal(np.asarray(result.counts), counts)
+    assert stopped.any() and not stopped.all()  # the stop ends one sequence inside the batch, not all
+    # The caches hold what generate leaves: the prompt and every token up to, not including, a stop token.
+    np.testing.assert_array_equal(np.asarray(model.pos), want["lengths"] + counts - stopped)
+    assert int(result.rounds) > 0
+
+
+def test_generate_takes_the_same_option_and_returns_the_same_tokens(decoded):
+    _, model, drafter, want, result = decoded
+    model.reset()
+    if isinstance(drafter, models.DraftModel):
+        drafter.draft.reset()
+    again = models.generate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
+                            stop_tokens=(stop_token(want),))
+    assert isinstance(again, models.Generated)
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(result.tokens))
+    np.testing.assert_array_equal(np.asarray(again.counts), np.asarray(result.counts))
+
+
+def test_rejected_drafts_leave_no_trace_in_any_cache(decoded):
+    """Every cache holds zeros past its tokens; the llama target's holds what a prefill of them writes."""
+    family, model, drafter, want, _ = decoded
+    tokens, counts, stopped = with_stop(want["greedy"], stop_token(want))
+    held = want["lengths"] + counts - stopped
+    caches = [(model, held)]
+    if isinstance(drafter, models.DraftModel):
+        draft_held = np.asarray(drafter.draft.pos)
+        assert (draft_held <= held).all() and (draft_held > want["lengths"]).all()
+        caches.append((drafter.draft, draft_held))
+    fresh = None
+    if family == "llama":  # one family suffices for the contents
+        sequences = np.zeros((3, int(held.max())), np.int32)
+        for row, length in enumerate(want["lengths"]):
+            sequences[row, :length] = want["prompts"][row, :length]
+            sequences[row, length : held[row]] = tokens[row, : held[row] - length]
+        graphdef, params, empty = nnx.split(load(family), nnx.Param, nnx.Cache)
+
+        @jax.jit  # one program rather than many small ones
+        def prefill(params, empty, sequences, lengths):
+            fresh = nnx.merge(graphdef, params, empty)
+            fresh.prefill(sequences, lengths)
+            return nnx.state(fresh, nnx.Cache)
+
+        fresh = nnx.merge(graphdef, params, prefill(params, empty, jnp.asarray(sequences), jnp.asarray(held)))
+    for holder, pos in caches:
+        for index, block in enumerate(holder.blocks):
+            for name in ("k_cache", "v_cache"):
+                got = np.asarray(getattr(block.attention, name)[...], np.float32)
+                inside = np.arange(got.shape[2])[None, None, :, None] < pos[:, None, None, None]  # (B, K, S, H)
+                assert not np.where(inside, 0, got).any(), (family, name)
+                if fresh is not None and holder is model:
+                    reference = np.asarray(getattr(fresh.blocks[index].attention, name)[...])
+                    np.testing.assert_allclose(np.where(inside, got, 0), np.where(inside, reference, 0),
+                                               rtol=0, atol=1e-5 * np.abs(reference).max())
+
+
+def test_rounds_adapt_to_how_many_drafts_are_kept(decoded):
+    """A draft that always agrees runs rounds of K + 1 tokens; drafts that miss fall back to plain steps."""
+    family, _, _, _, result = decoded
+    drafted, accepted = np.asarray(result.drafted), np.asarray(result.accepted)
+    assert (accepted <= drafted).all()
+    if family == "llama":  # a bfloat16 copy of the target agrees mostly, at half the cost of a step
+        assert result.acceptance > 0.5 and accepted.sum() > int(result.steps)  # rounds made most tokens
+    else:  # copies these random models rarely make
+        assert result.acceptance < 0.5 and int(result.steps) > int(result.rounds)
+
+
+def test_one_program_serves_a_prompt_bucket_whatever_is_accepted(decoded):
+    family, model, drafter, want, _ = decoded
+    if family != "gpt2":
+        pytest.skip("one family suffices")
+    compiled = speculative._program._cache_size()
+    rng = np.random.default_rng(0)
+    for width in (10, 13, 16):  # other prompt widths in the fixture's bucket of 16, other tokens and acceptance
+        model.reset()
+        prompts = rng.integers(0, 97, (3, width))
+        models.speculate(model, prompts, NEW, speculative=drafter, stop_tokens=(stop_token(want),))
+    repeating = np.tile(want["greedy"][:, :6], 2)  # copies for prompt lookup to find
+    model.reset()
+    models.speculate(model, repeating, NEW, speculative=drafter, stop_tokens=(stop_token(want),))
+    assert speculative._program._cache_size() == compiled
+
+
+# ------------------------------------------------------------------- the pieces
+
+
+def test_lookup_copies_what_followed_the_longest_matching_suffix():
+    history = jnp.array([
+        [5, 1, 2, 3, 4, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0],  # "1 2 3" seen before: 4 9 2 3 follow
+        [1, 2, 6, 1, 2, 6, 1, 2, 0, 0, 0, 0, 0, 0, 0],  # "6 1 2" once before, 3 known tokens after it
+        [7, 8, 9, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # no earlier 4: nothing drafted
+        [3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # only 1 known token after the latest "3 3 3"
+    ])
+    filled = jnp.array([12, 7, 3, 3])
+    lookup = jax.jit(speculative.lookup, static_argnames=("num_tokens", "max_ngram"))
+    drafts, widths = lookup(history, filled, num_tokens=4, max_ngram=3)
+    assert widths.tolist() == [4, 3, 0, 1]
+    assert drafts.tolist() == [[4, 9, 2, 3], [6, 1, 2, 0], [0, 0, 0, 0], [3, 0, 0, 0]]
+    drafts, widths = lookup(history, filled, num_tokens=2, max_ngram=1)
+    # With one-token suffixes, the latest occurrence followed by 2 known tokens.
+    assert drafts.tolist() == [[7, 8], [6, 1], [0, 0], [3, 3]] and widths.tolist() == [2, 2, 0, 2]
+
+
+def test_greedy_verify_keeps_the_drafts_up_to_the_first_disagreement():
+    best = jnp.array([[3, 1, 4, 1, 5], [3, 1, 4, 1, 5], [3, 1, 4, 1, 5]])  # the target's argmax per position
+    logits = jax.nn.one_hot(best, 8) * 10.0
+    drafts = jnp.array([[3, 1, 0, 1], [3, 1, 4, 1], [2, 1, 4, 1]])
+    verify = jax.jit(speculative.verify, static_argnames="sampling")
+    kept, token = verify(logits, drafts, jnp.array([4, 3, 4]), None, jax.random.key(0), sampling=models.Sampling())
+    # Row 0 disagrees at its third draft; row 1 keeps all 3 it drafted; row 2 none.
+    assert kept.tolist() == [2, 3, 0] and token.tolist() == [4, 1, 3]
+
+
+# ------------------------------------------------------------------ sampling
+
+VOCAB, ROWS, SAMPLED = 8, 4096, 3
+SAMPLING = models.Sampling(temperature=1.0, top_k=6)
+PROMPT = [1, 2, 3, 1, 2, 3]
+
+
+def tiny(seed: int, rows: int = ROWS):
+    """A one-layer Llama over 8 tokens, `rows` sequences wide, with standard-normal weights from NumPy.
+
+    Built abstractly and filled in, so no initializer compiles a program.
+    """
+    config = ModelConfig(family="llama", vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=8, intermediate_size=16, norm_eps=1e-5, tie_embeddings=False,
+                         max_position_embeddings=16, rope=RoPE(theta=10000.0))
+    abstract = nnx.eval_shape(lambda: models.CausalLM(config, max_len=16, batch_size=rows, rngs=nnx.Rngs(0)))
+    graphdef, params, caches = nnx.split(abstract, nnx.Param, nnx.Cache)
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda w: jnp.asarray(rng.standard_normal(w.shape).astype(w.dtype)), params)
+    return nnx.merge(graphdef, params, jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype), caches))
+
+
+def reference_probabilities(logits):
+    """What plain sampling draws from, in float64: softmax of the logits over temperature, within the top k."""
+    logits = np.asarray(logits, np.float64) / SAMPLING.temperature
+    kth = np.sort(logits, axis=-1)[..., -SAMPLING.top_k][..., None]
+    probs = np.where(logits < kth, 0.0, np.exp(logits - logits.max(axis=-1, keepdims=True)))
+    return probs / probs.sum(axis=-1, keepdims=True)
+
+
+def chi_square_p(cells, probabilities) -> float:
+    """The p-value of how often each cell was drawn against `probabilities` (cells expected < 5 pooled)."""
+    observed = np.bincount(np.asarray(cells).ravel(), minlength=probabilities.size).astype(np.float64)
+    wanted = probabilities.ravel() * np.size(cells)
+    small = wanted < 5
+    observed = np.append(observed[~small], observed[small].sum())
+    wanted = np.append(wanted[~small], wanted[small].sum())
+    statistic = np.sum((observed - wanted) ** 2 / np.maximum(wanted, 1e-12))
+    return float(scipy.stats.chi2.sf(statistic, len(observed) - 1))
+
+
+# One round's verify over many rows: its first token must follow p, whatever the draft and its q.
+P_LOGITS = jnp.asarray(np.random.default_rng(3).standard_normal((1, 3, VOCAB)).astype(np.float32) * 1.5)
+Q = jax.nn.softmax(jnp.asarray(np.random.default_rng(4).standard_normal((1, 2, VOCAB)).astype(np.float32)), axis=-1)
+ROUND_ROWS = 20000
+
+
+def first_tokens() -> dict[str, np.ndarray]:
+    """The first token each of `ROUND_ROWS` rounds produces (its first draft if kept, else the token drawn).
+
+    For both forms of q: a point mass (prompt lookup, every row drafting the
+    same copy) and a distribution the drafts were drawn from (a draft model).
+    """
+
+    def rounds(key):
+        draw_key, point_key, draft_key = jax.random.split(key, 3)
+        logits = jnp.broadcast_to(P_LOGITS, (ROUND_ROWS, *P_LOGITS.shape[1:]))
+        widths = jnp.full((ROUND_ROWS,), 2)
+        q = jnp.broadcast_to(Q, (ROUND_ROWS, *Q.shape[1:]))
+        drawn = jax.random.categorical(draw_key, jnp.log(q), axis=-1).astype(jnp.int32)
+        copied = jnp.broadcast_to(jnp.array([[5, 2]]), (ROUND_ROWS, 2))
+        out = {}
+        for form, drafts, drafted_from, round_key in (("point mass", copied, None, point_key),
+                                                       ("draft", drawn, q, draft_key)):
+            kept, token = speculative.verify(logits, drafts, widths, drafted_from, round_key, SAMPLING)
+            out[form] = jnp.where(kept > 0, drafts[:, 0], token)
+        return out
+
+    # A fresh function, so it is traced afresh (with `_accepts` as it is now); an rbg key compiles faster.
+    return jax.jit(lambda key: rounds(key))(jax.random.key(11, impl="rbg"))
+
+
+def test_a_round_draws_its_first_token_from_the_target_distribution():
+    for form, tokens in first_tokens().items():
+        assert chi_square_p(tokens, reference_probabilities(P_LOGITS[0, 0])) > 1e-3, form
+
+
+def test_the_chi_square_test_refuses_a_wrong_acceptance_rule(monkeypatch):
+    """Keeping every draft gives q's distribution, not p's: the same test must see it, for both forms of q."""
+    monkeypatch.setattr(speculative, "_accepts", lambda p, q, uniform: jnp.ones(uniform.shape, jnp.bool_))
+    for form, tokens in first_tokens().items():
+        assert chi_square_p(tokens, reference_probabilities(P_LOGITS[0, 0])) < 1e-9, form
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    return tiny(0)
+
+
+def test_sampled_generation_has_the_distribution_of_plain_sampling(tiny_target):
+    """Thousands of sequences decoded with a draft model in one call, against the exact law of plain sampling.
+
+    The law of the 8**3 continuations comes from full forwards of every
+    two-token prefix; the tokens after the first are drawn through rounds
+    that keep some drafts and refuse others.
+    """
+    prefixes = np.array([[a, b] for a in range(VOCAB) for b in range(VOCAB)])
+    tokens = np.concatenate([np.tile(PROMPT, (len(prefixes), 1)), prefixes], axis=1)
+    graphdef, params, rest = nnx.split(tiny_target, nnx.Param, ...)
+    forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params, rest)(tokens))  # one program, not many ops
+    probs = reference_probabilities(forward(params, jnp.asarray(tokens))[:, len(PROMPT) - 1 :])
+    first = probs[0, 0]
+    second = probs[:, 1].reshape(VOCAB, VOCAB, VOCAB)[:, 0]  # depends on the first token only
+    third = probs[:, 2].reshape(VOCAB, VOCAB, VOCAB)
+    exact = first[:, None, None] * second[:, :, None] * third
+
+    result = models.speculate(tiny_target, np.tile(PROMPT, (ROWS, 1)), SAMPLED, rng=jax.random.key(7, impl="rbg"),
+                              speculative=models.DraftModel(tiny(1), num_tokens=2), temperature=SAMPLING.temperature,
+                              top_k=SAMPLING.top_k)
+    assert np.asarray(result.counts).tolist() == [SAMPLED] * ROWS
+    # Rounds ran and refused some drafts: the acceptance rule and the residual were reached.
+    assert int(result.rounds) > 0 and 0 < result.acceptance < 1
+    cells = np.ravel_multi_index(np.asarray(result.tokens).T, (VOCAB,) * SAMPLED)
+    assert chi_square_p(cells, exact) > 1e-3
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load("llama")
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"num_tokens": 0}, ValueError, "num_tokens must be a positive int, got 0"),
+    ({"num_tokens": 2.0}, ValueError, "num_tokens must be a positive int, got 2.0"),
+    ({"num_tokens": True}, ValueError, "num_tokens must be a positive int, got True"),
+    ({"num_tokens": 2, "max_ngram": 0}, ValueError, "max_ngram must be a positive int, got 0"),
+])
+def test_prompt_lookup_settings_are_checked(options, error, message):
+    with pytest.raises(error, match=message):
+        models.PromptLookup(**options)
+
+
+def test_draft_model_settings_are_checked(llama):
+    with pytest.raises(TypeError, match="draft must be a kvattn.models.CausalLM, got str"):
+        models.DraftModel("llama", num_tokens=2)
+    with pytest.raises(ValueError, match="num_tokens must be a positive int, got -1"):
+        models.DraftModel(llama, num_tokens=-1)
+
+
+def cache_bytes(model) -> list[bytes]:
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree.leaves(nnx.state(model, nnx.Cache))]
+
+
+def refusal(model, match, error=ValueError, **options):
+    """`speculate` refuses with `match`, and no cache, the target's or the draft's, has changed."""
+    holders = [model] + ([options["speculative"].draft] if isinstance(options.get("speculative"),
+                                                                      models.DraftModel) else [])
+    before = [cache_bytes(holder) for holder in holders]
+    with pytest.raises(error, match=match):
+        models.speculate(model, expected("llama")["prompts"], 4, **options)
+    assert [cache_bytes(holder) for holder in holders] == before
+
+
+def test_drafts_that_cannot_serve_the_target_are_refused_before_anything_runs(llama):
+    llama.reset()
+    refusal(llama, "speculative must be a PromptLookup or a DraftModel, got int", TypeError, speculative=4)
+    refusal(llama, "must be another CausalLM than the target", speculative=models.DraftModel(llama, 2))
+    other_vocab = tiny(0, rows=3)
+    refusal(llama, "share the target's vocabulary: vocab_size 97 expected, got 8",
+            speculative=models.DraftModel(other_vocab, 2))
+    refusal(llama, "the target's batch size 3, got batch_size=2",
+            speculative=models.DraftModel(load("llama", batch_size=2), 2))
+    behind = load("llama")
+    for block in behind.blocks:  # as if it had taken two tokens
+        block.attention.pos[...] = jnp.full((3,), 2, jnp.int32)
+    refusal(llama, r"hold what the target's hold: pos \[0, 0, 0\] expected, got \[2, 2, 2\]",
+            speculative=models.DraftModel(behind, 2))
+    refusal(llama, "cache overflow for sequences", CacheOverflowError,
+            speculative=models.DraftModel(load("llama", max_len=8), 2))
+    # generate's own checks, with generate's messages.
+    with pytest.raises(ValueError, match=r"prompts must have shape \(3, T\), got \(1, 3\)"):
+        models.generate(llama, [[1, 2, 3]], 4, speculative=models.PromptLookup(2))
+
+
+def test_caches_that_cannot_be_rolled_back_are_refused():
+    windowed = models.from_pretrained(FIXTURES / "mistral", max_len=64, batch_size=3)  # a ring past its window of 8
+    refusal(windowed, "sliding-window ring of 8 slots cannot do .* build it with max_len <= 8",
+            speculative=models.PromptLookup(2))
+    paged = load("llama", num_pages=8, page_size=8)
+    refusal(paged, "needs contiguous caches; the model is paged", speculative=models.PromptLookup(2))
+
+
+def test_acceptance_is_nan_when_nothing_was_drafted():
+    zeros = jnp.zeros((2,), jnp.int32)
+    result = models.Speculated(jnp.zeros((2, 1), jnp.int32), zeros, jnp.int32(0), jnp.int32(1), zeros, zeros)
+    assert math.isnan(result.acceptance)
