@@ -97,7 +97,7 @@ class LoadConfig:
     warmup_requests: int = 8
     endpoint: str = "chat"
     seed: int = 0
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
     rate_deadline_s: float = 900.0
 
 
