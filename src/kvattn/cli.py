@@ -181,8 +181,10 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                          f"{model.config.vocab_size}")
+    server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching)
+    server.warm_up()  # every program compiled before the port opens: no request waits for a compilation
     metrics = Metrics()
-    engine = Engine(Server(model, chunk=chunk, prefix_caching=args.prefix_caching), max_waiting=args.max_waiting,
+    engine = Engine(server, max_waiting=args.max_waiting,
                     on_step=metrics.on_step, on_error=lambda _: metrics.engine_errors.inc())
     app = create_app(engine, tokenizer, metrics, model_name=args.model_name or checkpoint.resolve().name,
                      max_len=max_len, api_key=args.api_key)

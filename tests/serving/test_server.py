@@ -85,7 +85,9 @@ def test_a_failed_device_call_loses_no_request(monkeypatch):
 
 
 def test_serving_compiles_once_over_many_admissions():
+    """`warm_up` compiles every program: a decode call per bucket of rows (1, 2, 3 here) and the prefill chunk."""
     _, _, server = fixture_run("llama")
+    server.warm_up()
     before = (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size())
     rng = np.random.default_rng(0)
     for _ in range(8):

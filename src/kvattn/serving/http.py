@@ -276,7 +276,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         engine.start()
-        if warm_up:  # compiles both programs before the port opens
+        if warm_up:  # a first generation before the port opens: the device works
             await _health_generation(engine)
         yield
         engine.stop()

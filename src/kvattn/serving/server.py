@@ -393,9 +393,10 @@ class Server:
         request.preemptions += 1
         self._queue.appendleft(request)
 
-    def _rows(self, requests: list[_Request | None]) -> RowSampling:
+    def _rows(self, requests: list[_Request | None], size: int | None = None) -> RowSampling:
+        """Sampling rows for `requests` (None: an idle row), padded to `size` (default: the batch size)."""
         rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0) for r in requests]
-        return RowSampling.of(rows, self.config.batch_size)
+        return RowSampling.of(rows, size or self.config.batch_size)
 
     def _prefill_chunk(self, slot: int):
         request = self._slots[slot]
@@ -431,22 +432,43 @@ class Server:
         request.siblings = []
 
     def _decode(self, slots: list[int]):
+        """One token for each of `slots`, in a call over the smallest bucket of rows that holds them."""
         counts = np.zeros(self.config.batch_size, np.int32)
         counts[slots] = 1
         batch = self._reserve(counts)
-        active = counts > 0
-        tokens = np.zeros(self.config.batch_size, np.int32)
-        requests = [r if active[s] else None for s, r in enumerate(self._slots)]
-        for slot in np.flatnonzero(active):
-            tokens[slot] = self._slots[slot].generated[-1]
+        slots = [s for s in slots if counts[s]]  # a preempted one is no longer decoding
+        rows = np.zeros(self._bucket(len(slots)), np.int64)  # padding rows: slot 0, inactive
+        rows[: len(slots)] = slots
+        active = np.arange(len(rows)) < len(slots)
+        tokens = np.array([self._slots[s].generated[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
+        table = np.where(active[:, None], batch.table[rows], 0)
         new, logprobs, top_ids, top_logprobs = self._run(
-            _decode_program, tokens, active, batch.table, batch.pos, batch.copy_from, batch.copy_to,
-            self._rows(requests),
+            _decode_program, tokens, active, table, batch.pos[rows], batch.copy_from, batch.copy_to,
+            self._rows([self._slots[s] if a else None for s, a in zip(rows, active)], len(rows)),
         )
-        for slot in np.flatnonzero(active):
+        for row, slot in enumerate(slots):
             self._prefilled[slot] += 1
-            self._slots[slot].append(int(new[slot]), float(logprobs[slot]), top_ids[slot], top_logprobs[slot])
+            self._slots[slot].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self._totals["generated_tokens"] += 1
+
+    def _bucket(self, count: int) -> int:
+        """Rows of the decode call for `count` sequences: a power of two, at most the batch size."""
+        return min(1 << max(count - 1, 0).bit_length(), self.config.batch_size)
+
+    def warm_up(self) -> None:
+        """Compiles every program the server may run (each decode bucket, the prefill chunk) by calling it idle.
+
+        Nothing is written: every row is inactive and maps only the null page.
+        """
+        buckets = sorted({self._bucket(n) for n in range(1, self.config.batch_size + 1)})
+        empty = self.manager.reserve(np.zeros(self.config.batch_size, np.int32))
+        for size in buckets:
+            self._run(_decode_program, np.zeros(size, np.int32), np.zeros(size, bool),
+                      np.zeros((size, empty.table.shape[1]), np.int32), np.zeros(size, np.int32), empty.copy_from,
+                      empty.copy_to, RowSampling.of([], size))
+        self._run(_prefill_program, np.zeros((1, self.chunk), np.int32), np.int32([0]),
+                  np.zeros((1, empty.table.shape[1]), np.int32), np.zeros(1, np.int32), empty.copy_from,
+                  empty.copy_to, self._rows([]))
 
     def _run(self, program, *args):
         """One device call on the server's pools; on any failure, `_recover` and re-raise."""
