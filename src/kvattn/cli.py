@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-pages", type=_POSITIVE, help="pages in the pool (default: every sequence at full "
                        "length, plus one)")
     serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 4 pages)")
+    serve.add_argument("--prefills-per-step", type=_POSITIVE, default=2,
+                       help="prefill chunks an engine step runs at most (bounds the time between tokens)")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
     serve.add_argument("--chat-template", help="a jinja2 file replacing the checkpoint's chat_template")
@@ -181,7 +183,7 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                          f"{model.config.vocab_size}")
-    server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching)
+    server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching, prefills_per_step=args.prefills_per_step)
     server.warm_up()  # every program compiled before the port opens: no request waits for a compilation
     metrics = Metrics()
     engine = Engine(server, max_waiting=args.max_waiting,

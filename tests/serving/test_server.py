@@ -208,3 +208,19 @@ def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_fai
         engine.stop()
     assert server.idle
     server.manager.check()
+
+
+def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_oldest_first():
+    _, _, server = fixture_run("llama")
+    server.prefills_per_step = 1
+    try:
+        seen = []
+        a, b, c = (server.submit(prompt, 3, on_token=lambda index, token: seen.append(index))
+                   for prompt in ([1, 2, 3], [4, 5, 6], [7, 8, 9]))
+        server.step()
+        assert set(seen) == {a}  # one prompt prefilled, then its first decode step
+        server.step()
+        assert set(seen) == {a, b}
+        assert [done.request for done in server.run()] == [b, c]  # a finished in the second step
+    finally:
+        server.prefills_per_step = server.config.batch_size

@@ -162,6 +162,10 @@ class Server:
         as in `kvattn.models.generate` (greedy by default).
       rng: a `jax.random.key`, needed when `temperature > 0`; it draws the
         seed of each request that brings none.
+      prefills_per_step: prefill chunks a step runs at most, oldest request
+        first (default: one for every request still prefilling). A bound
+        keeps each step, and so every running request's time between
+        tokens, short while many requests arrive together.
 
     Example:
       >>> import jax.numpy as jnp
@@ -181,11 +185,13 @@ class Server:
     """
 
     def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, rng=None):
+                 top_k: int | None = None, top_p: float | None = None, rng=None, prefills_per_step: int | None = None):
         config = model.blocks[0].attention.config
         if not config.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
         chunk = check.positive_int(chunk, "chunk")
+        self.prefills_per_step = (config.batch_size if prefills_per_step is None
+                                  else check.positive_int(prefills_per_step, "prefills_per_step"))
         if chunk % config.page_size:
             raise ValueError(f"chunk must be a multiple of page_size={config.page_size}, got {chunk}")
         sampling = Sampling(temperature, top_k, top_p).check_vocab(model.config.vocab_size)
@@ -300,8 +306,10 @@ class Server:
     def step(self) -> list[Completion]:
         """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished."""
         self._admit()
-        for slot, request in enumerate(self._slots):
-            if self._slots[slot] is request and self._prefilling(slot):  # an earlier chunk may have preempted it
+        prefilling = sorted((s for s in range(len(self._slots)) if self._prefilling(s)),
+                            key=lambda s: self._slots[s].first_admitted)
+        for slot in prefilling[: self.prefills_per_step]:
+            if self._prefilling(slot):  # an earlier chunk may have preempted it
                 self._prefill_chunk(slot)
         finished = self._retire_finished()  # a first token may already end a request
         decoding = [s for s, r in enumerate(self._slots) if r is not None and self._decoding(s)]
