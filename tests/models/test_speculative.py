@@ -167,15 +167,15 @@ def test_one_program_serves_a_prompt_bucket_whatever_is_accepted(decoded):
 def test_lookup_copies_what_followed_the_longest_matching_suffix():
     history = jnp.array([
         [5, 1, 2, 3, 4, 9, 2, 3, 7, 8, 1, 2, 3, 0, 0],  # "1 2 3" seen before: 4 9 2 3 follow
-        [1, 2, 6, 1, 2, 6, 1, 2, 0, 0, 0, 0, 0, 0, 0],  # "6 1 2" once before, 3 known tokens after it
+        [1, 2, 6, 1, 2, 6, 1, 2, 0, 0, 0, 0, 0, 0, 0],  # "6 1 2" once before, then a loop of 3: 6 1 2 6
         [7, 8, 9, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # no earlier 4: nothing drafted
-        [3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # only 1 known token after the latest "3 3 3"
+        [3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # "3 3 3" before, one 3 after: a loop of one
     ])
     filled = jnp.array([12, 7, 3, 3])
     lookup = jax.jit(speculative.lookup, static_argnames=("num_tokens", "max_ngram"))
     drafts, widths = lookup(history, filled, num_tokens=4, max_ngram=3)
-    assert widths.tolist() == [4, 3, 0, 1]
-    assert drafts.tolist() == [[4, 9, 2, 3], [6, 1, 2, 0], [0, 0, 0, 0], [3, 0, 0, 0]]
+    assert widths.tolist() == [4, 4, 0, 4]
+    assert drafts.tolist() == [[4, 9, 2, 3], [6, 1, 2, 6], [0, 0, 0, 0], [3, 3, 3, 3]]
     drafts, widths = lookup(history, filled, num_tokens=2, max_ngram=1)
     # With one-token suffixes, the latest occurrence followed by 2 known tokens.
     assert drafts.tolist() == [[7, 8], [6, 1], [0, 0], [3, 3]] and widths.tolist() == [2, 2, 0, 2]

@@ -63,7 +63,7 @@ __all__ = ["DraftModel", "PromptLookup", "Speculated", "lookup", "speculate", "v
 
 PROBE_EVERY = 16
 """Plain steps after which a round is tried again, however low the estimate; twice as many after each miss."""
-MAX_PATIENCE = 256
+MAX_PATIENCE = 64
 """The longest wait between such tries."""
 SMOOTHING = 0.5
 """Weight of the latest round in the running estimate of drafts kept per round."""
@@ -86,8 +86,9 @@ class PromptLookup:
     The longest suffix of n <= `max_ngram` tokens (the pending token
     included) that occurs earlier in the sequence's prompt or output is
     looked up; among its occurrences, the latest one followed by `num_tokens`
-    known tokens, else the one followed by the most. A sequence without a
-    match drafts nothing that round.
+    known tokens, else the one followed by the most, whose tokens are then
+    repeated: the sequence is taken to be in a loop, as greedy decoding
+    often is. A sequence without a match drafts nothing that round.
 
     Args:
       num_tokens: K, the most tokens drafted per round.
@@ -175,12 +176,12 @@ def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int
       max_ngram: the longest suffix looked up (the longest one that matches wins).
 
     Returns:
-      `(drafts, widths)`: the drafted tokens, valid up to `widths` (0: no match).
+      `(drafts, widths)`: the drafted tokens; `widths` K, or 0 without a match.
     """
     slots = history.shape[1]
     index = jnp.arange(slots)[None, :]
     starts = jnp.zeros_like(filled)
-    widths = jnp.zeros_like(filled)
+    follow = jnp.zeros_like(filled)  # tokens known after the chosen occurrence (0: none found)
     for size in range(1, max_ngram + 1):  # a longer match overrides a shorter one
         match = jnp.ones(history.shape, jnp.bool_)
         for offset in range(size):
@@ -194,11 +195,12 @@ def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int
         best = jnp.argmax(score, axis=1)
         found = jnp.max(score, axis=1) >= 0
         starts = jnp.where(found, best + size, starts)
-        widths = jnp.where(found, jnp.minimum(jnp.take_along_axis(known, best[:, None], axis=1)[:, 0], num_tokens),
-                           widths)
-    columns = jnp.minimum(starts[:, None] + jnp.arange(num_tokens)[None, :], slots - 1)
-    drafts = jnp.take_along_axis(history, columns, axis=1)
-    return jnp.where(jnp.arange(num_tokens)[None, :] < widths[:, None], drafts, 0), widths
+        follow = jnp.where(found, jnp.take_along_axis(known, best[:, None], axis=1)[:, 0], follow)
+    # Fewer than K known tokens repeat, as a loop would.
+    columns = starts[:, None] + jnp.arange(num_tokens)[None, :] % jnp.maximum(follow, 1)[:, None]
+    drafts = jnp.take_along_axis(history, jnp.minimum(columns, slots - 1), axis=1)
+    widths = jnp.where(follow > 0, num_tokens, 0)
+    return jnp.where(widths[:, None] > 0, drafts, 0), widths
 
 
 def probabilities(logits: Float[Array, "*rows V"], sampling: Sampling) -> Float[Array, "*rows V"]:
@@ -400,7 +402,7 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
     def is_stop(tokens):
         return jnp.any(tokens[..., None] == stops.reshape((1,) * tokens.ndim + (-1,)), axis=-1)
 
-    def plain(loop, drafts, widths):
+    def plain(loop):
         """One step of `generate`: the pending token enters the target's caches, and the next is sampled."""
         model = nnx.merge(graphdef, params, loop.target)
         active = ~done(loop)
@@ -457,11 +459,21 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
         """Whether rounds keep enough drafts to cost less per token than steps (decoding is bandwidth bound)."""
         return expected >= VERIFY_OVERHEAD + cost * length.astype(jnp.float32)
 
-    def body(loop):
+    def offer(loop):
+        """What the drafter would draft now, and whether a round is wanted: drafts to verify, and rounds pay or are due."""
         budget = jnp.where(done(loop), 0, max_new_tokens - loop.counts - 1)
         drafts, widths = drafter._offer(loop, budget)
-        speculate = jnp.any(widths > 0) & (pays(loop.expected, loop.length) | (loop.waited >= loop.patience))
-        return jax.lax.cond(speculate, round_, plain, loop, drafts, widths)
+        wanted = jnp.any(widths > 0) & (pays(loop.expected, loop.length) | (loop.waited >= loop.patience))
+        return drafts, widths, wanted & ~jnp.all(done(loop))
+
+    def rounds(loop):
+        return round_(loop, *offer(loop)[:2])
+
+    def body(loop):
+        # Rounds while they are wanted, then steps until one is: two flat loops rather than a branch per token,
+        # which on a CPU costs a copy of the carried caches each time it is taken.
+        loop = jax.lax.while_loop(lambda loop: offer(loop)[2], rounds, loop)
+        return jax.lax.while_loop(lambda loop: ~offer(loop)[2] & ~jnp.all(done(loop)), plain, loop)
 
     loop = jax.lax.while_loop(lambda loop: ~jnp.all(done(loop)), body, loop)
     produced = jnp.arange(max_new_tokens)[None, :]
