@@ -44,7 +44,7 @@ __all__ = ["Decoder", "Rollout", "attend", "decode", "rollout"]
 WORKING_LAYOUT = ops.HEADS_MAJOR
 
 
-def working(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache):
+def working(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache):
     """Weights and cache as the layer stores them (`[B,] ...`) -> their working form (batched, heads-major)."""
     cache = stored if config.batch_size is not None else jax.tree.map(lambda a: a[None], stored)
     # Heads split over devices keep their projections apart (see `step.project_qkv`).
@@ -75,7 +75,7 @@ def _write_back(layer: MultiHeadAttention, stored: cache_ops.KVCache) -> None:
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _enter(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache):
+def _enter(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache):
     """`working` into fresh buffers, which the decoder may donate without touching the layer's."""
     weights, cache = working(config, weights, stored)
     return weights, jax.tree.map(jnp.copy, cache)
@@ -224,7 +224,7 @@ def _distinct_buffers(stored: cache_ops.KVCache) -> cache_ops.KVCache:
     return jax.tree.map(once, stored)
 
 
-def _decode(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache, xs):
+def _decode(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache, xs):
     weights, cache = working(config, weights, stored)
     xs = xs if config.batch_size is not None else xs[None]
     ones = jnp.ones(xs.shape[:1], jnp.int32)
@@ -279,7 +279,8 @@ class Rollout(NamedTuple):
     """How many steps ran before every sequence was full (int32 scalar)."""
 
 
-def _rollout(config: AttentionConfig, weights: Weights, stored: cache_ops.KVCache, x0, num_steps, next_input):
+def _rollout(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache, x0, num_steps,
+             next_input):
     batched = config.batch_size is not None
     weights, cache = working(config, weights, stored)
     outputs = jnp.full((num_steps, *x0.shape), jnp.nan, x0.dtype)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvattn import norms, ops
+from kvattn import norms, ops, quant
 from kvattn.cache import KVCache
 from kvattn.config import AttentionConfig
 from kvattn.paging.device import PagedKVCache
@@ -58,15 +58,33 @@ class FusedWeights(NamedTuple):
     On one token the projections are three mat-vecs; XLA:CPU pays a fixed
     cost per dot, so one wider dot is cheaper per step. Inside a compiled
     loop the concatenation is loop-invariant (XLA hoists it); the decoding
-    drivers fuse once, ahead of their loops.
+    drivers fuse once, ahead of their loops, and a layer may store its
+    weights fused (`kvattn.models`).
+
+    Either kernel may be compact (`kvattn.quant.Int8Kernel`): the fused one
+    with values `(N + 2K, H, D)`, the out one with values `(D, N * H)`.
     """
 
-    qkv_kernel: jax.Array
+    qkv_kernel: jax.Array | quant.Int8Kernel
     qkv_bias: jax.Array | None
-    out_kernel: jax.Array
+    out_kernel: jax.Array | quant.Int8Kernel
     out_bias: jax.Array | None
     query_ln: jax.Array | None = None
     key_ln: jax.Array | None = None
+
+    def fused(self) -> FusedWeights:
+        """Already fused: itself (so the drivers take either form)."""
+        return self
+
+    def heads(self) -> tuple[int, int]:
+        """`(N, K)`: the out kernel's query heads, and the rest of the fused heads axis halved."""
+        qkv, out = self.qkv_kernel, self.out_kernel
+        if quant.is_compact(qkv):
+            fused_heads, head_dim = qkv.values.shape[:2]
+            num_heads = out.values.shape[-1] // head_dim
+        else:
+            fused_heads, num_heads = qkv.shape[1], out.shape[0]
+        return num_heads, (fused_heads - num_heads) // 2
 
 
 def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
@@ -83,9 +101,12 @@ def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
                 ops.project(xs, weights.value_kernel, weights.value_bias),
             )
         weights = weights.fused()
-    num_heads = weights.out_kernel.shape[0]
-    num_kv_heads = (weights.qkv_kernel.shape[1] - num_heads) // 2
-    qkv = ops.project(xs, weights.qkv_kernel, weights.qkv_bias)
+    num_heads, num_kv_heads = weights.heads()
+    if quant.is_compact(weights.qkv_kernel):
+        qkv = quant.dense(xs, weights.qkv_kernel)
+        qkv = qkv if weights.qkv_bias is None else qkv + weights.qkv_bias[None, None]
+    else:
+        qkv = ops.project(xs, weights.qkv_kernel, weights.qkv_bias)
     return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=2)
 
 
@@ -102,7 +123,8 @@ def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, x
     cache stores, so a cached key is never rotated again.
     """
     dtype = compute_dtype(config, xs)
-    weights = jax.tree.map(lambda w: w.astype(dtype), weights)
+    # Compact kernels are read as they are stored: converting one would write it out in full every call.
+    weights = jax.tree.map(lambda w: w if quant.is_compact(w) else w.astype(dtype), weights, is_leaf=quant.is_compact)
     q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
     if config.normalize_qk:
         norm = norms.rms_norm if config.normalize_qk == "rms" else norms.layer_norm
@@ -116,11 +138,15 @@ def output(config: AttentionConfig, weights: Weights | FusedWeights, ctx, xs):
     """The `out` projection of float32 attention values `(B, T, N, H)`, in the computation dtype."""
     dtype = compute_dtype(config, xs)
     bias = None if weights.out_bias is None else weights.out_bias.astype(dtype)
+    if quant.is_compact(weights.out_kernel):
+        batch, num_new = ctx.shape[:2]
+        ys = quant.dense(ctx.astype(dtype).reshape(batch, num_new, -1), weights.out_kernel)
+        return ys if bias is None else ys + bias[None, None]
     return ops.project_out(ctx.astype(dtype), weights.out_kernel.astype(dtype), bias)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def causal_self_attention(weights: Weights, xs, *, config: AttentionConfig):
+def causal_self_attention(weights: Weights | FusedWeights, xs, *, config: AttentionConfig):
     """Full causal self-attention of tokens `(B, T, D)`, no cache: the training path.
 
     Token t sits at position t; with a window it sees the last `window` tokens.
