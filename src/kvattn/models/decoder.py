@@ -1,9 +1,10 @@
 """Decoder-only language models built from kvattn layers: GPT-2 and the Llama family.
 
 `CausalLM(config, max_len=..., batch_size=..., rngs=...)` holds an
-embedding, `num_layers` blocks (norm, `kvattn.MultiHeadAttention`, norm,
-MLP), a final norm and the output projection (tied to the embedding when
-the checkpoint ties them). Every block's attention owns its KV cache, so the
+embedding, `num_layers` blocks (norm, attention, norm, MLP), a final norm
+and the output projection (tied to the embedding when the checkpoint ties
+them). Every block's attention (a `kvattn.MultiHeadAttention`) owns its KV
+cache, so the
 model decodes with `prefill(tokens, lengths)` and `step(tokens)` like one
 layer does, and `model(tokens)` is the full causal forward without a cache.
 Token ids are checked at each call (`kvattn.models.tokens`): eagerly an id
@@ -12,22 +13,38 @@ sequence writes nothing and gets NaN logits.
 Built with `num_pages` and `page_size`, every layer holds a page pool
 instead, and the calls take `pages=` (a `kvattn.PageBatch`, which one
 `kvattn.PageManager` hands out for all layers): see `kvattn.serving`.
+
+Weights are stored in the form a step reads, so no compiled program
+concatenates, transposes or converts them: the query, key and value kernels
+side by side in one `qkv` kernel, Llama's gate and up kernels in one
+`gate_up`, each a single dot per step where the checkpoint has two or three;
+with `weights="int8"` every projection is an int8 kernel with per-output
+scales, multiplied int8 by int8 (`kvattn.quant`). `load_weight` stores a
+float weight in that form (what `kvattn.models.hf` calls for each tensor).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn import norms
+from kvattn import norms, quant
 from kvattn import validation as check
 from kvattn.attention import MultiHeadAttention
+from kvattn.config import AttentionConfig
+from kvattn.forward import FusedWeights
 from kvattn.models.model_config import ModelConfig
 from kvattn.models.tokens import in_vocab, token_ids
 
-__all__ = ["CausalLM"]
+__all__ = ["WEIGHTS", "CausalLM"]
+
+# What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8", compact (`kvattn.quant`).
+WEIGHTS = (None, "int8")
 
 
 class RMSNorm(nnx.Module):
@@ -54,42 +71,134 @@ class LayerNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """`x @ kernel (+ bias)`, kernel `(in, out)`."""
+    """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout) or a compact one.
 
-    def __init__(self, features_in: int, features_out: int, bias: bool, dtype):
-        self.kernel = nnx.Param(jnp.zeros((features_in, features_out), dtype))
-        self.bias = nnx.Param(jnp.zeros((features_out,), dtype)) if bias else None
+    Compact (`weights="int8"`), the kernel is int8 `(*outputs, prod(inputs))`
+    beside `kernel_scale` `outputs` (a `kvattn.quant.Int8Kernel` when read).
+    """
+
+    def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
+                 rngs: nnx.Rngs | None):
+        fan_in = math.prod(inputs)
+        self.inputs = inputs
+        if compact and rngs is None:  # zeros, as `_initial` gives, without quantizing them
+            self.kernel = nnx.Param(jnp.zeros((*outputs, fan_in), jnp.int8))
+            self.kernel_scale = nnx.Param(jnp.ones(outputs, jnp.float32))
+        elif compact:
+            int8 = quant.quantize(_initial((fan_in, *outputs), fan_in, rngs))
+            self.kernel, self.kernel_scale = nnx.Param(int8.values), nnx.Param(int8.scale)
+        else:
+            self.kernel = nnx.Param(_initial((*inputs, *outputs), fan_in, rngs).astype(dtype))
+            self.kernel_scale = None
+        self.bias = nnx.Param(jnp.zeros(outputs, dtype)) if bias else None
+
+    @property
+    def weight(self) -> jax.Array | quant.Int8Kernel:
+        """The kernel as `kvattn.quant.dense` reads it."""
+        if self.kernel_scale is None:
+            return self.kernel[...]
+        return quant.Int8Kernel(self.kernel[...], self.kernel_scale[...])
+
+    def bias_value(self) -> jax.Array | None:
+        return None if self.bias is None else self.bias[...]
+
+    def load_kernel(self, value) -> None:
+        """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when compact)."""
+        if self.kernel_scale is None:
+            self.kernel[...] = jnp.asarray(value, self.kernel.dtype)
+            return
+        int8 = quant.quantize(np.asarray(value, np.float32).reshape(math.prod(self.inputs), *self.kernel_scale.shape))
+        self.kernel[...] = int8.values
+        self.kernel_scale[...] = int8.scale
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        y = quant.dense(x, self.weight)
         return y if self.bias is None else y + norms.along_last(self.bias[...], y)
 
 
-class MLP(nnx.Module):
-    """SwiGLU (Llama: `down(silu(gate(x)) * up(x))`) or GELU (GPT-2: `down(gelu_tanh(up(x)))`)."""
+def _initial(shape: tuple[int, ...], fan_in: int, rngs: nnx.Rngs | None) -> jax.Array:
+    """Initial float32 weights: normal with variance `1 / fan_in` (LeCun's, Flax's default), or zeros without `rngs`."""
+    if rngs is None:  # `from_pretrained` overwrites every value
+        return jnp.zeros(shape, jnp.float32)
+    return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
 
-    def __init__(self, config: ModelConfig, dtype):
+
+class HeadScale(nnx.Module):
+    """The learned scale `(H,)` of a per-head query or key norm (the path `query_ln/scale` Flax's layers use)."""
+
+    def __init__(self, head_dim: int, dtype):
+        self.scale = nnx.Param(jnp.ones((head_dim,), dtype))
+
+
+class Attention(MultiHeadAttention):
+    """kvattn's attention layer with its projections stored as the step reads them (`kvattn.forward.FusedWeights`).
+
+    `qkv` holds the query, key and value kernels side by side, `(D, N + 2K,
+    H)` (biases `(N + 2K, H)`), so a step projects with one dot rather than
+    three and no program concatenates them; `out` is `(N, H, D)`. With
+    `compact`, both are int8 with per-output scales (`kvattn.quant`). Every
+    other part of the layer, its config, caches and methods, is
+    `kvattn.MultiHeadAttention`'s.
+    """
+
+    def __init__(self, config: AttentionConfig, *, compact: bool, rngs: nnx.Rngs | None):
+        # Not MultiHeadAttention.__init__: it would build the four projections apart, which these replace.
+        # The rest is made as it makes it: the config, the per-head norm scales and the cache type's variables.
+        if not config.biased("query") == config.biased("key") == config.biased("value"):
+            raise ValueError(f"the fused projection needs query, key and value biased alike, got {config.use_bias!r}")
+        self.config = config
+        heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        dtype = jnp.dtype(config.param_dtype)
+        self.qkv = Linear((config.in_features,), (heads + 2 * kv_heads, head_dim), bias=config.biased("query"),
+                          dtype=dtype, compact=compact, rngs=rngs)
+        self.out = Linear((heads, head_dim), (config.out_features,), bias=config.biased("out"), dtype=dtype,
+                          compact=compact, rngs=rngs)
+        if config.normalize_qk:
+            self.query_ln, self.key_ln = HeadScale(head_dim, dtype), HeadScale(head_dim, dtype)
+        for name, (shape, axes, cache_dtype) in self._cache_type.variables(config).items():
+            setattr(self, name, nnx.Cache(jnp.zeros(shape, cache_dtype), **self._annotation(axes)))
+
+    @property
+    def weights(self) -> FusedWeights:
+        """The projections as the pure step takes them."""
+        norms_ = (self.query_ln.scale[...], self.key_ln.scale[...]) if self.config.normalize_qk else (None, None)
+        return FusedWeights(self.qkv.weight, self.qkv.bias_value(), self.out.weight, self.out.bias_value(), *norms_)
+
+
+class MLP(nnx.Module):
+    """SwiGLU (Llama: `down(silu(gate(x)) * up(x))`) or GELU (GPT-2: `down(gelu_tanh(up(x)))`).
+
+    Llama's gate and up projections are one kernel `gate_up` `(D, 2I)`, gate
+    first: one dot per step instead of two.
+    """
+
+    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
         self.gated = config.family == "llama"
         bias = config.family == "gpt2"
-        self.up = Linear(config.hidden_size, config.intermediate_size, bias, dtype)
-        self.gate = Linear(config.hidden_size, config.intermediate_size, bias, dtype) if self.gated else None
-        self.down = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+        hidden, inner = config.hidden_size, config.intermediate_size
+        layer = functools.partial(Linear, bias=bias, dtype=dtype, compact=compact, rngs=rngs)
+        if self.gated:
+            self.gate_up = layer((hidden,), (2 * inner,))
+        else:
+            self.up = layer((hidden,), (inner,))
+        self.down = layer((inner,), (hidden,))
 
     def __call__(self, x):
         if self.gated:
-            return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+            gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+            return self.down(jax.nn.silu(gate) * up)
         return self.down(jax.nn.gelu(self.up(x), approximate=True))
 
 
 class Block(nnx.Module):
     """Pre-norm residual block: `x + attention(norm(x))`, then `x + mlp(norm(x))`."""
 
-    def __init__(self, config: ModelConfig, attention: MultiHeadAttention, dtype):
+    def __init__(self, config: ModelConfig, attention: Attention, dtype, *, compact: bool, rngs: nnx.Rngs | None):
         norm = RMSNorm if config.family == "llama" else LayerNorm
         self.attention_norm = norm(config.hidden_size, config.norm_eps, dtype)
         self.attention = attention
         self.mlp_norm = norm(config.hidden_size, config.norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, compact=compact, rngs=rngs)
 
     def forward(self, x, attend):
         x = x + attend(self.attention_norm(x))
@@ -103,51 +212,97 @@ class CausalLM(nnx.Module):
       config: the model's sizes and options.
       max_len: cache capacity per sequence (prompt plus new tokens).
       batch_size: sequences decoded together.
-      dtype: computation and parameter dtype (float32 or bfloat16).
+      dtype: computation dtype (float32 or bfloat16), and the weights' unless
+        they are compact.
+      weights: None for float weights in `dtype`, or `"int8"`: every
+        projection (and a tied embedding table) in int8 with per-output
+        float32 scales, its dots int8 by int8 (`kvattn.quant`). An untied
+        embedding table, only ever gathered, stays float.
       cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
       num_pages, page_size: a paged cache per layer (see
         `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence
         slots, and a sliding window frees pages instead of using a ring.
-      rngs: only for initial values; `from_pretrained` overwrites them.
+      rngs: random initial weights (LeCun normal); without, zeros
+        (`from_pretrained` overwrites every value).
     """
 
     def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
-                 cache_dtype=None, num_pages: int | None = None, page_size: int | None = None, rngs: nnx.Rngs):
+                 weights: str | None = None, cache_dtype=None, num_pages: int | None = None,
+                 page_size: int | None = None, rngs: nnx.Rngs | None = None):
         learned = config.family == "gpt2"
         if learned and isinstance(max_len, (int, np.integer)) and max_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_len={max_len} exceeds the {config.max_position_embeddings} learned positions of this "
                 f"{config.family} model (n_positions): it cannot place a token past them"
             )
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
+        compact = weights == "int8"
         self.config = config
-        dtype = jnp.dtype(dtype)
-        self.embed = nnx.Param(jnp.zeros((config.vocab_size, config.hidden_size), dtype))
+        self.dtype = dtype = jnp.dtype(dtype)
+        hidden, vocab = config.hidden_size, config.vocab_size
+        table = _initial((vocab, hidden), 1, rngs)
+        if compact and config.tie_embeddings:  # the head's int8 kernel, one scale per token's row
+            values, scale = quant.quantize_rows(table) if rngs else (table.astype(jnp.int8), jnp.ones((vocab, 1)))
+            self.embed, self.embed_scale = nnx.Param(values), nnx.Param(scale[:, 0])
+        else:
+            self.embed, self.embed_scale = nnx.Param(table.astype(dtype)), None
         self.positions = (
-            nnx.Param(jnp.zeros((config.max_position_embeddings, config.hidden_size), dtype))
-            if config.family == "gpt2" else None
+            nnx.Param(_initial((config.max_position_embeddings, hidden), 1, rngs).astype(dtype)) if learned else None
         )
         window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
         # Heads-major caches (and pages): a step's attention is then a plain batched dot over (B, K)
         # that reads the cache in place; slots-major would cost K times the flops (see kvattn.ops).
         # Measured with tools/model_floor.py: 53.0 -> 43.0 ms/token at B=8, 19.0 -> 17.8 at B=1.
-        capacity = dict(window=window) if window else dict(max_len=max_len)
+        capacity = {"window": window} if window else {"max_len": max_len}
         if num_pages is not None:
-            capacity = dict(max_len=max_len, window=window, num_pages=num_pages, page_size=page_size)
-
-        def attention():
-            return MultiHeadAttention(
-                config.num_heads, config.hidden_size, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
-                batch_size=batch_size, use_bias=True if config.family == "gpt2" else (
-                    ("query", "key", "value") if config.attention_bias else False),
-                rope=config.rope, normalize_qk="rms" if config.qk_norm else False, qk_norm_eps=config.norm_eps,
-                dtype=dtype, param_dtype=dtype, cache_dtype=cache_dtype or dtype, cache_layout="heads_major",
-                rngs=rngs, **capacity,
-            )
-
-        self.blocks = nnx.List([Block(config, attention(), dtype) for _ in range(config.num_layers)])
+            capacity = {"max_len": max_len, "window": window, "num_pages": num_pages, "page_size": page_size}
+        attention = AttentionConfig(
+            config.num_heads, hidden, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
+            batch_size=batch_size, use_bias=True if learned else (
+                ("query", "key", "value") if config.attention_bias else False),
+            rope=config.rope, normalize_qk="rms" if config.qk_norm else False, qk_norm_eps=config.norm_eps,
+            dtype=dtype, param_dtype=dtype, cache_dtype=cache_dtype or dtype, cache_layout="heads_major", **capacity,
+        )
+        self.blocks = nnx.List([
+            Block(config, Attention(attention, compact=compact, rngs=rngs), dtype, compact=compact, rngs=rngs)
+            for _ in range(config.num_layers)
+        ])
         norm = RMSNorm if config.family == "llama" else LayerNorm
-        self.final_norm = norm(config.hidden_size, config.norm_eps, dtype)
-        self.lm_head = None if config.tie_embeddings else nnx.Param(jnp.zeros((config.hidden_size, config.vocab_size), dtype))
+        self.final_norm = norm(hidden, config.norm_eps, dtype)
+        self.lm_head = None if config.tie_embeddings else Linear(
+            (hidden,), (vocab,), bias=False, dtype=dtype, compact=compact, rngs=rngs
+        )
+
+    def load_weight(self, path: str, value) -> None:
+        """Stores a float weight at a parameter path, in this model's form: its dtype, or int8 with scales.
+
+        Args:
+          path: the parameter as `nnx.state` names it, e.g.
+            `"blocks/0/mlp/down/kernel"`.
+          value: a float array in the layout the parameter has without
+            `weights="int8"`.
+
+        Raises:
+          ValueError: `value` has another shape than the parameter.
+        """
+        *parents, name = path.split("/")
+        owner = self
+        for part in parents:
+            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+        variable = getattr(owner, name)
+        want = variable.shape
+        if isinstance(owner, Linear) and name == "kernel":
+            want = (*owner.inputs, *variable.shape[:-1]) if owner.kernel_scale is not None else want
+        if tuple(np.shape(value)) != tuple(want):
+            raise ValueError(f"{path} holds shape {tuple(want)}, got a weight of shape {tuple(np.shape(value))}")
+        if isinstance(owner, Linear) and name == "kernel":
+            owner.load_kernel(value)
+        elif owner is self and name == "embed" and self.embed_scale is not None:
+            values, scale = quant.quantize_rows(np.asarray(value, np.float32))
+            self.embed[...], self.embed_scale[...] = values, scale[:, 0]
+        else:
+            variable[...] = jnp.asarray(value, variable.dtype)
 
     @property
     def pos(self) -> jax.Array:
@@ -156,14 +311,21 @@ class CausalLM(nnx.Module):
 
     def _embed(self, tokens, positions):
         x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.embed_scale is not None:  # int8 rows
+            x = x.astype(self.dtype) * jnp.take(self.embed_scale[...], tokens, axis=0)[..., None].astype(self.dtype)
         if self.positions is not None:
             x = x + jnp.take(self.positions[...], positions, axis=0)
         return x
 
     def _logits(self, x):
         x = self.final_norm(x)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return (x @ head).astype(jnp.float32)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)
+        elif self.embed_scale is not None:
+            logits = quant.dense(x, quant.Int8Kernel(self.embed[...], self.embed_scale[...]))
+        else:
+            logits = x @ self.embed[...].T
+        return logits.astype(jnp.float32)
 
     def _tokens(self, tokens, shape, lengths=None):
         """`(tokens, valid)`: checked ids (eagerly it raises; traced, bad ids become 0) and the rows without a bad one."""

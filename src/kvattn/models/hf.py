@@ -6,7 +6,12 @@ tensor's name (`{i}` for a layer's index, without the base model's prefix
 shape in named sizes, and the conversion. torch `Linear` weights `(out,
 in)` are transposed to `(in, out)`; GPT-2's `Conv1D` weights are already
 `(in, out)`; attention projections are split into heads (`(D, N, H)` for
-query/key/value, `(N, H, D)` for out).
+query/key/value, `(N, H, D)` for out). A tensor that fills one part of a
+fused parameter names it with `Part`: Llama's query, key and value
+projections are the three parts of `attention/qkv` along its heads axis,
+its gate and up projections the two halves of `mlp/gate_up`; GPT-2's
+`c_attn` is already fused. The model stores each assembled float weight in
+its own form (`CausalLM.load_weight`: its dtype, or int8 with scales).
 
 Loading checks before it converts or allocates:
   1. `config.json` becomes a checked `ModelConfig` (sizes, heads, rope).
@@ -31,16 +36,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors
 from flax import nnx
 
 from kvattn.errors import CheckpointError
+from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.model_config import ModelConfig, from_hf_config
-from kvattn.models.decoder import CausalLM
 
-__all__ = ["from_pretrained", "load_safetensors"]
+__all__ = ["WEIGHTS_BACKENDS", "Part", "Row", "from_pretrained", "load_safetensors", "locate"]
 
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refuse anything absurd unread
@@ -49,13 +55,31 @@ _MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refu
 # ------------------------------------------------------------------ the tables
 
 
+class Part(NamedTuple):
+    """A share of a fused parameter: piece `index` of the pieces, sized `sizes`, joined along `axis`."""
+
+    path: str
+    """The fused parameter's path (`{i}` as in `Row.source`)."""
+    axis: int
+    sizes: tuple[str, ...]
+    """Every piece's extent along `axis`, in named sizes (see `_sizes`), in order."""
+    index: int
+
+    def located(self, config: ModelConfig) -> tuple[str, tuple[slice, ...]]:
+        """The parameter's path and the index of this part within it (as the float weight lays it out)."""
+        sizes = _sizes(config)
+        start = sum(sizes[name] for name in self.sizes[: self.index])
+        where = (slice(None),) * self.axis + (slice(start, start + sizes[self.sizes[self.index]]),)
+        return self.path, where
+
+
 class Row(NamedTuple):
     """One checkpoint tensor: where it goes, the shape it must have, how it converts."""
 
     source: str
     """Its name without the base prefix; `{i}` stands for a layer index."""
-    targets: tuple[str, ...]
-    """The kvattn parameter paths it fills (`{i}` as in `source`); () for a buffer, left unread."""
+    targets: tuple[str | Part, ...]
+    """The kvattn parameter paths (or parts of one) it fills (`{i}` as in `source`); () for a buffer, left unread."""
     shape: tuple[str, ...] | None
     """Its stored shape in named sizes (see `_sizes`); None: any (buffers only)."""
     convert: Callable = lambda w, config: (w,)
@@ -71,6 +95,7 @@ def _sizes(config: ModelConfig) -> dict[str, int]:
         "V": config.vocab_size, "D": config.hidden_size, "I": config.intermediate_size,
         "P": config.max_position_embeddings, "Q": config.num_heads * config.head_dim,
         "KV": config.num_kv_heads * config.head_dim, "H": config.head_dim, "3Q": 3 * config.num_heads * config.head_dim,
+        "N": config.num_heads, "K": config.num_kv_heads,
     }
 
 
@@ -98,13 +123,12 @@ def _conv_heads_out(w, config):
 
 
 def _conv_qkv(w, config):
-    """GPT-2's fused `c_attn` `(D, 3 * N * H)` -> query, key, value `(D, N, H)` each."""
-    return tuple(part.reshape(config.hidden_size, config.num_heads, config.head_dim)
-                 for part in np.split(w, 3, axis=-1))
+    """GPT-2's fused `c_attn` `(D, 3 * N * H)` -> `(D, 3N, H)`: query, key and value heads side by side."""
+    return (w.reshape(config.hidden_size, 3 * config.num_heads, config.head_dim),)
 
 
 def _qkv_bias(b, config):
-    return tuple(part.reshape(config.num_heads, config.head_dim) for part in np.split(b, 3))
+    return (b.reshape(3 * config.num_heads, config.head_dim),)
 
 
 def _untied(config):
@@ -120,25 +144,36 @@ def _qk_norm(config):
 
 
 _ATTENTION = "blocks/{i}/attention/"
+# The fused projections' parts: query, key and value heads along the heads axis of `qkv` (kernel
+# `(D, N + 2K, H)`, bias `(N + 2K, H)`); gate and up along the features of `gate_up` `(D, 2I)`.
+_QKV = ("N", "K", "K")
+
+
+def _qkv(param: str, index: int) -> Part:
+    return Part(_ATTENTION + "qkv/" + param, 1 if param == "kernel" else 0, _QKV, index)
+
+
+def _gate_up(index: int) -> Part:
+    return Part("blocks/{i}/mlp/gate_up/kernel", 1, ("I", "I"), index)
+
 
 LLAMA = ("model.", (
     Row("embed_tokens.weight", ("embed",), ("V", "D")),
     Row("norm.weight", ("final_norm/weight",), ("D",)),
-    Row("lm_head.weight", ("lm_head",), ("V", "D"), _transpose, when=_untied),
+    Row("lm_head.weight", ("lm_head/kernel",), ("V", "D"), _transpose, when=_untied),
     Row("layers.{i}.input_layernorm.weight", ("blocks/{i}/attention_norm/weight",), ("D",)),
     Row("layers.{i}.post_attention_layernorm.weight", ("blocks/{i}/mlp_norm/weight",), ("D",)),
-    Row("layers.{i}.self_attn.q_proj.weight", (_ATTENTION + "query/kernel",), ("Q", "D"), _heads_in("num_heads")),
-    Row("layers.{i}.self_attn.k_proj.weight", (_ATTENTION + "key/kernel",), ("KV", "D"), _heads_in("num_kv_heads")),
-    Row("layers.{i}.self_attn.v_proj.weight", (_ATTENTION + "value/kernel",), ("KV", "D"), _heads_in("num_kv_heads")),
-    Row("layers.{i}.self_attn.q_proj.bias", (_ATTENTION + "query/bias",), ("Q",), _heads_bias("num_heads"), _biased),
-    Row("layers.{i}.self_attn.k_proj.bias", (_ATTENTION + "key/bias",), ("KV",), _heads_bias("num_kv_heads"), _biased),
-    Row("layers.{i}.self_attn.v_proj.bias", (_ATTENTION + "value/bias",), ("KV",), _heads_bias("num_kv_heads"),
-        _biased),
+    Row("layers.{i}.self_attn.q_proj.weight", (_qkv("kernel", 0),), ("Q", "D"), _heads_in("num_heads")),
+    Row("layers.{i}.self_attn.k_proj.weight", (_qkv("kernel", 1),), ("KV", "D"), _heads_in("num_kv_heads")),
+    Row("layers.{i}.self_attn.v_proj.weight", (_qkv("kernel", 2),), ("KV", "D"), _heads_in("num_kv_heads")),
+    Row("layers.{i}.self_attn.q_proj.bias", (_qkv("bias", 0),), ("Q",), _heads_bias("num_heads"), _biased),
+    Row("layers.{i}.self_attn.k_proj.bias", (_qkv("bias", 1),), ("KV",), _heads_bias("num_kv_heads"), _biased),
+    Row("layers.{i}.self_attn.v_proj.bias", (_qkv("bias", 2),), ("KV",), _heads_bias("num_kv_heads"), _biased),
     Row("layers.{i}.self_attn.o_proj.weight", (_ATTENTION + "out/kernel",), ("D", "Q"), _heads_out),
     Row("layers.{i}.self_attn.q_norm.weight", (_ATTENTION + "query_ln/scale",), ("H",), when=_qk_norm),
     Row("layers.{i}.self_attn.k_norm.weight", (_ATTENTION + "key_ln/scale",), ("H",), when=_qk_norm),
-    Row("layers.{i}.mlp.gate_proj.weight", ("blocks/{i}/mlp/gate/kernel",), ("I", "D"), _transpose),
-    Row("layers.{i}.mlp.up_proj.weight", ("blocks/{i}/mlp/up/kernel",), ("I", "D"), _transpose),
+    Row("layers.{i}.mlp.gate_proj.weight", (_gate_up(0),), ("I", "D"), _transpose),
+    Row("layers.{i}.mlp.up_proj.weight", (_gate_up(1),), ("I", "D"), _transpose),
     Row("layers.{i}.mlp.down_proj.weight", ("blocks/{i}/mlp/down/kernel",), ("D", "I"), _transpose),
 ))
 
@@ -147,13 +182,11 @@ GPT2 = ("transformer.", (
     Row("wpe.weight", ("positions",), ("P", "D")),
     Row("ln_f.weight", ("final_norm/weight",), ("D",)),
     Row("ln_f.bias", ("final_norm/bias",), ("D",)),
-    Row("lm_head.weight", ("lm_head",), ("V", "D"), _transpose, when=_untied),
+    Row("lm_head.weight", ("lm_head/kernel",), ("V", "D"), _transpose, when=_untied),
     Row("h.{i}.ln_1.weight", ("blocks/{i}/attention_norm/weight",), ("D",)),
     Row("h.{i}.ln_1.bias", ("blocks/{i}/attention_norm/bias",), ("D",)),
-    Row("h.{i}.attn.c_attn.weight", tuple(_ATTENTION + f"{t}/kernel" for t in ("query", "key", "value")),
-        ("D", "3Q"), _conv_qkv),
-    Row("h.{i}.attn.c_attn.bias", tuple(_ATTENTION + f"{t}/bias" for t in ("query", "key", "value")),
-        ("3Q",), _qkv_bias),
+    Row("h.{i}.attn.c_attn.weight", (_ATTENTION + "qkv/kernel",), ("D", "3Q"), _conv_qkv),
+    Row("h.{i}.attn.c_attn.bias", (_ATTENTION + "qkv/bias",), ("3Q",), _qkv_bias),
     Row("h.{i}.attn.c_proj.weight", (_ATTENTION + "out/kernel",), ("Q", "D"), _conv_heads_out),
     Row("h.{i}.attn.c_proj.bias", (_ATTENTION + "out/bias",), ("D",)),
     Row("h.{i}.ln_2.weight", ("blocks/{i}/mlp_norm/weight",), ("D",)),
@@ -172,7 +205,7 @@ FAMILIES = {"llama": LLAMA, "gpt2": GPT2}
 
 class _Expected(NamedTuple):
     row: Row
-    targets: tuple[str, ...]
+    targets: tuple[str | Part, ...]
     shape: tuple[int, ...] | None
 
 
@@ -186,7 +219,9 @@ def expected_tensors(config: ModelConfig) -> dict[str, _Expected]:
             continue
         shape = None if row.shape is None else tuple(sizes[size] for size in row.shape)
         for i in range(config.num_layers) if "{i}" in row.source else (None,):
-            expected[row.source.format(i=i)] = _Expected(row, tuple(t.format(i=i) for t in row.targets), shape)
+            targets = tuple(t._replace(path=t.path.format(i=i)) if isinstance(t, Part) else t.format(i=i)
+                            for t in row.targets)
+            expected[row.source.format(i=i)] = _Expected(row, targets, shape)
     return expected
 
 
@@ -244,7 +279,7 @@ def read_headers(files: list[Path], weight_map: dict[str, str] | None) -> dict[s
             raise CheckpointError(f"{file} is not a regular file")
         try:
             with safetensors.safe_open(file, framework="numpy") as opened:
-                for name in opened.keys():
+                for name in opened.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
                     view = opened.get_slice(name)
                     if name in headers:
                         duplicated.append(f"{name} ({headers[name].file.name}, {file.name})")
@@ -281,7 +316,7 @@ def match_headers(config: ModelConfig, headers: dict[str, _Header]) -> dict[str,
     found: dict[str, _Header] = {}
     problems = []
     for name, header in headers.items():
-        short = name[len(prefix):] if name.startswith(prefix) else name
+        short = name.removeprefix(prefix)
         if short in found:
             problems.append(f"{name} and {found[short].name} are the same tensor")
         found[short] = header
@@ -332,7 +367,7 @@ def _read(header: _Header) -> np.ndarray:
         raise CheckpointError(f"{header.file}: tensor {header.name} cannot be read: {error}") from None
 
 
-def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None,
+def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None, weights=None,
                     cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> CausalLM:
     """A `CausalLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
 
@@ -343,6 +378,11 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
         the learned position table's length for GPT-2.
       batch_size: sequences decoded together.
       dtype: computation and weight dtype; defaults to float32.
+      weights: None for float weights in `dtype`; `"int8"` for compact
+        weights, every projection int8 with per-output scales, its dots int8
+        by int8 (`CausalLM`, `kvattn.quant`); `"bfloat16"`, bfloat16 weights
+        and computation, only where the backend has fast bfloat16 dots (not
+        on CPU: see `WEIGHTS_BACKENDS`).
       cache_dtype: the caches' storage; defaults to `dtype`.
       num_pages, page_size: paged caches instead of contiguous ones (see
         `CausalLM` and `kvattn.serving`).
@@ -354,20 +394,26 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
         unexpected, duplicated, of another shape or a non-float dtype, or
         holding NaN or infinity; an index naming files outside the directory.
       FileNotFoundError: no `config.json`, or no weights.
+      ValueError: `weights` is not one of the above, `"bfloat16"` on a CPU
+        backend, or with a `dtype` other than bfloat16.
     """
+    dtype, weights = _storage(dtype, weights)
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} has no config.json: pass a Hugging Face checkpoint directory")
     config = from_hf_config(_read_json(path / "config.json"))
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))
-    dtype = jnp.dtype(dtype or jnp.float32)
-    model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, cache_dtype=cache_dtype,
-                      num_pages=num_pages, page_size=page_size, rngs=nnx.Rngs(0))
-    variables = {"/".join(map(str, key)): variable for key, variable in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    unfilled = set(variables) - {target for _, want in pairs.values() for target in want.targets}
+    model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, weights=weights,
+                     cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size)
+    params = {"/".join(map(str, key)) for key, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    filled = {locate(target, config)[0] for _, want in pairs.values() for target in want.targets}
+    # An int8 parameter's scales are stored with it.
+    unfilled = {name for name in params - filled if not name.endswith("_scale")}
     assert not unfilled, f"the {config.family} table leaves parameters unfilled: {sorted(unfilled)}"
-    # One tensor at a time, so the host holds at most one beside the model; the model is returned only
-    # once every tensor has passed, so a refused checkpoint leaves nothing behind.
+    # One tensor at a time, so the host holds at most one beside the model (and the parts of a fused
+    # parameter until its last one arrives); the model is returned only once every tensor has passed,
+    # so a refused checkpoint leaves nothing behind.
+    pieces: dict[str, list] = {}
     for name, (header, want) in pairs.items():
         if not want.targets:
             continue
@@ -375,5 +421,40 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
         if not np.isfinite(value).all():
             raise CheckpointError(f"{header.file.name}: tensor {name} holds NaN or infinity")
         for target, part in zip(want.targets, want.row.convert(value, config), strict=True):
-            variables[target][...] = jnp.asarray(part, dtype)
+            if isinstance(target, Part):
+                held = pieces.setdefault(target.path, [None] * len(target.sizes))
+                held[target.index] = part
+                if any(piece is None for piece in held):
+                    continue
+                target, part = target.path, np.concatenate(pieces.pop(target.path), axis=target.axis)
+            model.load_weight(target, part)
+    assert not pieces, f"fused parameters left incomplete: {sorted(pieces)}"
     return model
+
+
+# Backends whose dots in bfloat16 are faster than in float32. On CPU (jaxlib 0.10) a one-row bfloat16
+# dot runs on XLA's generic loop emitter, many times slower than float32's (benchmarks/dots.py).
+WEIGHTS_BACKENDS = {"bfloat16": ("gpu", "tpu")}
+
+
+def _storage(dtype, weights) -> tuple[jnp.dtype, str | None]:
+    """`from_pretrained`'s `(dtype, weights)` as `CausalLM` takes them, after refusing what would run slower."""
+    if weights == "bfloat16":
+        backend = jax.default_backend()
+        if backend not in WEIGHTS_BACKENDS["bfloat16"]:
+            raise ValueError(
+                f"weights='bfloat16' needs fast bfloat16 dots, which the {backend} backend lacks: decoding would be "
+                "slower than in float32. Use weights='int8' for compact weights here, or dtype=jnp.bfloat16 to run "
+                "in bfloat16 all the same"
+            )
+        if dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
+            raise ValueError(f"weights='bfloat16' computes in bfloat16; got dtype={jnp.dtype(dtype).name}")
+        return jnp.dtype(jnp.bfloat16), None
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {[*WEIGHTS, 'bfloat16']}, got {weights!r}")
+    return jnp.dtype(dtype or jnp.float32), weights
+
+
+def locate(target: str | Part, config: ModelConfig) -> tuple[str, tuple]:
+    """A table target's parameter path and the index of what it fills there (all of it, or a `Part`'s slice)."""
+    return target.located(config) if isinstance(target, Part) else (target, (Ellipsis,))
