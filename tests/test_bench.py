@@ -253,6 +253,27 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
     assert unavailable and all(t["value"] is None and t["met"] is None for t in unavailable)
 
 
+def test_model_targets_are_issue_23s_ratios_across_dtypes():
+    """int8 rows are judged against float32 ones: transformers' best of each, and kvattn's own float32."""
+    from benchmarks.model import _targets
+
+    def row(dtype, batch, contender, decode, first=None):
+        return {"dtype": dtype, "batch_size": batch, "contender": contender, "decode_ms_per_token": decode,
+                "first_token_ms": first, "compiles_while_timed": 0}
+
+    rows = [row("float32", 8, "kvattn.models.generate", 30.0, 500.0),
+            row("float32", 8, "transformers_static", 45.0, 600.0),
+            row("float32", 8, "transformers_dynamic", 48.0, 550.0), row("float32", 8, "plain_cache", 40.0),
+            row("int8", 8, "kvattn.models.generate", 20.0, 400.0), row("int8", 8, "transformers_dynamic", 30.0, 450.0)]
+    got = {(t["dtype"], t["name"]): (t["value"], t["met"]) for t in _targets(rows)}
+    assert got["float32", "speedup over transformers' best"] == (1.5, True)
+    assert got["float32", "first token: transformers' best / kvattn"] == (1.1, True)
+    assert got["int8", "speedup over transformers' best float32"] == (2.25, True)
+    assert got["int8", "speedup over transformers' best int8"] == (1.5, True)
+    assert got["int8", "speedup over kvattn float32"] == (1.5, None)  # reported at B > 1, a goal at B=1
+    assert got["int8", "compilations while timed"] == (0, True)
+
+
 def test_model_options_apply_only_with_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["--quick", "--new-tokens", "4", "--out-dir", str(tmp_path)])

@@ -1,0 +1,155 @@
+"""`python -m benchmarks.dots`: the ways to multiply activations by stored weights on this backend, side by side.
+
+What `kvattn.quant` chose is measured here, on a stack of `LAYERS` weights
+of the 125M model's widest projection (`D` -> `F`, Llama's fused gate and
+up), chained so that no dot can start before the one ahead of it ends, for
+`M` rows (decode at batch size M). Every variant is one `jax.jit` program,
+timed after a warm-up with `block_until_ready`, interleaved with the others,
+the median of `repeats`:
+
+  float32                 `x @ W`, W `(D, F)` float32 (what float models run)
+  int8                    `kvattn.quant.dense`: W int8 `(F, D)` with
+                          per-output scales, x quantized per row, int8 by
+                          int8 into int32 (one row padded to two)
+  int8, one row unpadded  the same dot with a single row, as XLA:CPU gets it
+                          without the padding
+  int8, (D, F)            the int8 dot with W stored inputs-first
+  int8, converted         W int8 converted to float32 before a float32 dot
+                          (weight-only quantization, dequantized per call)
+  bfloat16                W bfloat16, x cast to bfloat16, accumulated in
+                          float32 (`preferred_element_type`)
+
+Each row gives milliseconds for the stack and the weight bytes read per
+second. Writes `dots.json` and `dots.md`; `XLA_FLAGS` as found is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.provenance import load_average, machine_info, source_revision, versions
+from benchmarks.report import table, write
+
+__all__ = ["measure_dots"]
+
+LAYERS, D, F = 12, 768, 4096
+
+
+def _variants() -> dict[str, tuple[Any, Any]]:
+    """name -> (one layer's dot `(x, w) -> y (M, F)`, the stacked weights it reads)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from kvattn import quant
+
+    rng = np.random.default_rng(0)
+    floats = [rng.standard_normal((D, F), np.float32) * 0.02 for _ in range(LAYERS)]
+    int8 = [quant.quantize(w) for w in floats]
+    inputs_first = [quant.Int8Kernel(np.ascontiguousarray(k.values.T), k.scale) for k in int8]
+
+    def unpadded(x, w):
+        values, scale = quant.quantize_rows(x)
+        products = lax.dot_general(values, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        return products.astype(jnp.float32) * scale * w.scale[None]
+
+    def inputs_first_dot(x, w):
+        values, scale = quant.quantize_rows(x)
+        products = lax.dot_general(values, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return products.astype(jnp.float32) * scale * w.scale[None]
+
+    def converted(x, w):
+        return x @ (w.values.astype(jnp.float32).T * w.scale[None])
+
+    def bfloat16(x, w):
+        return lax.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+    def device(weights):
+        return [jnp.asarray(w) if isinstance(w, np.ndarray) else
+                quant.Int8Kernel(jnp.asarray(w.values), jnp.asarray(w.scale)) for w in weights]
+
+    return {
+        "float32": (lambda x, w: x @ w, device(floats)),
+        "int8": (quant.dense, device(int8)),
+        "int8, one row unpadded": (unpadded, device(int8)),
+        "int8, (D, F)": (inputs_first_dot, device(inputs_first)),
+        "int8, converted": (converted, device(int8)),
+        "bfloat16": (bfloat16, [jnp.asarray(w, jnp.bfloat16) for w in floats]),
+    }
+
+
+def _stack(dot):
+    """`jax.jit` of the chained stack: each layer's input depends on the output before it."""
+    import jax
+
+    def run(x, weights):
+        for w in weights:
+            y = dot(x, w)
+            x = x + 1e-3 * y[:, : x.shape[1]]
+        return x
+
+    return jax.jit(run)
+
+
+def _bytes(weights) -> int:
+    import jax
+
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(weights))
+
+
+def measure_dots(rows=(1, 2, 8), repeats: int = 15) -> dict[str, Any]:
+    """Milliseconds per stack of every variant at every row count (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    variants = _variants()
+    results = []
+    for m in rows:
+        x = jnp.asarray(np.random.default_rng(1).standard_normal((m, D), np.float32))
+        programs = {name: (_stack(dot), weights) for name, (dot, weights) in variants.items()}
+        for program, weights in programs.values():
+            jax.block_until_ready(program(x, weights))  # compile, untimed
+        samples = {name: [] for name in programs}
+        for _ in range(repeats):
+            for name, (program, weights) in programs.items():
+                started = time.perf_counter()
+                jax.block_until_ready(program(x, weights))
+                samples[name].append(time.perf_counter() - started)
+        for name, (_, weights) in programs.items():
+            seconds = statistics.median(samples[name])
+            results.append({"rows": m, "variant": name, "ms": 1e3 * seconds, "weight_bytes": _bytes(weights),
+                            "weight_gbs": _bytes(weights) / seconds / 1e9})
+    return {"layers": LAYERS, "in_features": D, "out_features": F, "repeats": repeats, "results": results}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    body = [[r["rows"], r["variant"], f"{r['ms']:.2f}", f"{r['weight_bytes'] / 1e6:.0f}", f"{r['weight_gbs']:.1f}"]
+            for r in results["results"]]
+    header = ["M", "variant", "ms per stack", "weight MB", "weight GB/s"]
+    title = (f"{results['layers']} chained dots ({results['in_features']} -> {results['out_features']}), median of "
+             f"{results['repeats']}; XLA_FLAGS={results['xla_flags']!r}")
+    return "\n".join([title, "", *table(header, body)]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.dots", description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8], help="M: rows per dot")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out-dir", default="bench-results")
+    args = parser.parse_args(argv)
+    load = load_average()
+    results = {"xla_flags": os.environ.get("XLA_FLAGS"), **measure_dots(tuple(args.rows), args.repeats),
+               "machine": machine_info(), "versions": versions(), "source": source_revision(),
+               "load_average": {"before": load, "after": load_average()}}
+    write(args.out_dir, "dots", results, markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
