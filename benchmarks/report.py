@@ -14,7 +14,7 @@ from typing import Any
 
 from kvattn.extra import require
 
-__all__ = ["model_markdown", "options_markdown", "paged_markdown", "results_markdown", "table", "target", "write"]
+__all__ = ["model_markdown", "options_markdown", "paged_markdown", "results_markdown", "table", "target", "targets_table", "write"]
 
 
 def target(name: str, value: float | None, compare: str, threshold: float | None, **context) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
-def _targets_table(targets: list[dict[str, Any]], context: dict[str, str]) -> list[str]:
+def targets_table(targets: list[dict[str, Any]], context: dict[str, str]) -> list[str]:
     """The targets as a table; `context` maps a row's keys to the column headers that show them."""
     rows = []
     for t in targets:
@@ -83,7 +83,7 @@ def results_markdown(results: dict[str, Any]) -> str:
         ]
     diff = max(r["max_abs_diff_vs_recompute"] for r in results["measurements"] if r["contender"] != "calibration")
     lines += [f"Every contender's last output matches recompute within {diff:.1e}.", "", "### Targets", ""]
-    lines += _targets_table(results["targets"], {"batch_size": "B"})
+    lines += targets_table(results["targets"], {"batch_size": "B"})
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +126,7 @@ def model_markdown(results: dict[str, Any]) -> str:
         body.append([*base, name, f"{row['decode_ms_per_token']:.2f}", f"{row['tokens_per_s']:.1f}", first, agree])
     header = ["dtype", "B", "contender", "decode ms/token", "tokens/s", "first token ms", "greedy agreement"]
     lines = [*table(header, body), "", "Targets of `kvattn.models.generate`:", ""]
-    lines += _targets_table(results["targets"], {"dtype": "dtype", "batch_size": "B"})
+    lines += targets_table(results["targets"], {"dtype": "dtype", "batch_size": "B"})
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +161,7 @@ def paged_markdown(result: dict[str, Any]) -> str:
         f"Prefix hit ({hit['prompt_len']}-token prompt, chunk {hit['chunk']}, {hit['cached_tokens']} tokens cached): "
         f"first token {hit['cold_ms']:.1f} ms cold, {hit['hit_ms']:.1f} ms on a hit.",
         "",
-        *_targets_table(result["targets"], {}),
+        *targets_table(result["targets"], {}),
     ]
     return "\n".join(lines) + "\n"
 

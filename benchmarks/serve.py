@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
-from benchmarks.report import _targets_table, table, target, write
+from benchmarks.report import targets_table, table, target, write
 from kvattn.extra import require
 
 __all__ = [
@@ -589,7 +589,7 @@ def serve_markdown(results: dict[str, Any]) -> str:
         "",
         "### Targets",
         "",
-        *_targets_table(results["targets"], {"rate": "rate"}),
+        *targets_table(results["targets"], {"rate": "rate"}),
     ]
     return "\n".join(lines) + "\n"
 
