@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
-from benchmarks.report import targets_table, table, target, write
+from benchmarks.report import table, target, targets_table, write
 from kvattn.extra import require
 
 __all__ = [
