@@ -19,6 +19,14 @@ the median of `repeats`:
   bfloat16                W bfloat16, x cast to bfloat16, accumulated in
                           float32 (`preferred_element_type`)
 
+With `--torch-python`, the same stack in torch (CPU), in a subprocess, as
+torch's own answer to the same dots:
+
+  torch float32           `torch.nn.functional.linear`, W `(F, D)` float32
+  torch int8 (dynamic)    `torch.ao.nn.quantized.dynamic.Linear` (qint8,
+                          FBGEMM: per-tensor activation scales, weights
+                          packed once, ahead of the calls)
+
 Each row gives milliseconds for the stack and the weight bytes read per
 second. Writes `dots.json` and `dots.md`; `XLA_FLAGS` as found is recorded.
 """
@@ -26,8 +34,10 @@ second. Writes `dots.json` and `dots.md`; `XLA_FLAGS` as found is recorded.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -37,7 +47,7 @@ import numpy as np
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import table, write
 
-__all__ = ["measure_dots"]
+__all__ = ["measure_dots", "measure_torch"]
 
 LAYERS, D, F = 12, 768, 4096
 
@@ -128,9 +138,71 @@ def measure_dots(rows=(1, 2, 8), repeats: int = 15) -> dict[str, Any]:
     return {"layers": LAYERS, "in_features": D, "out_features": F, "repeats": repeats, "results": results}
 
 
+_TORCH_SCRIPT = r"""
+import json, statistics, sys, time
+args = json.loads(sys.argv[1])
+try:
+    import torch
+except ImportError as error:
+    print(json.dumps({"unavailable": f"torch not installed ({error})"}))
+    sys.exit(0)
+torch.set_num_threads(args["threads"])
+layers, d, f = args["layers"], args["in_features"], args["out_features"]
+generator = torch.Generator().manual_seed(0)
+weights = [torch.randn(f, d, generator=generator) * 0.02 for _ in range(layers)]
+compact = []
+for w in weights:
+    linear = torch.ao.nn.quantized.dynamic.Linear(d, f, dtype=torch.qint8)
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.quantize_per_channel(w, scale.double(), torch.zeros(f, dtype=torch.long), 0, torch.qint8)
+    linear.set_weight_bias(q, None)
+    compact.append(linear)
+variants = {"torch float32": lambda x, i: torch.nn.functional.linear(x, weights[i]),
+            "torch int8 (dynamic)": lambda x, i: compact[i](x)}
+out = {"torch": torch.__version__, "results": []}
+with torch.inference_mode():
+    for m in args["rows"]:
+        x0 = torch.randn(m, d, generator=generator)
+        def run(dot):
+            x = x0
+            for i in range(layers):
+                x = x + 1e-3 * dot(x, i)[:, :d]
+            return x
+        for dot in variants.values():
+            run(dot)
+        samples = {name: [] for name in variants}
+        for _ in range(args["repeats"]):
+            for name, dot in variants.items():
+                started = time.perf_counter()
+                run(dot)
+                samples[name].append(time.perf_counter() - started)
+        for name in variants:
+            out["results"].append({"rows": m, "variant": name, "seconds": statistics.median(samples[name])})
+print(json.dumps(out))
+"""
+
+
+def measure_torch(python: str, rows, repeats: int, threads: int = 2) -> dict[str, Any]:
+    """The torch variants (module docstring), run by `python` in a subprocess; rows or `unavailable`."""
+    args = {"layers": LAYERS, "in_features": D, "out_features": F, "rows": list(rows), "repeats": repeats,
+            "threads": threads}
+    done = subprocess.run([python, "-c", _TORCH_SCRIPT, json.dumps(args)], capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return {"unavailable": f"{python} failed ({done.returncode}): {done.stderr.strip()[-300:]}"}
+    measured = json.loads(lines[-1])
+    if "unavailable" in measured:
+        return measured
+    weight_bytes = {"torch float32": LAYERS * D * F * 4, "torch int8 (dynamic)": LAYERS * (D * F + 4 * F)}
+    return {"torch": measured["torch"], "results": [
+        {"rows": r["rows"], "variant": r["variant"], "ms": 1e3 * r["seconds"],
+         "weight_bytes": weight_bytes[r["variant"]], "weight_gbs": weight_bytes[r["variant"]] / r["seconds"] / 1e9}
+        for r in measured["results"]]}
+
+
 def markdown(results: dict[str, Any]) -> str:
     body = [[r["rows"], r["variant"], f"{r['ms']:.2f}", f"{r['weight_bytes'] / 1e6:.0f}", f"{r['weight_gbs']:.1f}"]
-            for r in results["results"]]
+            for r in sorted(results["results"], key=lambda r: r["rows"])]
     header = ["M", "variant", "ms per stack", "weight MB", "weight GB/s"]
     title = (f"{results['layers']} chained dots ({results['in_features']} -> {results['out_features']}), median of "
              f"{results['repeats']}; XLA_FLAGS={results['xla_flags']!r}")
@@ -141,12 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.dots", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8], help="M: rows per dot")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--torch-python", help="also time torch's float32 and dynamic int8 Linear, run by this Python")
     parser.add_argument("--out-dir", default="bench-results")
     args = parser.parse_args(argv)
     load = load_average()
     results = {"xla_flags": os.environ.get("XLA_FLAGS"), **measure_dots(tuple(args.rows), args.repeats),
-               "machine": machine_info(), "versions": versions(), "source": source_revision(),
-               "load_average": {"before": load, "after": load_average()}}
+               "machine": machine_info(), "versions": versions(), "source": source_revision()}
+    if args.torch_python:
+        torch = measure_torch(args.torch_python, args.rows, args.repeats)
+        results["torch"] = torch.get("torch", torch.get("unavailable"))
+        results["results"] += torch.get("results", [])
+    results["load_average"] = {"before": load, "after": load_average()}
     write(args.out_dir, "dots", results, markdown(results))
     return 0
 
