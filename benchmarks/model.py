@@ -37,7 +37,9 @@ measured (the quantization's own drift), else against kvattn int8's.
 sets no XLA flag, and neither does this benchmark.
 
 Generation contenders are timed end to end, after an untimed warm-up, as
-`t(n)`, the median over `repeats` of one call producing `n` new tokens:
+`t(n)`, the median over `repeats` of one call producing `n` new tokens; each
+repeat takes every contender in turn (transformers' calls go to a worker
+process that stays up), so a shared machine's load falls on all of them:
 decode time per token is `(t(new_tokens) - t(1)) / (new_tokens - 1)` and the
 time to first token is `t(1)` (prompt processing; for kvattn it also holds
 one step, which its loop runs after the last token). The plain cache steps
@@ -49,6 +51,7 @@ positions equal to kvattn's up to each sequence's first difference).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -124,38 +127,27 @@ def write_llama_checkpoint(directory: str | os.PathLike, *, vocab_size: int, hid
     return directory
 
 
-def _time_kvattn(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """`kvattn.models.generate` timed at 1 and `new_tokens` new tokens (interleaved), caches emptied before each."""
-    import jax
+class _Kvattn:
+    """`kvattn.models.generate` from empty caches: `once(count)` is `(seconds, tokens)`, the caches emptied untimed."""
 
-    from kvattn import models
+    def __init__(self, model, prompts):
+        self.model, self.prompts = model, prompts
 
-    # The package re-exports the function `generate` under its module's name.
-    generate_module = sys.modules["kvattn.models.generate"]
+    def once(self, count: int):
+        import jax
 
-    def empty():
-        model.reset()
-        jax.block_until_ready(model.pos)
+        from kvattn import models
 
-    def once(count):
-        """Milliseconds of one `count`-token generation from empty caches, and its output."""
-        timing = time_calls(lambda _: models.generate(model, prompts, count), 1, prepare=empty, warm_ups=0)
-        return timing.ms[0], timing.last_output
+        self.model.reset()
+        jax.block_until_ready(self.model.pos)
+        started = time.perf_counter()
+        tokens = jax.block_until_ready(models.generate(self.model, self.prompts, count).tokens)
+        return time.perf_counter() - started, np.asarray(tokens).tolist()
 
-    once(1), once(new_tokens)  # compile both programs, untimed
-    compiled = generate_module._program._cache_size()
-    firsts, wholes = [], []
-    for _ in range(repeats):
-        firsts.append(once(1)[0])
-        elapsed, out = once(new_tokens)
-        wholes.append(elapsed)
-    first, whole = statistics.median(firsts), statistics.median(wholes)
-    return {
-        "first_token_ms": first, "whole_ms": whole,
-        "decode_ms_per_token": (whole - first) / (new_tokens - 1),
-        "compiles_while_timed": generate_module._program._cache_size() - compiled,
-        "tokens": np.asarray(out.tokens).tolist(),
-    }
+    @staticmethod
+    def compiled_programs() -> int:
+        """Programs in the jit cache of `generate`'s loop (`kvattn.models` re-exports the function, not the module)."""
+        return sys.modules["kvattn.models.generate"]._program._cache_size()
 
 
 def _plain_weights(model) -> dict[str, Any]:
@@ -273,13 +265,13 @@ def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str
     return int((projections + norms + kv) * itemsize)
 
 
-_TRANSFORMERS_SCRIPT = r"""
-import json, statistics, sys, time
+_TRANSFORMERS_WORKER = r"""
+import json, sys, time
 args = json.loads(sys.argv[1])
 try:
     import torch, transformers
 except ImportError as error:
-    print(json.dumps({"unavailable": f"transformers not installed ({error})"}))
+    print(json.dumps({"unavailable": f"transformers not installed ({error})"}), flush=True)
     sys.exit(0)
 torch.set_num_threads(args["threads"])
 compact = args["dtype"] == "int8"
@@ -290,35 +282,32 @@ if compact:
     model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 prompts = torch.tensor(args["prompts"], dtype=torch.long)
 mask = torch.ones_like(prompts)
-out = {"torch": torch.__version__, "transformers": transformers.__version__, "rows": {}}
-forward = model.forward
-for name, (cache, compiled) in args["caches"].items():
-    model.forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True) if compiled else forward
-    def once(count):
-        options = dict(max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0)
-        if cache:
-            options["cache_implementation"] = cache
-        start = time.perf_counter()
-        with torch.inference_mode():
-            tokens = model.generate(prompts, attention_mask=mask, **options)
-        return time.perf_counter() - start, tokens
+plain = model.forward
+forwards = {False: plain}
+def once(name, count):
+    cache, compiled = args["caches"][name]
+    if compiled not in forwards:  # compiled once, kept for every later call
+        forwards[compiled] = torch.compile(plain, mode="reduce-overhead", fullgraph=True)
+    model.forward = forwards[compiled]
+    options = dict(max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0)
+    if cache:
+        options["cache_implementation"] = cache
+    start = time.perf_counter()
+    with torch.inference_mode():
+        tokens = model.generate(prompts, attention_mask=mask, **options)
+    return time.perf_counter() - start, tokens[:, prompts.shape[1]:].tolist()
+unavailable = {}
+for name in args["caches"]:
     try:
-        once(1), once(args["new_tokens"])
-        firsts, wholes = [], []
-        for _ in range(args["repeats"]):
-            firsts.append(once(1)[0])
-            elapsed, tokens = once(args["new_tokens"])
-            wholes.append(elapsed)
+        once(name, 1), once(name, args["new_tokens"])  # warm-up (and compilation), untimed
     except Exception as error:
-        out["rows"][name] = {"unavailable": f"{type(error).__name__}: {error}"[:300]}
-        continue
-    first, whole = statistics.median(firsts), statistics.median(wholes)
-    out["rows"][name] = {
-        "first_token_ms": 1e3 * first, "whole_ms": 1e3 * whole,
-        "decode_ms_per_token": 1e3 * (whole - first) / (args["new_tokens"] - 1),
-        "tokens": tokens[:, prompts.shape[1]:].tolist(),
-    }
-print(json.dumps(out))
+        unavailable[name] = f"{type(error).__name__}: {error}"[:300]
+print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "unavailable": unavailable}),
+      flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    seconds, tokens = once(request["name"], request["count"])
+    print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 """
 
 # name: (cache_implementation, whether the forward goes through torch.compile)
@@ -326,20 +315,81 @@ TRANSFORMERS_CACHES = {"transformers_dynamic": (None, False), "transformers_stat
 TRANSFORMERS_COMPILED = {"transformers_static_compiled": ("static", True)}
 
 
-def _time_transformers(python: str, checkpoint: Path, prompts, dtype: str, new_tokens: int, repeats: int,
-                       threads: int, caches: dict) -> dict[str, Any]:
-    """transformers' `generate` on the checkpoint, run by `python` in a subprocess; rows or `unavailable`."""
-    args = {"checkpoint": str(checkpoint), "prompts": np.asarray(prompts).tolist(), "dtype": dtype,
-            "new_tokens": new_tokens, "repeats": repeats, "threads": threads, "caches": caches}
-    try:
-        done = subprocess.run([python, "-c", _TRANSFORMERS_SCRIPT, json.dumps(args)], capture_output=True, text=True,
-                              check=False)
-    except OSError as error:
-        return {"unavailable": f"cannot run {python}: {error}"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"unavailable": f"{python} failed ({done.returncode}): {done.stderr.strip()[-300:]}"}
-    return json.loads(lines[-1])
+class _Transformers:
+    """transformers' `generate` on the checkpoint in a worker process run by `python` (torch is no kvattn dependency).
+
+    The worker loads the model, warms every variant up, then times one
+    generation per request, so its calls interleave with kvattn's. `unavailable`
+    maps a variant (or every one, when the worker cannot start) to why.
+    """
+
+    def __init__(self, python: str, checkpoint: Path, prompts, dtype: str, new_tokens: int, threads: int,
+                 caches: dict):
+        args = {"checkpoint": str(checkpoint), "prompts": np.asarray(prompts).tolist(), "dtype": dtype,
+                "new_tokens": new_tokens, "threads": threads, "caches": caches}
+        self.caches, self.versions, self.unavailable, self.process = caches, None, {}, None
+        try:
+            self.process = subprocess.Popen([python, "-c", _TRANSFORMERS_WORKER, json.dumps(args)], text=True,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError as error:
+            self.unavailable = dict.fromkeys(caches, f"cannot run {python}: {error}")
+            return
+        ready = self._reply()
+        if ready is None or "unavailable" in ready and isinstance(ready["unavailable"], str):
+            reason = ready["unavailable"] if ready else f"{python} failed: {self._stderr()}"
+            self.unavailable = dict.fromkeys(caches, reason)
+            self.close()
+            return
+        self.versions = f"torch {ready['torch']}, transformers {ready['transformers']}"
+        self.unavailable = ready["unavailable"]
+
+    @property
+    def variants(self) -> list[str]:
+        """The variants that warmed up and can be timed."""
+        return [] if self.versions is None else [name for name in self.caches if name not in self.unavailable]
+
+    def once(self, name: str, count: int):
+        self.process.stdin.write(json.dumps({"name": name, "count": count}) + "\n")
+        self.process.stdin.flush()
+        reply = self._reply()
+        if reply is None:
+            raise RuntimeError(f"the transformers worker stopped: {self._stderr()}")
+        return reply["seconds"], reply["tokens"]
+
+    def _reply(self):
+        line = self.process.stdout.readline()
+        return json.loads(line) if line.strip() else None
+
+    def _stderr(self) -> str:
+        """The end of what the worker wrote to stderr, once it has exited."""
+        self.process.wait(timeout=60)
+        return self.process.stderr.read().strip()[-300:]
+
+    def close(self):
+        """Ends the worker (its input closed, it exits) and closes its pipes."""
+        if self.process is None:
+            return
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.process.stdout.close()
+        self.process.stderr.close()
+        self.process = None
+
+
+def _interleaved(contenders: dict, new_tokens: int, repeats: int) -> dict[str, dict[str, Any]]:
+    """`t(1)` and `t(new_tokens)` of every contender, taken in turn within each repeat: medians and last tokens."""
+    firsts, wholes, tokens = ({name: [] for name in contenders} for _ in range(3))
+    for _ in range(repeats):
+        for name, once in contenders.items():
+            firsts[name].append(once(1)[0])
+            elapsed, tokens[name] = once(new_tokens)
+            wholes[name].append(elapsed)
+    rows = {}
+    for name in contenders:
+        first, whole = statistics.median(firsts[name]), statistics.median(wholes[name])
+        rows[name] = {"first_token_ms": 1e3 * first, "whole_ms": 1e3 * whole,
+                      "decode_ms_per_token": 1e3 * (whole - first) / (new_tokens - 1), "tokens": tokens[name]}
+    return rows
 
 
 def _agreement(tokens, reference) -> float:
@@ -371,36 +421,38 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             base = {"dtype": dtype, "batch_size": batch}
             rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
                              step_bytes=step_bytes, bandwidth_gbs=limit / 1e9))
-            ours = _time_kvattn(model, prompts, new_tokens, repeats)
+            wanted = {name: how for name, how in caches.items() if not (compact and how[1])}
+            theirs = _Transformers(torch_python, checkpoint, prompts, dtype, new_tokens, torch_threads, wanted)
+            ours = _Kvattn(model, prompts)
+            ours.once(1), ours.once(new_tokens)  # compile both programs, untimed
+            compiled = ours.compiled_programs()
+            contenders = {"kvattn.models.generate": ours.once}
+            contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
+            try:
+                timed = _interleaved(contenders, new_tokens, repeats)
+            finally:
+                theirs.close()
+            timed["kvattn.models.generate"]["compiles_while_timed"] = ours.compiled_programs() - compiled
             # An int8 contender agrees with kvattn's float32 tokens, when measured: its drift from float32.
-            reference = float_tokens.get(batch, ours["tokens"]) if compact else ours["tokens"]
-            if not compact:
-                float_tokens.setdefault(batch, ours["tokens"])
-            else:
-                ours["agrees_with_kvattn"] = _agreement(ours["tokens"], reference)
-            rows.append(dict(base, contender="kvattn.models.generate", **ours))
+            tokens = timed["kvattn.models.generate"]["tokens"]
+            reference = float_tokens.get(batch, tokens) if compact else float_tokens.setdefault(batch, tokens)
+            for name, row in timed.items():
+                if row["tokens"] is not reference:
+                    row["agrees_with_kvattn"] = _agreement(row["tokens"], reference)
+                rows.append(dict(base, contender=name, **row))
+            for name in wanted:
+                if name in theirs.unavailable:
+                    rows.append(dict(base, contender=name, unavailable=theirs.unavailable[name]))
+            if theirs.versions:
+                notes.append(theirs.versions)
             if progress:
                 progress(rows)
             if not compact:
                 plain = _time_plain(model, prompts, new_tokens, repeats)
-                plain["agrees_with_kvattn"] = _agreement(plain["tokens"], ours["tokens"])
+                plain["agrees_with_kvattn"] = _agreement(plain["tokens"], tokens)
                 rows.append(dict(base, contender="plain_cache", **plain))
                 if progress:
                     progress(rows)
-            wanted = {name: how for name, how in caches.items() if not (compact and how[1])}
-            theirs = _time_transformers(torch_python, checkpoint, prompts, dtype, new_tokens, repeats, torch_threads,
-                                        wanted)
-            if "unavailable" in theirs:
-                for name in wanted:
-                    rows.append(dict(base, contender=name, unavailable=theirs["unavailable"]))
-            else:
-                notes.append(f"torch {theirs['torch']}, transformers {theirs['transformers']}")
-                for name, row in theirs["rows"].items():
-                    if "tokens" in row:
-                        row["agrees_with_kvattn"] = _agreement(row["tokens"], reference)
-                    rows.append(dict(base, contender=name, **row))
-            if progress:
-                progress(rows)
             del model
     return {"rows": _finished(rows), "targets": _targets(rows), "notes": sorted(set(notes))}
 
