@@ -100,6 +100,7 @@ class Linear(nnx.Module):
         return quant.Int8Kernel(self.kernel[...], self.kernel_scale[...])
 
     def bias_value(self) -> jax.Array | None:
+        """The bias `outputs`, or None without one."""
         return None if self.bias is None else self.bias[...]
 
     def load_kernel(self, value) -> None:
