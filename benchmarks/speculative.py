@@ -59,12 +59,12 @@ import numpy as np
 from benchmarks.model import LLAMA_125M, QUICK_MODEL, _agreement, write_llama_checkpoint
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import table, target, write
-from benchmarks.timing import median_ms, time_calls
+from benchmarks.timing import time_calls
 
 __all__ = ["SPECULATIVE_DEFAULTS", "measure_speculative", "run_speculative", "write_draft_checkpoint"]
 
 SPECULATIVE_DEFAULTS = {"batch_sizes": (1, 8), "start_len": 32, "prompt_len": 288, "new_tokens": 128,
-                        "num_tokens": 8, "draft_tokens": 4, "draft_layers": 2, "repeats": 3}
+                        "num_tokens": 4, "draft_tokens": 4, "draft_layers": 2, "repeats": 3}
 QUICK = {"batch_sizes": (1, 2), "start_len": 4, "prompt_len": 24, "new_tokens": 12, "num_tokens": 4,
          "draft_tokens": 2, "draft_layers": 1, "repeats": 1}
 KVATTN = ("kvattn_plain", "kvattn_prompt_lookup", "kvattn_draft_model")
@@ -167,7 +167,12 @@ def _time_kvattn(model, draft, prompts: np.ndarray, sizes: dict, repeats: int) -
 
 
 def _call_costs(model, draft, prompt_len: int, num_tokens: int, repeats: int, burst: int = 16) -> dict[str, float]:
-    """What one verify call and one draft step cost, in steps of the target, each timed in a compiled loop."""
+    """What one verify call and one draft step cost, in steps of the target.
+
+    Each call runs `burst` times in a compiled loop, every output summed so
+    none is optimised away; the loops take turns in each repeat, and the
+    ratios are medians over the repeats (the machine's load drifts).
+    """
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -177,37 +182,43 @@ def _call_costs(model, draft, prompt_len: int, num_tokens: int, repeats: int, bu
 
         @jax.jit
         def run(params, cache):
-            def body(_, cache):
+            def body(_, carry):
+                cache, total = carry
                 held = nnx.merge(graphdef, params, cache)
-                call(held)
-                return nnx.state(held, nnx.Cache)
+                total = total + jnp.sum(call(held))
+                return nnx.state(held, nnx.Cache), total
 
-            return jax.lax.fori_loop(0, burst, body, cache)
+            return jax.lax.fori_loop(0, burst, body, (cache, jnp.float32(0)))
 
         jax.block_until_ready(run(params, cache))  # compiled, untimed
-        return median_ms(lambda: run(params, cache), repeats, warm_ups=0) / burst
+        return lambda: run(params, cache)
 
     batch = model.blocks[0].attention.config.batch_size
-    filled = jnp.zeros((batch, prompt_len), jnp.int32)
     tokens = jnp.zeros((batch,), jnp.int32)
     chunk = jnp.zeros((batch, num_tokens + 1), jnp.int32)
 
     def verify(held):
         start = held.pos
-        held.prefill(chunk)
+        logits = held.prefill(chunk)
         held.truncate(start + 1)
+        return logits
 
-    costs = {}
     for module in (model, draft):
         module.reset()
-        module.prefill(filled)
-    step_ms = loop(model, lambda held: held.step(tokens))
-    costs["step_ms"] = step_ms
-    costs["verify_over_step"] = loop(model, verify) / step_ms
-    costs["draft_step_over_step"] = loop(draft, lambda held: held.step(tokens)) / step_ms
+        module.prefill(jnp.zeros((batch, prompt_len), jnp.int32))
+    loops = {"step": loop(model, lambda held: held.step(tokens)), "verify": loop(model, verify),
+             "draft_step": loop(draft, lambda held: held.step(tokens))}
+    times = {name: [] for name in loops}
+    for _ in range(repeats):
+        for name, run in loops.items():
+            times[name].append(time_calls(lambda _, run=run: run(), 1, warm_ups=0).ms[0] / burst)
     model.reset()
     draft.reset()
-    return costs
+    return {
+        "step_ms": statistics.median(times["step"]),
+        "verify_over_step": statistics.median(v / s for v, s in zip(times["verify"], times["step"])),
+        "draft_step_over_step": statistics.median(d / s for d, s in zip(times["draft_step"], times["step"])),
+    }
 
 
 _TRANSFORMERS_SCRIPT = r"""
@@ -293,7 +304,7 @@ def measure_speculative(*, checkpoint: Path, draft_checkpoint: Path, sizes: dict
         draft = models.from_pretrained(draft_checkpoint, max_len=max_len, batch_size=batch)
         workloads = _workloads(model, batch, sizes["start_len"], sizes["prompt_len"], seed)
         costs.append(dict(batch_size=batch, num_tokens=sizes["num_tokens"],
-                          **_call_costs(model, draft, sizes["prompt_len"], sizes["num_tokens"], sizes["repeats"])))
+                          **_call_costs(model, draft, sizes["prompt_len"], sizes["num_tokens"], 2 * sizes["repeats"] + 1)))
         for workload, prompts in workloads.items():
             ours = _time_kvattn(model, draft, prompts, sizes, sizes["repeats"])
             rows += [dict(workload=workload, batch_size=batch, contender=name, **row) for name, row in ours.items()]

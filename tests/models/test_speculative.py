@@ -170,15 +170,16 @@ def test_lookup_copies_what_followed_the_longest_matching_suffix():
         [1, 2, 6, 1, 2, 6, 1, 2, 0, 0, 0, 0, 0, 0, 0],  # "6 1 2" once before, then a loop of 3: 6 1 2 6
         [7, 8, 9, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # no earlier 4: nothing drafted
         [3, 3, 3, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],  # "3 3 3" before, one 3 after: a loop of one
+        [4, 5, 6, 7, 8, 9, 4, 1, 4, 0, 0, 0, 0, 0, 0],  # the latest 4, not the one a long run follows
     ])
-    filled = jnp.array([12, 7, 3, 3])
+    filled = jnp.array([12, 7, 3, 3, 8])
     lookup = jax.jit(speculative.lookup, static_argnames=("num_tokens", "max_ngram"))
     drafts, widths = lookup(history, filled, num_tokens=4, max_ngram=3)
-    assert widths.tolist() == [4, 4, 0, 4]
-    assert drafts.tolist() == [[4, 9, 2, 3], [6, 1, 2, 6], [0, 0, 0, 0], [3, 3, 3, 3]]
+    assert widths.tolist() == [4, 4, 0, 4, 4]
+    assert drafts.tolist() == [[4, 9, 2, 3], [6, 1, 2, 6], [0, 0, 0, 0], [3, 3, 3, 3], [1, 4, 1, 4]]
     drafts, widths = lookup(history, filled, num_tokens=2, max_ngram=1)
-    # With one-token suffixes, the latest occurrence followed by 2 known tokens.
-    assert drafts.tolist() == [[7, 8], [6, 1], [0, 0], [3, 3]] and widths.tolist() == [2, 2, 0, 2]
+    # With one-token suffixes: after the latest 3 of the first sequence came 7 8, not 4 9.
+    assert drafts.tolist() == [[7, 8], [6, 1], [0, 0], [3, 3], [1, 4]] and widths.tolist() == [2, 2, 0, 2, 2]
 
 
 def test_greedy_verify_keeps_the_drafts_up_to_the_first_disagreement():

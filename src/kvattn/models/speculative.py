@@ -65,8 +65,12 @@ PROBE_EVERY = 16
 """Plain steps after which a round is tried again, however low the estimate; twice as many after each miss."""
 MAX_PATIENCE = 64
 """The longest wait between such tries."""
-SMOOTHING = 0.5
-"""Weight of the latest round in the running estimate of drafts kept per round."""
+SMOOTHING = 0.25
+"""Weight of the latest round in the running estimate of drafts kept per round.
+
+Rounds tend to keep all their drafts or none, so the estimate averages over
+a few of them before it gives up on rounds.
+"""
 VERIFY_OVERHEAD = 1.0
 """What a verify chunk costs beyond one step, in steps: the drafts a round must keep to pay for it.
 
@@ -85,10 +89,10 @@ class PromptLookup:
 
     The longest suffix of n <= `max_ngram` tokens (the pending token
     included) that occurs earlier in the sequence's prompt or output is
-    looked up; among its occurrences, the latest one followed by `num_tokens`
-    known tokens, else the one followed by the most, whose tokens are then
-    repeated: the sequence is taken to be in a loop, as greedy decoding
-    often is. A sequence without a match drafts nothing that round.
+    looked up, and the tokens that followed its latest occurrence are
+    drafted; fewer than `num_tokens` of them are repeated, the sequence
+    being in a loop (as greedy decoding often is). A sequence without a
+    match drafts nothing that round.
 
     Args:
       num_tokens: K, the most tokens drafted per round.
@@ -103,6 +107,9 @@ class PromptLookup:
         object.__setattr__(self, "max_ngram", check.positive_int(self.max_ngram, "max_ngram"))
 
     # The drafter's side of the loop; `_DraftSteps` is the other drafter's.
+
+    def _start(self, params, state, prompts, lengths):
+        return state
 
     def _offer(self, loop: _Loop, budget):
         drafts, widths = lookup(loop.history, loop.filled, self.num_tokens, self.max_ngram)
@@ -167,7 +174,7 @@ class Speculated(NamedTuple):
 
 def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int, max_ngram: int
            ) -> tuple[Int[Array, "B K"], Int[Array, " B"]]:
-    """Prompt lookup's drafts: what followed an earlier occurrence of each sequence's last tokens.
+    """Prompt lookup's drafts: what followed the latest earlier occurrence of each sequence's last tokens.
 
     Args:
       history: each sequence's tokens; those after `filled` are ignored.
@@ -190,10 +197,9 @@ def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int
             match = match & (shifted == wanted)
         known = filled[:, None] + 1 - (index + size)  # tokens known after the occurrence at i
         match = match & (known >= 1) & (filled[:, None] + 1 >= size)
-        # A full draft first, then the latest occurrence.
-        score = jnp.where(match, jnp.minimum(known, num_tokens) * slots + index, -1)
-        best = jnp.argmax(score, axis=1)
-        found = jnp.max(score, axis=1) >= 0
+        latest = jnp.where(match, index, -1)
+        best = jnp.argmax(latest, axis=1)
+        found = jnp.max(latest, axis=1) >= 0
         starts = jnp.where(found, best + size, starts)
         follow = jnp.where(found, jnp.take_along_axis(known, best[:, None], axis=1)[:, 0], follow)
     # Fewer than K known tokens repeat, as a loop would.
@@ -313,16 +319,20 @@ class _DraftSteps:
     num_tokens: int
     vocab_size: int
 
+    def _start(self, params, state, prompts, lengths):
+        draft = nnx.merge(self.graphdef, params, state)
+        draft.prefill(prompts, lengths, last_only=True)
+        return nnx.state(draft, nnx.Cache)
+
     def _offer(self, loop: _Loop, budget):
         return jnp.zeros((budget.shape[0], self.num_tokens), jnp.int32), jnp.minimum(loop.length, budget)
 
     def _draft(self, params, state, loop: _Loop, drafts, widths, key, sampling: Sampling):
         """Feeds the draft the tokens it lacks, then drafts `widths` tokens per sequence.
 
-        The draft lacks the prompt in the first round, then one token (the
-        pending one) after a round that kept fewer than K drafts, two after
-        one that kept all K (it never saw the last), and more after plain
-        steps. It takes them in chunks of K + 1 (one program serves them all),
+        The draft lacks one token (the pending one) after a round that kept
+        fewer than K drafts, two after one that kept all K (it never saw the
+        last), and more after plain steps: it takes them in chunks of K + 1,
         the last chunk's logits drafting the first token.
         """
         chunk = self.num_tokens + 1
@@ -383,6 +393,7 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
     origin = model.pos
     logits = model.prefill(prompts, lengths, last_only=True)
     key, first = _split(key, 2, sampling)
+    drafter_state = drafter._start(drafter_params, drafter_state, prompts, lengths)
     batch, width = prompts.shape
     num_tokens = drafter.num_tokens
     everyone = jnp.ones((batch,), jnp.bool_)
@@ -506,13 +517,7 @@ def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: Pro
     Returns:
       `Speculated(tokens, counts, rounds, steps, drafted, accepted)`.
 
-    Example:
-      >>> from kvattn import models
-      >>> model = models.from_pretrained("tests/fixtures/hf/llama", max_len=32)
-      >>> prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
-      >>> out = models.speculate(model, prompt, 8, speculative=models.PromptLookup(num_tokens=4))
-      >>> out.tokens.shape, int(out.rounds) + int(out.steps) <= 8
-      ((1, 8), True)
+    An example is in the models guide, under Speculative decoding.
     """
     _rolls_back(model, "model")
     if not isinstance(speculative, (PromptLookup, DraftModel)):
