@@ -10,9 +10,9 @@ per round; a stop token inside a kept run ends its sequence there.
 
 Two drafters:
 
-- `PromptLookup` copies: the tokens that followed an earlier occurrence of
-  the sequence's last n tokens (n up to `max_ngram`) in its own prompt and
-  output. No second model, so drafting costs next to nothing.
+- `PromptLookup` copies: the tokens that followed the latest earlier
+  occurrence of the sequence's last n tokens (n up to `max_ngram`) in its
+  own prompt and output. No second model, so drafting costs next to nothing.
 - `DraftModel` asks a smaller `CausalLM` with the same vocabulary.
 
 **Exact.** Greedy keeps a draft when it is the target's argmax, so the
@@ -32,11 +32,13 @@ as `generate` does, and tries a round again after `PROBE_EVERY` steps
 (twice as long after each try that did not pay). A draft model drafts one
 token more than rounds have lately kept.
 
-The whole generation is one compiled program, a `lax.while_loop` whose body
-is a round or a plain step (`lax.cond`), compiled once per batch, K and
-prompt bucket (and, as `generate`'s, per `max_new_tokens`, sampling and stop
-tokens). A round never drafts past `max_new_tokens`, so the caches need no
-more room than plain `generate` needs.
+The whole generation is one compiled program, compiled once per batch, K
+and prompt bucket (and, as `generate`'s, per `max_new_tokens`, sampling and
+stop tokens): a `lax.while_loop` whose body runs rounds while they are
+wanted, then plain steps until a round is, each in a loop of its own (a
+branch per token would copy the carried caches each time on a CPU). A round
+never drafts past `max_new_tokens`, so the caches need no more room than
+plain `generate` needs.
 
 Axis letters: B batch, K drafted tokens per round (`num_tokens`), V
 vocabulary, S history slots.
