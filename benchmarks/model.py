@@ -69,7 +69,7 @@ from benchmarks.provenance import load_average, machine_info, source_revision, v
 from benchmarks.report import model_markdown, target, write
 from benchmarks.timing import time_calls
 
-__all__ = ["LLAMA_125M", "run_model", "write_llama_checkpoint"]
+__all__ = ["LLAMA_125M", "greedy_agreement", "run_model", "write_llama_checkpoint"]
 
 # About 125M parameters, Llama-shaped with grouped queries.
 LLAMA_125M = {
@@ -392,7 +392,7 @@ def _interleaved(contenders: dict, new_tokens: int, repeats: int) -> dict[str, d
     return rows
 
 
-def _agreement(tokens, reference) -> float:
+def greedy_agreement(tokens, reference) -> float:
     """Fraction of positions where two greedy generations agree, up to their first difference per sequence."""
     tokens, reference = np.asarray(tokens), np.asarray(reference)
     same = np.cumprod(tokens == reference, axis=1)
@@ -438,7 +438,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             reference = float_tokens.get(batch, tokens) if compact else float_tokens.setdefault(batch, tokens)
             for name, row in timed.items():
                 if row["tokens"] is not reference:
-                    row["agrees_with_kvattn"] = _agreement(row["tokens"], reference)
+                    row["agrees_with_kvattn"] = greedy_agreement(row["tokens"], reference)
                 rows.append(dict(base, contender=name, **row))
             for name in wanted:
                 if name in theirs.unavailable:
@@ -449,7 +449,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                 progress(rows)
             if not compact:
                 plain = _time_plain(model, prompts, new_tokens, repeats)
-                plain["agrees_with_kvattn"] = _agreement(plain["tokens"], tokens)
+                plain["agrees_with_kvattn"] = greedy_agreement(plain["tokens"], tokens)
                 rows.append(dict(base, contender="plain_cache", **plain))
                 if progress:
                     progress(rows)

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.model import LLAMA_125M, QUICK_MODEL, _agreement, write_llama_checkpoint
+from benchmarks.model import LLAMA_125M, QUICK_MODEL, greedy_agreement, write_llama_checkpoint
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import table, target, write
 from benchmarks.timing import time_calls
@@ -119,11 +119,25 @@ def _kvattn_calls(model, draft, sizes):
     }
 
 
-def _programs() -> int:
-    """Compiled programs of kvattn's generation loops so far (any new one while timed is a recompilation)."""
-    from kvattn.models import speculative
+_COMPILATIONS = [0]
 
-    return sys.modules["kvattn.models.generate"]._program._cache_size() + speculative._program._cache_size()
+
+def _count_compilation(event: str, _duration: float, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILATIONS[0] += 1
+
+
+def _programs() -> int:
+    """XLA compilations so far in this process (any new one while timed is a recompilation)."""
+    import jax
+
+    if not _COMPILATIONS[0] and _count_compilation not in _LISTENING:
+        jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+        _LISTENING.append(_count_compilation)
+    return _COMPILATIONS[0]
+
+
+_LISTENING: list = []
 
 
 def _time_kvattn(model, draft, prompts: np.ndarray, sizes: dict, repeats: int) -> dict[str, dict[str, Any]]:
@@ -324,7 +338,7 @@ def measure_speculative(*, checkpoint: Path, draft_checkpoint: Path, sizes: dict
         if "tokens" in row:
             (reference,) = [r for r in rows if (r["workload"], r["batch_size"], r["contender"])
                             == (row["workload"], row["batch_size"], "kvattn_plain")]
-            row["agreement"] = _agreement(row["tokens"], reference["tokens"])
+            row["agreement"] = greedy_agreement(row["tokens"], reference["tokens"])
     return {"rows": _finished(rows), "call_costs": costs, "targets": _targets(rows), "notes": sorted(set(notes))}
 
 

@@ -66,7 +66,7 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
             model, prompts, max_new_tokens, speculative=speculative, lengths=lengths, temperature=temperature,
             top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
         )[:2])
-    padded, lengths, sampling, stop_tokens = _checked(
+    padded, lengths, sampling, stop_tokens = checked_inputs(
         model, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens, rng
     )
     graphdef, params, cache = nnx.split(model, nnx.Param, nnx.Cache)
@@ -86,7 +86,7 @@ class _Inputs(NamedTuple):
     stop_tokens: tuple[int, ...]
 
 
-def _checked(model: CausalLM, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens,
+def checked_inputs(model: CausalLM, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens,
              rng) -> _Inputs:
     """`generate`'s arguments checked (before anything changes) and padded to their bucket."""
     batch = model.blocks[0].attention.config.batch_size

@@ -58,7 +58,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from kvattn import validation as check
 from kvattn.models.decoder import CausalLM
-from kvattn.models.generate import _checked
+from kvattn.models.generate import checked_inputs
 from kvattn.models.sampling import Sampling, sample
 
 __all__ = ["DraftModel", "PromptLookup", "Speculated", "lookup", "speculate", "verify"]
@@ -524,7 +524,7 @@ def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: Pro
     _rolls_back(model, "model")
     if not isinstance(speculative, (PromptLookup, DraftModel)):
         raise TypeError(f"speculative must be a PromptLookup or a DraftModel, got {type(speculative).__name__}")
-    inputs = _checked(model, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens, rng)
+    inputs = checked_inputs(model, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens, rng)
     drafter, drafter_params, drafter_state, cost = (), (), (), 0.0
     if isinstance(speculative, DraftModel):
         drafter_params, drafter_state, cost = _checked_draft(speculative.draft, model, inputs.lengths, max_new_tokens)
