@@ -22,6 +22,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     derandomize=True,
 )
-# A longer random search for local bug hunting: HYPOTHESIS_PROFILE=wide make test
+# A longer random search for local bug hunting, and the slowest cases CI leaves out
+# (four JAX processes in test_multihost): HYPOTHESIS_PROFILE=wide make test
 settings.register_profile("wide", parent=settings.get_profile("kvattn"), derandomize=False, max_examples=60)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvattn"))

@@ -239,7 +239,7 @@ def test_generate_program_is_reused_for_the_same_next_input():
     assert program._cache_size() == before
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     layout=st.sampled_from(["slots_major", "heads_major"]),
     heads=st.sampled_from([(4, 4), (4, 2), (4, 1)]),  # N, K
