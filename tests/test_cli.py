@@ -75,6 +75,8 @@ def refused_in_one_line(status: int, err: str, expected_status: int, *words: str
         (["--max-new-tokens", "two"], ["--max-new-tokens", "'two'"]),
         (["--max-len", "4"], ["--max-len >= 5", "got 4"]),  # 2 prompt tokens + 3 new ones
         (["--prompt-ids", "1", "-2"], ["--prompt-ids", ">= 0", "'-2'"]),
+        (["--speculative", "draft:2"], ["--speculative", "ngram:K", "'draft:2'"]),
+        (["--speculative", "ngram:0"], ["--speculative", "K, N >= 1", "'ngram:0'"]),
     ],
 )
 def test_generate_refuses_bad_arguments_as_usage_errors(capsys, arguments, words):

@@ -45,6 +45,18 @@ _TEMPERATURE = _number("float", ">= 0 and finite (0: greedy)", lambda v: math.is
 _TOP_P = _number("float", "in (0, 1]", lambda v: 0 < v <= 1)
 _PORT = _number("int", "in [0, 65535]", lambda v: 0 <= v <= 65535)
 _SECONDS = _number("float", ">= 0 and finite", lambda v: math.isfinite(v) and v >= 0)
+_SPECULATIVE_HELP = ("ngram:K[:N]: draft up to K tokens per step by prompt lookup (suffixes of up to N tokens, "
+                     "default 3), verified in one call; the output is unchanged")
+
+
+def _speculative(text: str):
+    """`--speculative ngram:K[:N]`: a `PromptLookup`."""
+    kind, *numbers = text.split(":")
+    if kind != "ngram" or len(numbers) not in (1, 2) or not all(n.isdigit() and int(n) >= 1 for n in numbers):
+        raise argparse.ArgumentTypeError(f"expected ngram:K or ngram:K:N with K, N >= 1, got {text!r}")
+    from kvattn.models.speculative import PromptLookup
+
+    return PromptLookup(*map(int, numbers))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=_TOP_P, default=None)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    generate.add_argument("--speculative", type=_speculative, help=_SPECULATIVE_HELP)
     generate.set_defaults(run=functools.partial(_generate, usage=generate))
 
     serve = commands.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API (continuous batching)")
@@ -98,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=_SECONDS, default=30.0,
                        help="on SIGTERM, seconds running requests get to finish")
     serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    serve.add_argument("--speculative", type=_speculative, help=_SPECULATIVE_HELP)
     serve.set_defaults(run=functools.partial(_serve, usage=serve))
     return parser
 
@@ -131,14 +145,28 @@ def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
         usage.error(f"expected --max-len >= {needed} ({len(ids)} prompt tokens + --max-new-tokens "
                      f"{args.max_new_tokens}), got {args.max_len}")
     model = models.from_pretrained(checkpoint, max_len=args.max_len or needed, dtype=args.dtype)
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed))
+
+    def show(token: int):
+        print(tokenizer.decode([token]) if tokenizer else token, end="" if tokenizer else " ", flush=True)
+
+    if args.speculative is not None:  # rounds produce several tokens at once: the whole output, then its text
+        start = time.perf_counter()
+        result = models.speculate(model, [ids], args.max_new_tokens, speculative=args.speculative, **sampling)
+        tokens = result.tokens[0, : int(result.counts[0])].tolist()
+        elapsed = time.perf_counter() - start
+        if tokenizer:
+            print(tokenizer.decode(tokens), end="")
+        else:
+            print(*tokens, end=" ")
+        print(f"\n{len(tokens)} tokens in {elapsed:.2f} s, compilation included; {int(result.rounds)} speculative "
+              f"rounds kept {result.acceptance:.0%} of their drafts, {int(result.steps)} plain steps", file=sys.stderr)
+        return 0
     start, count = time.perf_counter(), 0
-    for count, token in enumerate(models.stream(
-        model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        rng=jax.random.key(args.seed),
-    ), start=1):
+    for count, token in enumerate(models.stream(model, ids, args.max_new_tokens, **sampling), start=1):
         if count == 1:
             start = time.perf_counter()  # the first token carries the compilation and the prefill
-        print(tokenizer.decode([token]) if tokenizer else token, end="" if tokenizer else " ", flush=True)
+        show(token)
     elapsed = time.perf_counter() - start
     rate = (count - 1) / elapsed if count > 1 and elapsed > 0 else float("nan")
     print(f"\n{count} tokens; {rate:.1f} tokens/s after the first", file=sys.stderr)
@@ -183,7 +211,8 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                          f"{model.config.vocab_size}")
-    server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching, prefills_per_step=args.prefills_per_step)
+    server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching, prefills_per_step=args.prefills_per_step,
+                    speculative=args.speculative)
     server.warm_up()  # every program compiled before the port opens: no request waits for a compilation
     metrics = Metrics()
     engine = Engine(server, max_waiting=args.max_waiting,

@@ -127,6 +127,10 @@ def test_cli_streams_greedy_tokens_from_a_checkpoint(tmp_path, capsys):
     ids = [str(i) for i in want["prompts"][0, :length]]
     assert main(["generate", str(FIXTURES / "llama"), "--prompt-ids", *ids, "--max-new-tokens", "6"]) == 0
     assert capsys.readouterr().out.split() == [str(i) for i in want["greedy"][0, :6]]
+    speculative = ["--max-new-tokens", "6", "--speculative", "ngram:2"]
+    assert main(["generate", str(FIXTURES / "llama"), "--prompt-ids", *ids, *speculative]) == 0
+    out, err = capsys.readouterr()
+    assert out.split() == [str(i) for i in want["greedy"][0, :6]] and "speculative rounds" in err
 
 
 def test_a_whole_model_cache_round_trips_through_one_snapshot(tmp_path):

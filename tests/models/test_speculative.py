@@ -19,11 +19,13 @@ import numpy as np
 import pytest
 import scipy.stats
 from flax import nnx
+from hypothesis import given, settings, strategies as st
 
 from kvattn import models
 from kvattn.errors import CacheOverflowError
 from kvattn.models import speculative
 from kvattn.models.model_config import ModelConfig
+from kvattn.models.sampling import RowSampling, sample_rows
 from kvattn.rope import RoPE
 from tests.helpers import FIXTURES, expected
 
@@ -182,6 +184,28 @@ def test_lookup_copies_what_followed_the_longest_matching_suffix():
     assert drafts.tolist() == [[7, 8], [6, 1], [0, 0], [3, 3], [1, 4]] and widths.tolist() == [2, 2, 0, 2, 2]
 
 
+@settings(max_examples=30)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=16), st.integers(1, 4), st.integers(1, 3))
+def test_the_servers_host_lookup_drafts_what_lookup_drafts(tokens, num_tokens, max_ngram):
+    history = jnp.asarray(np.pad(tokens, (0, 16 - len(tokens)))[None])
+    lookup = jax.jit(speculative.lookup, static_argnames=("num_tokens", "max_ngram"))
+    drafts, widths = lookup(history, jnp.array([len(tokens) - 1]), num_tokens=num_tokens, max_ngram=max_ngram)
+    host = speculative.lookup_tokens(np.array(tokens), num_tokens, max_ngram)
+    assert host.tolist() == np.asarray(drafts)[0, : int(widths[0])].tolist()
+
+
+def test_verify_rows_without_drafts_samples_as_sample_rows():
+    logits = jnp.asarray(np.random.default_rng(5).standard_normal((6, 3, VOCAB)).astype(np.float32))
+    settings = RowSampling.of([(models.Sampling(t, top_k=k), s, 1, 4) for t, k, s in
+                                      [(0.0, None, 0), (1.0, None, 1), (0.7, 3, 2), (1.3, None, 3)]], 6)
+    kept, tokens, logprobs, top_ids, _ = speculative.verify_rows(logits, jnp.ones((6, 2), jnp.int32),
+                                                                 jnp.zeros(6, jnp.int32), settings)
+    want = sample_rows(logits[:, 0], settings)
+    assert kept.tolist() == [0] * 6 and tokens[:, 0].tolist() == want[0].tolist()
+    np.testing.assert_allclose(logprobs[:, 0], want[1], rtol=1e-6)
+    assert top_ids[:, 0].tolist() == want[2].tolist() and np.all(np.asarray(tokens[:, 1:]) == 0)
+
+
 def test_greedy_verify_keeps_the_drafts_up_to_the_first_disagreement():
     best = jnp.array([[3, 1, 4, 1, 5], [3, 1, 4, 1, 5], [3, 1, 4, 1, 5]])  # the target's argmax per position
     logits = jax.nn.one_hot(best, 8) * 10.0
@@ -258,6 +282,11 @@ def first_tokens() -> dict[str, np.ndarray]:
                                                        ("draft", drawn, q, draft_key)):
             kept, token = speculative.verify(logits, drafts, widths, drafted_from, round_key, SAMPLING)
             out[form] = jnp.where(kept > 0, drafts[:, 0], token)
+        # The server's form: every row with its own settings and seed, drafts copied.
+        rows = jnp.arange(ROUND_ROWS, dtype=jnp.uint32)
+        settings = RowSampling(jnp.full(rows.shape, SAMPLING.temperature), jnp.full(rows.shape, SAMPLING.top_k),
+                                      jnp.ones(rows.shape), rows, rows * 0, rows * 0 + 3)
+        out["rows"] = speculative.verify_rows(logits, copied, widths, settings)[1][:, 0]
         return out
 
     # A fresh function, so it is traced afresh (with `_accepts` as it is now); an rbg key compiles faster.

@@ -2,8 +2,11 @@
 
 One server for the module (started once: the first request would otherwise
 carry the compilation), on the tiny chat checkpoint whose greedy
-continuation transformers recorded. Tests run in file order; the last one
-stops the server with SIGTERM under load.
+continuation transformers recorded. It decodes speculatively (prompt
+lookup), so every exact-output test below also holds speculative rounds to
+transformers' tokens; `tests/serving/test_server.py` covers the engine
+without them. Tests run in file order; the last one stops the server with
+SIGTERM under load.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def server(tmp_path_factory):
     log = (tmp_path_factory.mktemp("serve") / "stderr.txt").open("w+")
     command = [str(Path(sys.executable).parent / "kvattn"), "serve", str(CHECKPOINT), "--port", str(port),
                "--max-len", str(MAX_LEN), "--max-batch", str(BATCH), "--page-size", str(PAGE), "--num-pages", "64",
-               "--max-waiting", str(MAX_WAITING), "--api-key", KEY, "--shutdown-timeout", "1"]
+               "--max-waiting", str(MAX_WAITING), "--api-key", KEY, "--shutdown-timeout", "1", "--speculative", "ngram:3"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -119,6 +122,14 @@ def test_n_choices_share_one_prefill(server, client):
     admitted = after["kvattn_prompt_tokens_total"] - before["kvattn_prompt_tokens_total"]
     assert admitted == len(GREEDY["prompt"]), "the prompt is admitted once and forked, not four times"
     assert reply.usage.completion_tokens == 4 * len(GREEDY["new_tokens"])
+
+
+def test_speculative_rounds_ran(server):
+    """The greedy answers above went through verify rounds (this model's output never repeats, so its drafts
+    are refused: `test_server.py` holds kept drafts to plain decoding)."""
+    samples = metrics(server)
+    drafted, kept = samples["kvattn_spec_draft_tokens_total"], samples["kvattn_spec_accepted_tokens_total"]
+    assert drafted > 0 and 0 <= kept <= drafted
 
 
 def test_stop_strings_end_the_text_before_them_across_tokens(client):

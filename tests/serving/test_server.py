@@ -224,3 +224,96 @@ def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_oldest_first():
         assert [done.request for done in server.run()] == [b, c]  # a finished in the second step
     finally:
         server.prefills_per_step = server.config.batch_size
+
+
+# ------------------------------------------------------------- speculative decoding
+
+NEW = 24
+
+
+@functools.cache
+def speculative_run():
+    """Greedy prompt lookup on the llama fixture: plain `generate`'s tokens, and a speculative Server's.
+
+    Each prompt runs twice, the second time after the model's own continuation (copy-heavy); one request stops
+    at a token its output holds. A tight pool preempts.
+    """
+    want = expected("llama")
+    prompts, lengths = want["prompts"], want["lengths"]
+    rows = [list(prompts[row, :length]) for row, length in enumerate(lengths)]
+    reference = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=len(rows))
+    plain = np.asarray(models.generate(reference, prompts, NEW, lengths=lengths).tokens)
+    copying = [row[:4] + plain[i, :8].tolist() + row[:4] for i, row in enumerate(rows)]
+    reference = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=len(rows))
+    width = max(map(len, copying))
+    padded = np.array([row + [0] * (width - len(row)) for row in copying])
+    plain_copying = np.asarray(models.generate(reference, padded, NEW, lengths=np.array(list(map(len, copying)))).tokens)
+    model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=20, page_size=4)
+    server = serving.Server(model, chunk=8, speculative=models.PromptLookup(num_tokens=3))
+    server.warm_up()
+    streamed = {}
+    on_token = lambda index, token: streamed.setdefault(index, []).append(token)
+    for prompt in rows + copying:
+        server.submit(prompt, NEW, on_token=on_token, top_logprobs=2)
+    stop = int(plain[0, 10])
+    server.submit(rows[0], NEW, stop_tokens=(stop,), on_token=on_token, top_logprobs=2)
+    completions = server.run()
+    server.manager.check()
+    return np.concatenate([plain, plain_copying]), stop, completions, streamed, server
+
+
+def test_speculative_server_equals_plain_greedy_decoding_token_for_token():
+    plain, stop, completions, streamed, server = speculative_run()
+    *whole, stopped = completions
+    for completion in whole:
+        assert completion.tokens == plain[completion.request].tolist(), completion.request
+    first = plain[0].tolist().index(stop)
+    assert stopped.tokens == plain[0, : first + 1].tolist() and stopped.finish_reason == "stop"
+    stats = server.stats
+    # Rounds ran, kept drafts and refused some; every token arrived once, in order, with its log-probability.
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+    assert stats.generated_tokens >= sum(len(c.tokens) for c in completions)
+    for completion in completions:
+        tokens = streamed[completion.request]
+        assert [t.id for t in tokens] == completion.tokens
+        assert [t.logprob for t in tokens] == completion.logprobs
+        assert all(t.top[0][0] == t.id for t in tokens)  # greedy: the most likely token
+    assert server.manager.num_live == 0
+
+
+def test_speculative_rounds_give_back_the_pages_of_refused_drafts_and_compile_nothing_new():
+    _, _, _, _, server = speculative_run()
+    before = serving_programs._verify_program._cache_size()
+    server.submit([3, 4, 5, 3, 4, 5, 3, 4], 12)
+    held = []
+    while not server.idle:
+        server.step()
+        held.append((server.manager.num_live, int(server.manager.lengths.sum())))
+    server.manager.check()
+    # After each round the sequence holds what it kept, in whole pages: never a refused draft's page.
+    assert all(pages == -(-length // 4) for pages, length in held[:-1]) and held[-1] == (0, 0)
+    assert serving_programs._verify_program._cache_size() == before
+
+
+def test_a_seed_reproduces_under_speculative_sampling():
+    _, _, _, _, server = speculative_run()
+    sampling = models.Sampling(1.0, top_k=8)
+    first = [server.submit([3, 4, 5, 3, 4, 5, 3], 10, sampling=sampling, seed=seed) for seed in (1, 2)]
+    runs = [c.tokens for c in server.run()]
+    server.submit([9, 9, 9], 6)  # other traffic
+    second = [server.submit([3, 4, 5, 3, 4, 5, 3], 10, sampling=sampling, seed=seed) for seed in (1, 2)]
+    again = {c.request: c.tokens for c in server.run()}
+    assert [again[i] for i in second] == runs and runs[0] != runs[1]
+    assert second[0] > first[1]
+
+
+def test_speculative_server_settings_are_checked():
+    model = models.from_pretrained(FIXTURES / "llama", max_len=16, batch_size=1, num_pages=5, page_size=4)
+    with pytest.raises(TypeError, match="a DraftModel drafts in kvattn.models.generate"):
+        serving.Server(model, speculative=models.DraftModel(models.from_pretrained(FIXTURES / "llama", max_len=16),
+                                                            num_tokens=2))
+    with pytest.raises(TypeError, match="PromptLookup or None, got int"):
+        serving.Server(model, speculative=4)
+    windowed = models.from_pretrained(FIXTURES / "mistral", max_len=16, batch_size=1, num_pages=5, page_size=4)
+    with pytest.raises(ValueError, match="sliding window"):
+        serving.Server(windowed, chunk=8, speculative=models.PromptLookup(2))

@@ -10,7 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MAX_TOP_LOGPROBS", "RowSampling", "Sampling", "sample", "sample_rows", "sample_with_logprob"]
+__all__ = [
+    "MAX_TOP_LOGPROBS", "RowSampling", "Sampling", "filtered", "row_keys", "sample", "sample_rows", "sample_with_logprob",
+    "scaled_rows",
+]
 
 MAX_TOP_LOGPROBS = 20
 """The most alternatives per token `sample_rows` reports (OpenAI's `top_logprobs` limit)."""
@@ -69,10 +72,9 @@ class Sampling:
             raise ValueError(f"sampling at temperature {self.temperature} needs rng (a jax.random.key)")
 
 
-def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """One token per row of `logits` `(B, V)`: int32 `(B,)`."""
-    if sampling.temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def filtered(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """What `sample` draws from at a temperature above 0: `logits` `(B, V)` over the temperature, with what
+    lies outside the top-k, then outside the top-p, at -inf."""
     logits = logits / sampling.temperature
     if sampling.top_k is not None:
         kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
@@ -83,7 +85,14 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
         before = jnp.cumsum(jax.nn.softmax(ranked, axis=-1), axis=-1) - jax.nn.softmax(ranked, axis=-1)
         ranked = jnp.where(before < sampling.top_p, ranked, -jnp.inf)  # the most likely token always stays
         logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(ranked)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return logits
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """One token per row of `logits` `(B, V)`: int32 `(B,)`."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered(logits, sampling), axis=-1).astype(jnp.int32)
 
 
 def sample_with_logprob(logits: jax.Array, key: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
@@ -134,6 +143,21 @@ def _row_filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Ar
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+def scaled_rows(logits: jax.Array, settings: RowSampling) -> tuple[jax.Array, jax.Array]:
+    """`logits` `(B, V)` over each row's temperature (1 for a greedy row), then also filtered to its top-k and
+    top-p: `(scaled, filtered)`; a row samples from `filtered`, its log-probabilities are `scaled`'s."""
+    temperature = settings.temperature
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    filtering = jnp.any((settings.top_k > 0) | (settings.top_p < 1.0))
+    return scaled, jax.lax.cond(filtering, _row_filter, lambda x, *_: x, scaled, settings.top_k, settings.top_p)
+
+
+def row_keys(settings: RowSampling) -> jax.Array:
+    """Each row's key: `fold_in(fold_in(key(seed), stream), index)`."""
+    return jax.vmap(lambda s, t, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), t), i))(
+        settings.seed, settings.stream, settings.index)
+
+
 def sample_rows(logits: jax.Array, settings: RowSampling) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """One token per row of `logits` `(B, V)`, each row with its own `settings`.
 
@@ -143,14 +167,9 @@ def sample_rows(logits: jax.Array, settings: RowSampling) -> tuple[jax.Array, ja
       the `MAX_TOP_LOGPROBS` most likely tokens and their log-probabilities,
       `(B, MAX_TOP_LOGPROBS)`.
     """
-    temperature = settings.temperature
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    filtering = jnp.any((settings.top_k > 0) | (settings.top_p < 1.0))
-    filtered = jax.lax.cond(filtering, _row_filter, lambda x, *_: x, scaled, settings.top_k, settings.top_p)
-    keys = jax.vmap(lambda s, t, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), t), i))(
-        settings.seed, settings.stream, settings.index)
-    sampled = jax.vmap(jax.random.categorical)(keys, filtered)
-    tokens = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    scaled, candidates = scaled_rows(logits, settings)
+    sampled = jax.vmap(jax.random.categorical)(row_keys(settings), candidates)
+    tokens = jnp.where(settings.temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

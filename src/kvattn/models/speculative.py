@@ -59,9 +59,11 @@ from jaxtyping import Array, Bool, Float, Int
 from kvattn import validation as check
 from kvattn.models.decoder import CausalLM
 from kvattn.models.generate import checked_inputs
-from kvattn.models.sampling import Sampling, sample
+from kvattn.models.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampling, filtered, row_keys, sample, scaled_rows
 
-__all__ = ["DraftModel", "PromptLookup", "Speculated", "lookup", "speculate", "verify"]
+__all__ = [
+    "DraftModel", "PromptLookup", "Speculated", "lookup", "lookup_tokens", "speculate", "verify", "verify_rows",
+]
 
 PROBE_EVERY = 16
 """Plain steps after which a round is tried again, however low the estimate; twice as many after each miss."""
@@ -211,20 +213,23 @@ def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int
     return jnp.where(widths[:, None] > 0, drafts, 0), widths
 
 
+def lookup_tokens(tokens: np.ndarray, num_tokens: int, max_ngram: int) -> np.ndarray:
+    """`lookup` for one sequence on the host: the drafts for `tokens` (its prompt and output, the pending token
+    last), K of them, or none without a match. The server drafts this way, from the histories it holds."""
+    tokens = np.asarray(tokens)
+    for size in range(min(max_ngram, tokens.size - 1), 0, -1):  # the longest match wins
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], size)  # each with a token after it
+        hits = np.flatnonzero((windows == tokens[-size:]).all(axis=1))
+        if hits.size:
+            start = hits[-1] + size
+            return tokens[start + np.arange(num_tokens) % (tokens.size - start)]
+    return tokens[:0]
+
+
 def probabilities(logits: Float[Array, "*rows V"], sampling: Sampling) -> Float[Array, "*rows V"]:
     """The distribution `kvattn.models.sampling.sample` draws from: temperature, then top-k, then top-p."""
     shape = logits.shape
-    logits = logits.reshape(-1, shape[-1]) / sampling.temperature
-    if sampling.top_k is not None:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        ranked = jnp.take_along_axis(logits, order, axis=-1)
-        before = jnp.cumsum(jax.nn.softmax(ranked, axis=-1), axis=-1) - jax.nn.softmax(ranked, axis=-1)
-        ranked = jnp.where(before < sampling.top_p, ranked, -jnp.inf)  # the most likely token always stays
-        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(ranked)
-    return jax.nn.softmax(logits, axis=-1).reshape(shape)
+    return jax.nn.softmax(filtered(logits.reshape(-1, shape[-1]), sampling), axis=-1).reshape(shape)
 
 
 def _accepts(p: Float[Array, "B K"], q: Float[Array, "B K"], uniform: Float[Array, "B K"]) -> Bool[Array, "B K"]:
@@ -276,6 +281,47 @@ def verify(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], widths: In
     residual = jnp.where(refused, jnp.maximum(p_next - q_next, 0.0), p_next)
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)  # rounding only
     return kept, jax.random.categorical(draw_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+
+
+def verify_rows(logits: Float[Array, "R K1 V"], drafts: Int[Array, "R K"], widths: Int[Array, " R"],
+                settings: RowSampling):
+    """`verify` for a batch whose rows sample each with their own `RowSampling` and drafts copied (point masses).
+
+    The token at a row's position j (its `index` + j) uses the key `sample_rows` would use for it: the
+    acceptance test draws from that key folded with 1, the token after the kept drafts from the key itself,
+    so a row without drafts gets exactly `sample_rows`' token.
+
+    Returns:
+      `(kept, tokens, logprobs, top_ids, top_logprobs)`: drafts kept `(R,)`; the tokens produced `(R, K + 1)`
+      (the kept drafts, then the target's token, then zeros); each one's log-probability after its row's
+      temperature; the `MAX_TOP_LOGPROBS` most likely tokens and their log-probabilities at each position.
+    """
+    rows, width, vocab = logits.shape
+    at = jnp.arange(width)
+    positions = RowSampling(*(jnp.repeat(field, width) for field in settings[:5]),
+                            (settings.index[:, None] + at.astype(jnp.uint32)[None, :]).reshape(-1))
+    scaled, candidates = scaled_rows(logits.reshape(rows * width, vocab), positions)
+    scaled, candidates = scaled.reshape(logits.shape), candidates.reshape(logits.shape)
+    keys = row_keys(positions).reshape(rows, width)
+    drafting = at[None, :-1] < widths[:, None]
+    sampling = settings.temperature > 0
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    p_draft = jnp.take_along_axis(jax.nn.softmax(candidates[:, :-1], axis=-1), drafts[..., None], axis=-1)[..., 0]
+    uniform = jax.vmap(jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 1))))(keys[:, :-1])
+    kept = jnp.where(sampling, _leading(drafting & _accepts(p_draft, jnp.ones_like(p_draft), uniform)),
+                     _leading(drafting & (best[:, :-1] == drafts)))
+    # After a refused draft d, the residual (p - one_hot(d))+ is p without d.
+    last = jnp.take_along_axis(candidates, kept[:, None, None], axis=1)[:, 0]
+    refused = jnp.take_along_axis(drafts, jnp.minimum(kept, width - 2)[:, None], axis=1)
+    last = jnp.where((kept < widths)[:, None] & (jnp.arange(vocab)[None, :] == refused), -jnp.inf, last)
+    drawn = jax.vmap(jax.random.categorical)(jnp.take_along_axis(keys, kept[:, None], axis=1)[:, 0], last)
+    token = jnp.where(sampling, drawn, jnp.take_along_axis(best, kept[:, None], axis=1)[:, 0]).astype(jnp.int32)
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(at[None, :] < kept[:, None], padded, jnp.where(at[None, :] == kept[:, None], token[:, None], 0))
+    logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, vocab))
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    return kept, tokens, chosen, top_ids.astype(jnp.int32), top_logprobs
 
 
 # ------------------------------------------------------------------- the loop

@@ -36,6 +36,10 @@ class Metrics:
         self.cached_tokens = Counter("kvattn_prompt_tokens_cached", "Admitted prompt tokens the prefix cache held.",
                                      registry=registry)
         self.generated_tokens = Counter("kvattn_generation_tokens", "Tokens generated.", registry=registry)
+        self.drafted_tokens = Counter("kvattn_spec_draft_tokens", "Drafted tokens speculative rounds verified.",
+                                      registry=registry)
+        self.accepted_tokens = Counter("kvattn_spec_accepted_tokens", "Drafted tokens the model kept.",
+                                       registry=registry)
         self.requests = Counter("kvattn_requests", "Finished requests, by finish reason.", ["finish_reason"],
                                 registry=registry)
         self.rejected = Counter("kvattn_requests_rejected", "Requests refused before running, by HTTP status.",
@@ -60,6 +64,8 @@ class Metrics:
         self.prompt_tokens.inc(stats.prompt_tokens - self._totals.prompt_tokens)
         self.cached_tokens.inc(stats.cached_tokens - self._totals.cached_tokens)
         self.generated_tokens.inc(stats.generated_tokens - self._totals.generated_tokens)
+        self.drafted_tokens.inc(stats.drafted_tokens - self._totals.drafted_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens - self._totals.accepted_tokens)
         self._totals = stats
 
     def render(self) -> bytes:

@@ -50,6 +50,16 @@ from flax import nnx
 from kvattn import validation as check
 from kvattn.models.decoder import CausalLM
 from kvattn.models.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampling, sample_rows
+from kvattn.models.speculative import (
+    MAX_PATIENCE,
+    PROBE_EVERY,
+    SMOOTHING,
+    VERIFY_OVERHEAD,
+    DraftModel,
+    PromptLookup,
+    lookup_tokens,
+    verify_rows,
+)
 from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.paging import OutOfPagesError, PageBatch, PageManager
 
@@ -103,6 +113,10 @@ class Stats:
     cached_tokens: int
     """Of those, the ones found in the prefix cache."""
     generated_tokens: int
+    drafted_tokens: int = 0
+    """Drafts speculative rounds verified (prompt lookup)."""
+    accepted_tokens: int = 0
+    """Of those, the ones kept."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,6 +140,10 @@ class _Request:
     admitted_at: float = 0.0
     first_admitted: float | None = None  # its place in line: a recomputed request keeps it
     first_token_seconds: float = 0.0
+    # Speculative decoding, per request: drafts kept per round lately, and when to try a round again.
+    expected: float = 0.0
+    waited: int = 0
+    patience: int = PROBE_EVERY
 
     @property
     def context(self) -> list[int]:
@@ -166,6 +184,13 @@ class Server:
         first (default: one for every request still prefilling). A bound
         keeps each step, and so every running request's time between
         tokens, short while many requests arrive together.
+      speculative: a `PromptLookup`: a step drafts up to K tokens per
+        running request from its own prompt and output, and the model
+        verifies them in one call over K + 1 tokens, each request keeping
+        what it agrees with (the tokens of plain decoding, or their
+        distribution when sampling). A request drafts only while its rounds
+        keep enough drafts to pay for the longer call, and tries again
+        after a while; a step without drafts is a plain decode step.
 
     Example:
       >>> import jax.numpy as jnp
@@ -185,10 +210,18 @@ class Server:
     """
 
     def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, rng=None, prefills_per_step: int | None = None):
+                 top_k: int | None = None, top_p: float | None = None, rng=None, prefills_per_step: int | None = None,
+                 speculative: PromptLookup | None = None):
         config = model.blocks[0].attention.config
         if not config.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
+        if speculative is not None and not isinstance(speculative, PromptLookup):
+            also = " (a DraftModel drafts in kvattn.models.generate)" if isinstance(speculative, DraftModel) else ""
+            raise TypeError(f"speculative must be a PromptLookup or None, got {type(speculative).__name__}{also}")
+        if speculative is not None and config.window is not None:
+            raise ValueError(f"speculative decoding is not offered with a sliding window ({config.window}): "
+                             "build the model without one, or serve without speculative")
+        self.speculative = speculative
         chunk = check.positive_int(chunk, "chunk")
         self.prefills_per_step = (config.batch_size if prefills_per_step is None
                                   else check.positive_int(prefills_per_step, "prefills_per_step"))
@@ -213,7 +246,8 @@ class Server:
         self._slots: list[_Request | None] = [None] * config.batch_size
         self._prefilled = np.zeros(config.batch_size, np.int64)  # context tokens already in the cache
         self._submitted = 0
-        self._totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0)
+        self._totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, drafted_tokens=0,
+                            accepted_tokens=0)
 
     # ------------------------------------------------------------------ public
 
@@ -267,6 +301,8 @@ class Server:
                              f"{self._group_pages(len(prompt), n)} pages, the pool has {self.config.num_pages - 1}")
         requests = [_Request(self._submitted + i, prompt, max_new_tokens, stops, salt, sampling, seed, i,
                              top_logprobs, on_token) for i in range(n)]
+        for request in requests:
+            request.expected = float(self.speculative.num_tokens) if self.speculative else 0.0
         leader = requests[0]
         for sibling in requests[1:]:
             sibling.leader = leader
@@ -313,7 +349,10 @@ class Server:
                 self._prefill_chunk(slot)
         finished = self._retire_finished()  # a first token may already end a request
         decoding = [s for s, r in enumerate(self._slots) if r is not None and self._decoding(s)]
-        if decoding:
+        offers = self._offers(decoding) if self.speculative else {}
+        if offers:
+            self._verify(decoding, offers)
+        elif decoding:
             self._decode(decoding)
         return finished + self._retire_finished()
 
@@ -459,6 +498,65 @@ class Server:
             self._slots[slot].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self._totals["generated_tokens"] += 1
 
+    def _offers(self, slots: list[int]) -> dict[int, np.ndarray]:
+        """The drafts of each request of `slots` that drafts this step (by prompt lookup, within its budget)."""
+        offers = {}
+        for slot in slots:
+            request = self._slots[slot]
+            budget = request.max_new_tokens - len(request.generated) - 1
+            if budget <= 0 or (request.expected < VERIFY_OVERHEAD and request.waited < request.patience):
+                continue
+            drafts = lookup_tokens(np.asarray(request.prompt + request.generated, np.int64),
+                                   self.speculative.num_tokens, self.speculative.max_ngram)[:budget]
+            if drafts.size:
+                offers[slot] = drafts
+        for slot in slots:
+            if slot not in offers:
+                self._slots[slot].waited += 1
+        return offers
+
+    def _verify(self, slots: list[int], offers: dict[int, np.ndarray]):
+        """A speculative round: each of `slots` feeds its pending token and its drafts (if any) in one call of
+        K + 1 tokens per row, keeps the drafts the model agrees with plus one token of the model's, and gives
+        back the pages past them."""
+        width = self.speculative.num_tokens + 1
+        counts = np.zeros(self.config.batch_size, np.int32)
+        counts[slots] = 1
+        for slot, drafts in offers.items():
+            counts[slot] = drafts.size + 1
+        batch = self._reserve(counts)
+        slots = [s for s in slots if counts[s]]  # a preempted one is no longer decoding
+        rows = np.zeros(self._bucket(len(slots)), np.int64)
+        rows[: len(slots)] = slots
+        active = np.arange(len(rows)) < len(slots)
+        tokens = np.zeros((len(rows), width), np.int32)
+        for row, slot in enumerate(slots):
+            tokens[row, 0] = self._slots[slot].generated[-1]
+            tokens[row, 1 : counts[slot]] = offers.get(slot, ())
+        table = np.where(active[:, None], batch.table[rows], 0)
+        kept, new, logprobs, top_ids, top_logprobs = self._run(
+            _verify_program, tokens, np.where(active, counts[rows], 0).astype(np.int32), table, batch.pos[rows],
+            batch.copy_from, batch.copy_to,
+            self._rows([self._slots[s] if a else None for s, a in zip(rows, active)], len(rows)),
+        )
+        for row, slot in enumerate(slots):
+            request = self._slots[slot]
+            produced = new[row, : kept[row] + 1].tolist()
+            stops = [j for j, token in enumerate(produced) if token in request.stop_tokens]
+            produced = produced[: stops[0] + 1] if stops else produced
+            for j, token in enumerate(produced):
+                request.append(token, float(logprobs[row, j]), top_ids[row, j], top_logprobs[row, j])
+            self._prefilled[slot] += len(produced)  # the pending token and every new one but the last
+            self.manager.truncate(slot, int(self._prefilled[slot]))
+            self._totals["generated_tokens"] += len(produced)
+            if slot in offers:
+                self._totals["drafted_tokens"] += int(counts[slot] - 1)
+                self._totals["accepted_tokens"] += int(kept[row])
+                request.expected = (1 - SMOOTHING) * request.expected + SMOOTHING * int(kept[row])
+                request.waited = 0
+                request.patience = (PROBE_EVERY if request.expected >= VERIFY_OVERHEAD
+                                    else min(2 * request.patience, MAX_PATIENCE))
+
     def _bucket(self, count: int) -> int:
         """Rows of the decode call for `count` sequences: a power of two, at most the batch size."""
         return min(1 << max(count - 1, 0).bit_length(), self.config.batch_size)
@@ -474,6 +572,12 @@ class Server:
             self._run(_decode_program, np.zeros(size, np.int32), np.zeros(size, bool),
                       np.zeros((size, empty.table.shape[1]), np.int32), np.zeros(size, np.int32), empty.copy_from,
                       empty.copy_to, RowSampling.of([], size))
+        if self.speculative is not None:
+            width = self.speculative.num_tokens + 1
+            for size in buckets:
+                self._run(_verify_program, np.zeros((size, width), np.int32), np.zeros(size, np.int32),
+                          np.zeros((size, empty.table.shape[1]), np.int32), np.zeros(size, np.int32),
+                          empty.copy_from, empty.copy_to, RowSampling.of([], size))
         self._run(_prefill_program, np.zeros((1, self.chunk), np.int32), np.int32([0]),
                   np.zeros((1, empty.table.shape[1]), np.int32), np.zeros(1, np.int32), empty.copy_from,
                   empty.copy_to, self._rows([]))
@@ -554,3 +658,11 @@ def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_fr
     model = nnx.merge(graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
     return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _verify_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows):
+    """A speculative round: each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk."""
+    model = nnx.merge(graphdef, params, pools)
+    logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to))
+    return *verify_rows(logits, tokens[:, 1:], jnp.maximum(lengths - 1, 0), rows), nnx.state(model, nnx.Cache)
