@@ -228,38 +228,33 @@ def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_oldest_first():
 
 # ------------------------------------------------------------- speculative decoding
 
-NEW = 24
+NEW = 12
 
 
 @functools.cache
 def speculative_run():
-    """Greedy prompt lookup on the llama fixture: plain `generate`'s tokens, and a speculative Server's.
+    """Greedy prompt lookup on the llama fixture, on the pool of `fixture_run` (its programs are shared).
 
-    Each prompt runs twice, the second time after the model's own continuation (copy-heavy); one request stops
-    at a token its output holds. A tight pool preempts.
+    Each prompt runs alone and followed by the first 8 tokens of its greedy continuation, whose output is the
+    rest of that continuation; one request stops at a token its output holds. The pool preempts.
     """
     want = expected("llama")
-    prompts, lengths = want["prompts"], want["lengths"]
-    rows = [list(prompts[row, :length]) for row, length in enumerate(lengths)]
-    reference = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=len(rows))
-    plain = np.asarray(models.generate(reference, prompts, NEW, lengths=lengths).tokens)
-    copying = [row[:4] + plain[i, :8].tolist() + row[:4] for i, row in enumerate(rows)]
-    reference = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=len(rows))
-    width = max(map(len, copying))
-    padded = np.array([row + [0] * (width - len(row)) for row in copying])
-    plain_copying = np.asarray(models.generate(reference, padded, NEW, lengths=np.array(list(map(len, copying)))).tokens)
-    model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=20, page_size=4)
+    rows = [list(want["prompts"][row, :length]) for row, length in enumerate(want["lengths"])]
+    greedy = want["greedy"]
+    prompts = rows + [row + greedy[i, :8].tolist() for i, row in enumerate(rows)]
+    plain = np.concatenate([greedy[:, :NEW], greedy[:, 8 : 8 + NEW]])
+    model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
     server = serving.Server(model, chunk=8, speculative=models.PromptLookup(num_tokens=3))
     server.warm_up()
     streamed = {}
     on_token = lambda index, token: streamed.setdefault(index, []).append(token)
-    for prompt in rows + copying:
+    for prompt in prompts:
         server.submit(prompt, NEW, on_token=on_token, top_logprobs=2)
-    stop = int(plain[0, 10])
-    server.submit(rows[0], NEW, stop_tokens=(stop,), on_token=on_token, top_logprobs=2)
+    stop = int(plain[1, 9])
+    server.submit(rows[1], NEW, stop_tokens=(stop,), on_token=on_token, top_logprobs=2)
     completions = server.run()
     server.manager.check()
-    return np.concatenate([plain, plain_copying]), stop, completions, streamed, server
+    return plain, stop, completions, streamed, server
 
 
 def test_speculative_server_equals_plain_greedy_decoding_token_for_token():
@@ -267,12 +262,13 @@ def test_speculative_server_equals_plain_greedy_decoding_token_for_token():
     *whole, stopped = completions
     for completion in whole:
         assert completion.tokens == plain[completion.request].tolist(), completion.request
-    first = plain[0].tolist().index(stop)
-    assert stopped.tokens == plain[0, : first + 1].tolist() and stopped.finish_reason == "stop"
+    first = plain[1].tolist().index(stop)
+    assert stopped.tokens == plain[1, : first + 1].tolist() and stopped.finish_reason == "stop"
     stats = server.stats
     # Rounds ran, kept drafts and refused some; every token arrived once, in order, with its log-probability.
     assert 0 < stats.accepted_tokens < stats.drafted_tokens
     assert stats.generated_tokens >= sum(len(c.tokens) for c in completions)
+    assert sum(c.preemptions for c in completions) > 0, "the pool is tight enough to preempt"
     for completion in completions:
         tokens = streamed[completion.request]
         assert [t.id for t in tokens] == completion.tokens
