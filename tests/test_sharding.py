@@ -20,7 +20,7 @@ from flax import nnx
 
 import kvattn
 from kvattn.sharding import make_mesh, shard
-from tests.sharding_checks import DEVICES, IN_FEATURES, LAYOUTS, cases
+from tests.sharding_checks import DEVICES, EVERY, IN_FEATURES, LAYOUTS, cases
 
 SCRIPT = Path(__file__).with_name("sharding_checks.py")
 TIMEOUT_S = 600
@@ -51,7 +51,7 @@ def test_every_check_passes(report):
     assert report.returncode == 0 and not failed, f"{report.stdout}\n{report.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("case", cases(LAYOUTS), ids=str)
+@pytest.mark.parametrize("case", cases(LAYOUTS, EVERY), ids=str)
 def test_sharded_layer_equals_the_layer_on_one_device(report, case):
     """Step, prefill, nnx.jit, decode and Decoder agree to 1e-5; caches keep their shardings after each."""
     outcome(report, str(case))
@@ -66,7 +66,7 @@ def collectives_of(summary: str) -> list[str]:
     return summary.split("collectives: ", 1)[1].split("; ")
 
 
-@pytest.mark.parametrize("case", [c for c in cases(LAYOUTS) if c.model > 1], ids=str)
+@pytest.mark.parametrize("case", [c for c in cases(LAYOUTS, EVERY) if c.model > 1], ids=str)
 def test_model_placement_reduces_once_after_out(report, case):
     """Tensor parallel, either layout: one all-reduce of out's partial sums `(B/data * T, D)`; no cache moves."""
     summary = outcome(report, str(case))
@@ -75,7 +75,7 @@ def test_model_placement_reduces_once_after_out(report, case):
     assert sorted(collectives_of(summary)) == sorted([partial_sums] + (["all-reduce []"] if case.data > 1 else []))
 
 
-@pytest.mark.parametrize("case", [c for c in cases(LAYOUTS) if c.model == 1], ids=str)
+@pytest.mark.parametrize("case", [c for c in cases(LAYOUTS, EVERY) if c.model == 1], ids=str)
 def test_data_placement_communicates_one_scalar(report, case):
     """Batch over 8 devices: each device steps its own sequences' caches; only the batch's longest fill crosses."""
     summary = outcome(report, str(case))
