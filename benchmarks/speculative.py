@@ -61,7 +61,10 @@ from benchmarks.provenance import load_average, machine_info, source_revision, v
 from benchmarks.report import table, target, write
 from benchmarks.timing import time_calls
 
-__all__ = ["SPECULATIVE_DEFAULTS", "measure_speculative", "run_speculative", "write_draft_checkpoint"]
+__all__ = [
+    "SPECULATIVE_DEFAULTS", "measure_server", "measure_speculative", "run_server", "run_speculative",
+    "write_draft_checkpoint",
+]
 
 SPECULATIVE_DEFAULTS = {"batch_sizes": (1, 8), "start_len": 32, "prompt_len": 288, "new_tokens": 128,
                         "num_tokens": 4, "draft_tokens": 4, "draft_layers": 2, "repeats": 3}
@@ -475,6 +478,87 @@ def run_speculative(*, out_dir: str | os.PathLike = "bench-results", checkpoint_
     return result
 
 
+def measure_server(checkpoint, sizes: dict, batch: int, repeats: int, page_size: int = 16) -> dict[str, Any]:
+    """`kvattn.serving.Server` with and without prompt lookup: `batch` requests of each workload, run to the end.
+
+    Each server is warmed up (every program compiled) before the timed runs; a run submits the workload's
+    requests and times `Server.run()` to the last token (prefill included, the same for both), prefix caching
+    off so that repeats do not hit it. Every request's tokens are compared with the plain server's.
+    """
+    from kvattn import models
+    from kvattn.serving import Server
+
+    max_len = sizes["prompt_len"] + sizes["new_tokens"]
+    pages = batch * -(-max_len // page_size) + 1
+    model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=batch, num_pages=pages,
+                                   page_size=page_size)
+    reference = models.from_pretrained(checkpoint, max_len=max_len, batch_size=batch)
+    workloads = _workloads(reference, batch, sizes["start_len"], sizes["prompt_len"], seed=0)
+    del reference
+    servers = {"server_plain": Server(model, chunk=4 * page_size, prefix_caching=False),
+               "server_prompt_lookup": Server(model, chunk=4 * page_size, prefix_caching=False,
+                                              speculative=models.PromptLookup(num_tokens=sizes["num_tokens"]))}
+    for server in servers.values():
+        server.warm_up()
+    compiled, rows = _programs(), []
+    for workload, prompts in workloads.items():
+        seconds, tokens, stats = {name: [] for name in servers}, {}, {}
+        for attempt in range(repeats + 1):  # the first run untimed
+            for name, server in servers.items():
+                before = server.stats
+                for prompt in prompts:
+                    server.submit(prompt, sizes["new_tokens"])
+                started = time.perf_counter()
+                done = server.run()
+                if attempt:
+                    seconds[name].append(time.perf_counter() - started)
+                tokens[name] = [c.tokens for c in done]
+                after = server.stats
+                stats[name] = (after.drafted_tokens - before.drafted_tokens, after.accepted_tokens - before.accepted_tokens)
+        for name in servers:
+            whole = statistics.median(seconds[name])
+            drafted, accepted = stats[name]
+            rows.append({"workload": workload, "batch_size": batch, "contender": name, "whole_s": whole,
+                         "tokens_per_s": batch * sizes["new_tokens"] / whole,
+                         "acceptance": accepted / drafted if drafted else None,
+                         "agreement": float(tokens[name] == tokens["server_plain"])})
+    speedups = {row["workload"]: row["whole_s"] for row in rows if row["contender"] == "server_plain"}
+    for row in rows:
+        row["speedup_over_plain"] = speedups[row["workload"]] / row["whole_s"]
+    return {"rows": rows, "compiles_while_timed": _programs() - compiled}
+
+
+def server_markdown(result: dict[str, Any]) -> str:
+    config = result["config"]
+    lines = [f"`Server` on the random Llama, float32, B={config['batch_size']} requests of {config['prompt_len']} "
+             f"prompt tokens and {config['new_tokens']} new, greedy; prompt lookup drafts {config['num_tokens']}; "
+             f"medians of {config['repeats']} runs; compilations while timed: {result['compiles_while_timed']}.", ""]
+    lines += table(["workload", "contender", "whole s", "tokens/s", "speedup", "drafts kept", "same tokens"], [
+        [r["workload"], r["contender"], f"{r['whole_s']:.2f}", f"{r['tokens_per_s']:.1f}",
+         f"{r['speedup_over_plain']:.2f}", "" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
+         "yes" if r["agreement"] == 1.0 else "**no**"] for r in result["rows"]])
+    return "\n".join(lines) + "\n"
+
+
+def run_server(*, out_dir: str | os.PathLike = "bench-results", checkpoint_dir: str | os.PathLike | None = None,
+               batch_size: int = 8, quick: bool = False, **overrides) -> dict[str, Any]:
+    """`measure_server` on the checkpoint of `run_speculative`; writes `speculative_server.json` and `.md`."""
+    sizes = dict(QUICK if quick else SPECULATIVE_DEFAULTS)
+    sizes.update({name: value for name, value in overrides.items() if value is not None and name in sizes})
+    model_sizes = dict(QUICK_MODEL if quick else LLAMA_125M)
+    where = Path(checkpoint_dir) if checkpoint_dir is not None else Path(out_dir)
+    checkpoint = write_llama_checkpoint(where / "checkpoint", max_position_embeddings=sizes["prompt_len"]
+                                        + sizes["new_tokens"], **model_sizes)
+    started, load = time.perf_counter(), load_average()
+    measured = measure_server(checkpoint, sizes, batch_size, sizes["repeats"])
+    result = {"config": dict(sizes, batch_sizes=list(sizes["batch_sizes"]), batch_size=batch_size, model=model_sizes),
+              "machine": machine_info(), "versions": versions(), "source": source_revision(),
+              "load_average": {"before": load, "after": load_average()}, **measured,
+              "elapsed_s": time.perf_counter() - started}
+    write(out_dir, "speculative_server", result, server_markdown(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+")
@@ -485,9 +569,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-python", help="the Python that runs transformers (default: this one)")
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    parser.add_argument("--server", action="store_true", help="instead, time kvattn.serving.Server with and "
+                        "without prompt lookup at the largest batch size (writes speculative_server.json and .md)")
     args = vars(parser.parse_args(argv))
     if args["batch_sizes"] is not None:
         args["batch_sizes"] = tuple(args["batch_sizes"])
+    if args.pop("server"):
+        batch = max(args.pop("batch_sizes") or SPECULATIVE_DEFAULTS["batch_sizes"])
+        for name in ("torch_python", "torch_threads", "draft_tokens", "draft_layers"):
+            args.pop(name)
+        run_server(batch_size=batch, **args)
+        return 0
     run_speculative(**args)
     return 0
 
