@@ -69,7 +69,13 @@ def main():
                                                   max_position_embeddings=prompt_len + new_tokens)
         model = models.from_pretrained(checkpoint, max_len=prompt_len + new_tokens, batch_size=args.batch)
     prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, prompt_len)).astype(np.int32)
-    ours = bench._time_kvattn(model, prompts, new_tokens, args.repeats)["decode_ms_per_token"]
+    def generation(count):
+        def run(_):
+            model.reset()
+            return models.generate(model, prompts, count).tokens
+        return statistics.median(time_calls(run, args.repeats).ms)
+
+    ours = (generation(new_tokens) - generation(1)) / (new_tokens - 1)
     plain = bench._time_plain(model, prompts, new_tokens, args.repeats)["decode_ms_per_token"]
     weights = bench._plain_weights(model)
     step = floor_step_fn(model.config)
