@@ -34,16 +34,15 @@ second. Writes `dots.json` and `dots.md`; `XLA_FLAGS` as found is recorded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
+from benchmarks import torch_worker
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import table, write
 
@@ -139,14 +138,7 @@ def measure_dots(rows=(1, 2, 8), repeats: int = 15) -> dict[str, Any]:
 
 
 _TORCH_SCRIPT = r"""
-import json, statistics, sys, time
-args = json.loads(sys.argv[1])
-try:
-    import torch
-except ImportError as error:
-    print(json.dumps({"unavailable": f"torch not installed ({error})"}))
-    sys.exit(0)
-torch.set_num_threads(args["threads"])
+import statistics, time
 layers, d, f = args["layers"], args["in_features"], args["out_features"]
 generator = torch.Generator().manual_seed(0)
 weights = [torch.randn(f, d, generator=generator) * 0.02 for _ in range(layers)]
@@ -186,11 +178,7 @@ def measure_torch(python: str, rows, repeats: int, threads: int = 2) -> dict[str
     """The torch variants (module docstring), run by `python` in a subprocess; rows or `unavailable`."""
     args = {"layers": LAYERS, "in_features": D, "out_features": F, "rows": list(rows), "repeats": repeats,
             "threads": threads}
-    done = subprocess.run([python, "-c", _TORCH_SCRIPT, json.dumps(args)], capture_output=True, text=True, check=False)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"unavailable": f"{python} failed ({done.returncode}): {done.stderr.strip()[-300:]}"}
-    measured = json.loads(lines[-1])
+    measured = torch_worker.run(python, _TORCH_SCRIPT, args)
     if "unavailable" in measured:
         return measured
     weight_bytes = {"torch float32": LAYERS * D * F * 4, "torch int8 (dynamic)": LAYERS * (D * F + 4 * F)}

@@ -24,14 +24,13 @@ fixture stores them. Writes `quant_accuracy.json` and `quant_accuracy.md`.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks import torch_worker
 from benchmarks.provenance import source_revision, versions
 from benchmarks.report import table, write
 
@@ -82,15 +81,7 @@ def _kvattn(family: str) -> dict[str, Any]:
 
 
 _TORCH_SCRIPT = r"""
-import json, sys
 import numpy as np
-args = json.loads(sys.argv[1])
-try:
-    import torch, transformers
-except ImportError as error:
-    print(json.dumps({"unavailable": f"transformers not installed ({error})"}))
-    sys.exit(0)
-torch.set_num_threads(args["threads"])
 want = dict(np.load(args["checkpoint"] + "/expected.npz"))
 full = transformers.AutoModelForCausalLM.from_pretrained(args["checkpoint"], dtype=torch.float32).eval()
 compact = torch.ao.quantization.quantize_dynamic(full, {torch.nn.Linear}, dtype=torch.qint8)
@@ -113,11 +104,7 @@ print(json.dumps(out))
 
 def _transformers(family: str, count: int, python: str, threads: int) -> dict[str, Any]:
     args = {"checkpoint": str(FIXTURES / family), "count": count, "threads": threads}
-    done = subprocess.run([python, "-c", _TORCH_SCRIPT, json.dumps(args)], capture_output=True, text=True, check=False)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"unavailable": f"{python} failed ({done.returncode}): {done.stderr.strip()[-300:]}"}
-    result = json.loads(lines[-1])
+    result = torch_worker.run(python, _TORCH_SCRIPT, args, ("torch", "transformers"))
     if "unavailable" in result:
         return result
     want = dict(np.load(FIXTURES / family / "expected.npz"))

@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.model import LLAMA_125M, QUICK_MODEL, greedy_agreement, write_llama_checkpoint
+from benchmarks import torch_worker
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import table, target, write
 from benchmarks.timing import time_calls
@@ -239,14 +239,7 @@ def _call_costs(model, draft, prompt_len: int, num_tokens: int, repeats: int, bu
 
 
 _TRANSFORMERS_SCRIPT = r"""
-import json, statistics, sys, time
-args = json.loads(sys.argv[1])
-try:
-    import torch, transformers
-except ImportError as error:
-    print(json.dumps({"unavailable": f"transformers not installed ({error})"}))
-    sys.exit(0)
-torch.set_num_threads(args["threads"])
+import statistics, time
 load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 model, draft = load(args["checkpoint"]), load(args["draft"])
 draft.generation_config.num_assistant_tokens = args["draft_tokens"]
@@ -298,15 +291,7 @@ def _time_transformers(python: str, checkpoint: Path, draft: Path, workloads: di
     args = {"checkpoint": str(checkpoint), "draft": str(draft), "threads": threads, "repeats": repeats,
             "new_tokens": sizes["new_tokens"], "num_tokens": sizes["num_tokens"], "draft_tokens": sizes["draft_tokens"],
             "workloads": {name: prompts.tolist() for name, prompts in workloads.items()}}
-    try:
-        done = subprocess.run([python, "-c", _TRANSFORMERS_SCRIPT, json.dumps(args)], capture_output=True, text=True,
-                              check=False)
-    except OSError as error:
-        return {"unavailable": f"cannot run {python}: {error}"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        return {"unavailable": f"{python} failed ({done.returncode}): {done.stderr.strip()[-300:]}"}
-    return json.loads(lines[-1])
+    return torch_worker.run(python, _TRANSFORMERS_SCRIPT, args, ("torch", "transformers"))
 
 
 def measure_speculative(*, checkpoint: Path, draft_checkpoint: Path, sizes: dict, torch_python: str,
