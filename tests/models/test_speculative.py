@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvattn import models
 from kvattn.errors import CacheOverflowError
-from kvattn.models import speculative
+from kvattn.models import speculative, verification
 from kvattn.models.model_config import ModelConfig
 from kvattn.models.sampling import RowSampling, sample_rows
 from kvattn.rope import RoPE
@@ -300,7 +300,7 @@ def test_a_round_draws_its_first_token_from_the_target_distribution():
 
 def test_the_chi_square_test_refuses_a_wrong_acceptance_rule(monkeypatch):
     """Keeping every draft gives q's distribution, not p's: the same test must see it, for both forms of q."""
-    monkeypatch.setattr(speculative, "_accepts", lambda p, q, uniform: jnp.ones(uniform.shape, jnp.bool_))
+    monkeypatch.setattr(verification, "_accepts", lambda p, q, uniform: jnp.ones(uniform.shape, jnp.bool_))
     for form, tokens in first_tokens().items():
         assert chi_square_p(tokens, reference_probabilities(P_LOGITS[0, 0])) < 1e-9, form
 

@@ -57,10 +57,9 @@ from kvattn.models.speculative import (
     VERIFY_OVERHEAD,
     DraftModel,
     PromptLookup,
-    lookup_tokens,
-    verify_rows,
 )
 from kvattn.models.tokens import stop_ids, token_ids
+from kvattn.models.verification import lookup_tokens, verify_rows
 from kvattn.paging import OutOfPagesError, PageBatch, PageManager
 
 __all__ = ["Completion", "Server", "Stats", "Token"]
