@@ -62,7 +62,13 @@ from kvattn import validation as check
 from kvattn.models.decoder import CausalLM
 from kvattn.models.generate import checked_inputs
 from kvattn.models.sampling import Sampling, sample
-from kvattn.models.verification import lookup, lookup_tokens, probabilities, verify, verify_rows
+from kvattn.models.verification import (
+    lookup,
+    lookup_tokens,
+    probabilities,
+    verify,
+    verify_rows,
+)
 
 __all__ = [
     "DraftModel", "PromptLookup", "Speculated", "lookup", "lookup_tokens", "speculate", "verify", "verify_rows",
