@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvattn.serving.server import Server, Stats, Token
+from kvattn.serving.requests import Stats, Token
+from kvattn.serving.server import Server
 
 __all__ = ["Engine", "Full", "Handle", "ShuttingDown"]
 

@@ -41,7 +41,7 @@ from kvattn.models.sampling import Sampling
 from kvattn.serving.api import ChatRequest, CompletionRequest
 from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.metrics import Metrics
-from kvattn.serving.server import Token
+from kvattn.serving.requests import Token
 from kvattn.serving.text import StopStrings, Tokenizer
 
 __all__ = ["ApiError", "create_app", "run"]

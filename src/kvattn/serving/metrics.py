@@ -7,9 +7,16 @@ are observed by the HTTP side as each request's tokens arrive.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from kvattn.serving.server import Stats
+from kvattn.serving.requests import Stats
 
 __all__ = ["Metrics"]
 

@@ -34,13 +34,11 @@ step to step); the model itself is never changed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,109 +59,9 @@ from kvattn.models.speculative import (
 from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.models.verification import lookup_tokens, verify_rows
 from kvattn.paging import OutOfPagesError, PageBatch, PageManager
+from kvattn.serving.requests import Completion, Request, Stats, Token
 
-__all__ = ["Completion", "Server", "Stats", "Token"]
-
-
-class Token(NamedTuple):
-    """One new token of a request, as its `on_token` callback receives it."""
-
-    id: int
-    logprob: float
-    """Its log-probability under the model (after the request's temperature)."""
-    top: tuple[tuple[int, float], ...]
-    """The request's `top_logprobs` most likely tokens and their log-probabilities, most likely first."""
-
-
-@dataclasses.dataclass
-class Completion:
-    """A finished request."""
-
-    request: int
-    """Its index, in the order of `submit`."""
-    tokens: list[int]
-    """The new tokens, the stop token included."""
-    logprobs: list[float]
-    """Log-probability of each new token under the model (after temperature)."""
-    cached_tokens: int
-    """Prompt tokens its last admission found in the prefix cache."""
-    preemptions: int
-    """Times it was preempted and recomputed."""
-    first_token_seconds: float
-    """Wall time from its (last) admission to its first new token."""
-    finish_reason: str = "length"
-    """`"stop"` (it produced a stop token), `"length"` (`max_new_tokens`) or `"abort"` (`Server.abort`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Stats:
-    """Counts for monitoring; the totals grow over the server's life."""
-
-    waiting: int
-    """Requests queued, not holding a slot."""
-    running: int
-    """Requests holding a slot."""
-    pages_free: int
-    pages_cached: int
-    """Unreferenced pages kept for the prefix cache (evictable)."""
-    pages_live: int
-    prompt_tokens: int
-    """Prompt tokens of every admission (a recomputed request counts again)."""
-    cached_tokens: int
-    """Of those, the ones found in the prefix cache."""
-    generated_tokens: int
-    drafted_tokens: int = 0
-    """Drafts speculative rounds verified (prompt lookup)."""
-    accepted_tokens: int = 0
-    """Of those, the ones kept."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-    stop_tokens: frozenset
-    salt: bytes
-    sampling: Sampling
-    seed: int
-    stream: int  # which choice of its submit: each has its own random stream
-    top_logprobs: int
-    on_token: Callable[[int, Token], None] | None
-    siblings: list[_Request] = dataclasses.field(default_factory=list)  # forked from it after its prompt
-    leader: _Request | None = None  # set while this choice waits to be forked from its leader
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    preemptions: int = 0
-    cached_tokens: int = 0
-    admitted_at: float = 0.0
-    first_admitted: float | None = None  # its place in line: a recomputed request keeps it
-    first_token_seconds: float = 0.0
-    # Speculative decoding, per request: drafts kept per round lately, and when to try a round again.
-    expected: float = 0.0
-    waited: int = 0
-    patience: int = PROBE_EVERY
-
-    @property
-    def context(self) -> list[int]:
-        """Tokens whose keys and values the sequence needs: the prompt, then all but the last new token."""
-        return self.prompt + self.generated[:-1] if self.generated else self.prompt
-
-    @property
-    def group(self) -> list[_Request]:
-        """It and the choices still waiting to be forked from it."""
-        return [self, *self.siblings]
-
-    def settings(self) -> tuple[Sampling, int, int, int]:
-        """Its row of `RowSampling` for the next token."""
-        return self.sampling, self.seed, self.stream, len(self.generated)
-
-    def append(self, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray):
-        self.generated.append(token)
-        self.logprobs.append(logprob)
-        if self.on_token is not None:
-            top = tuple(zip(top_ids[: self.top_logprobs].tolist(), top_logprobs[: self.top_logprobs].tolist()))
-            self.on_token(self.index, Token(token, logprob, top))
+__all__ = ["Server"]
 
 
 class Server:
@@ -241,8 +139,8 @@ class Server:
         self._sampling = sampling
         seed = None if rng is None else np.asarray(jax.random.key_data(rng)).ravel().tolist()
         self._seeds = np.random.default_rng(seed)  # without rng: fresh entropy
-        self._queue: deque[_Request] = deque()
-        self._slots: list[_Request | None] = [None] * config.batch_size
+        self._queue: deque[Request] = deque()
+        self._slots: list[Request | None] = [None] * config.batch_size
         self._prefilled = np.zeros(config.batch_size, np.int64)  # context tokens already in the cache
         self._submitted = 0
         self._totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, drafted_tokens=0,
@@ -298,7 +196,7 @@ class Server:
         if self._group_pages(len(prompt), n) > self.config.num_pages - 1:
             raise ValueError(f"{n} choices of a {len(prompt)}-token prompt can never start together: they need "
                              f"{self._group_pages(len(prompt), n)} pages, the pool has {self.config.num_pages - 1}")
-        requests = [_Request(self._submitted + i, prompt, max_new_tokens, stops, salt, sampling, seed, i,
+        requests = [Request(self._submitted + i, prompt, max_new_tokens, stops, salt, sampling, seed, i,
                              top_logprobs, on_token) for i in range(n)]
         for request in requests:
             request.expected = float(self.speculative.num_tokens) if self.speculative else 0.0
@@ -432,14 +330,14 @@ class Server:
         self.manager.free(slot)
         self._slots[slot] = None
 
-    def _preempt(self, request: _Request):
+    def _preempt(self, request: Request):
         """Back to the head of the queue, with the choices still waiting for it."""
         for member in request.group:
             self._release(self._slots.index(member))
         request.preemptions += 1
         self._queue.appendleft(request)
 
-    def _rows(self, requests: list[_Request | None], size: int | None = None) -> RowSampling:
+    def _rows(self, requests: list[Request | None], size: int | None = None) -> RowSampling:
         """Sampling rows for `requests` (None: an idle row), padded to `size` (default: the batch size)."""
         rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0) for r in requests]
         return RowSampling.of(rows, size or self.config.batch_size)
@@ -612,7 +510,7 @@ class Server:
                 if request is not None and self._finished(request)]
 
     @staticmethod
-    def _finished(request: _Request) -> bool:
+    def _finished(request: Request) -> bool:
         generated = request.generated
         return len(generated) >= request.max_new_tokens or bool(generated and generated[-1] in request.stop_tokens)
 
@@ -622,11 +520,11 @@ class Server:
         stopped = bool(request.generated) and request.generated[-1] in request.stop_tokens
         return self._completion(request, "stop" if stopped else "length")
 
-    def _aborted(self, group: list[_Request], index: int) -> Completion:
+    def _aborted(self, group: list[Request], index: int) -> Completion:
         return next(self._completion(r, "abort") for r in group if r.index == index)
 
     @staticmethod
-    def _completion(request: _Request, reason: str) -> Completion:
+    def _completion(request: Request, reason: str) -> Completion:
         return Completion(
             request.index, request.generated[: request.max_new_tokens], request.logprobs[: request.max_new_tokens],
             request.cached_tokens, request.preemptions, request.first_token_seconds, reason,
