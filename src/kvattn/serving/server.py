@@ -379,21 +379,26 @@ class Server:
         """One token for each of `slots`, in a call over the smallest bucket of rows that holds them."""
         counts = np.zeros(self.config.batch_size, np.int32)
         counts[slots] = 1
-        batch = self._reserve(counts)
-        slots = [s for s in slots if counts[s]]  # a preempted one is no longer decoding
-        rows = np.zeros(self._bucket(len(slots)), np.int64)  # padding rows: slot 0, inactive
-        rows[: len(slots)] = slots
-        active = np.arange(len(rows)) < len(slots)
+        batch, slots, rows, active, table, sampling = self._laid_out(slots, counts)
         tokens = np.array([self._slots[s].generated[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
-        table = np.where(active[:, None], batch.table[rows], 0)
         new, logprobs, top_ids, top_logprobs = self._run(
-            _decode_program, tokens, active, table, batch.pos[rows], batch.copy_from, batch.copy_to,
-            self._rows([self._slots[s] if a else None for s, a in zip(rows, active)], len(rows)),
-        )
+            _decode_program, tokens, active, table, batch.pos[rows], batch.copy_from, batch.copy_to, sampling)
         for row, slot in enumerate(slots):
             self._prefilled[slot] += 1
             self._slots[slot].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self._totals["generated_tokens"] += 1
+
+    def _laid_out(self, slots: list[int], counts: np.ndarray):
+        """Reserves `counts` tokens per slot, then lays `slots` over the smallest bucket of rows (padding rows:
+        slot 0, inactive): `(batch, the slots still decoding, rows, active, page table, sampling rows)`."""
+        batch = self._reserve(counts)
+        slots = [s for s in slots if counts[s]]  # a preempted one is no longer decoding
+        rows = np.zeros(self._bucket(len(slots)), np.int64)
+        rows[: len(slots)] = slots
+        active = np.arange(len(rows)) < len(slots)
+        table = np.where(active[:, None], batch.table[rows], 0)
+        sampling = self._rows([self._slots[s] if a else None for s, a in zip(rows, active)], len(rows))
+        return batch, slots, rows, active, table, sampling
 
     def _offers(self, slots: list[int]) -> dict[int, np.ndarray]:
         """The drafts of each request of `slots` that drafts this step (by prompt lookup, within its budget)."""
@@ -421,21 +426,14 @@ class Server:
         counts[slots] = 1
         for slot, drafts in offers.items():
             counts[slot] = drafts.size + 1
-        batch = self._reserve(counts)
-        slots = [s for s in slots if counts[s]]  # a preempted one is no longer decoding
-        rows = np.zeros(self._bucket(len(slots)), np.int64)
-        rows[: len(slots)] = slots
-        active = np.arange(len(rows)) < len(slots)
+        batch, slots, rows, active, table, sampling = self._laid_out(slots, counts)
         tokens = np.zeros((len(rows), width), np.int32)
         for row, slot in enumerate(slots):
             tokens[row, 0] = self._slots[slot].generated[-1]
             tokens[row, 1 : counts[slot]] = offers.get(slot, ())
-        table = np.where(active[:, None], batch.table[rows], 0)
         kept, new, logprobs, top_ids, top_logprobs = self._run(
             _verify_program, tokens, np.where(active, counts[rows], 0).astype(np.int32), table, batch.pos[rows],
-            batch.copy_from, batch.copy_to,
-            self._rows([self._slots[s] if a else None for s, a in zip(rows, active)], len(rows)),
-        )
+            batch.copy_from, batch.copy_to, sampling)
         for row, slot in enumerate(slots):
             request = self._slots[slot]
             produced = new[row, : kept[row] + 1].tolist()
