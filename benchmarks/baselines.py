@@ -13,7 +13,7 @@ from kvattn.demo import flax_twin
 
 from benchmarks.timing import median_ms
 
-__all__ = ["bandwidth", "flax_scan", "flax_step", "flax_twin", "matvec"]
+__all__ = ["Calibration", "bandwidth", "flax_scan", "flax_step", "flax_twin", "matvec"]
 
 
 @nnx.jit
@@ -45,10 +45,27 @@ def matvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
     return matrix @ vector
 
 
+class Calibration:
+    """`matvec` over a float32 matrix of about `num_bytes`, kept so it can be timed again beside the contenders.
+
+    On a shared machine the bandwidth a process gets moves from minute to
+    minute; a limit measured once, before minutes of contenders, is not side
+    by side with them. `bytes_per_second()` times it again, so a benchmark
+    can take it in every repeat, in turn with the contenders.
+    """
+
+    def __init__(self, num_bytes: int):
+        columns = 4096
+        rows = max(1, num_bytes // (4 * columns))
+        self.num_bytes = rows * columns * 4
+        self.matrix = jax.random.normal(jax.random.key(0), (rows, columns), jnp.float32)
+        self.vector = jnp.ones((columns,), jnp.float32)
+
+    def bytes_per_second(self, passes: int = 5) -> float:
+        """Bytes per second of the median of `passes` timed passes (after one untimed)."""
+        return self.num_bytes / (median_ms(lambda: matvec(self.matrix, self.vector), passes) * 1e-3)
+
+
 def bandwidth(num_bytes: int, repeats: int) -> float:
     """Bytes per second of `matvec` over a float32 matrix of about `num_bytes` (median of at least 5 passes)."""
-    columns = 4096
-    rows = max(1, num_bytes // (4 * columns))
-    matrix = jax.random.normal(jax.random.key(0), (rows, columns), jnp.float32)
-    vector = jnp.ones((columns,), jnp.float32)
-    return rows * columns * 4 / (median_ms(lambda: matvec(matrix, vector), max(repeats, 5)) * 1e-3)
+    return Calibration(num_bytes).bytes_per_second(max(repeats, 5))

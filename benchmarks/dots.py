@@ -14,6 +14,12 @@ the median of `repeats`:
   int8, one row unpadded  the same dot with a single row, as XLA:CPU gets it
                           without the padding
   int8, (D, F)            the int8 dot with W stored inputs-first
+  int8, operands swapped  the same int8 dot with W as its first operand
+                          (the rows are then what YNNPACK packs)
+  int8, uint8 rows        x shifted to uint8 (x + 128, VNNI's u8 by s8
+                          form), `128 * sum(W)` per output taken back
+  int8, weight-only (F, D)  W int8 `(F, D)` converted to float32 inside the
+                          dot that reads it, x float32, then scaled
   int8, converted         W int8 converted to float32 before a float32 dot
                           (weight-only quantization, dequantized per call)
   bfloat16                W bfloat16, x cast to bfloat16, accumulated in
@@ -73,6 +79,21 @@ def _variants() -> dict[str, tuple[Any, Any]]:
         products = lax.dot_general(values, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return products.astype(jnp.float32) * scale * w.scale[None]
 
+    def swapped(x, w):  # the weights as the dot's first operand, the rows second: (F, M), transposed after
+        values, scale = quant.quantize_rows(x)
+        products = lax.dot_general(w.values, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        return products.T.astype(jnp.float32) * scale * w.scale[None]
+
+    def unsigned(x, w):  # rows shifted to uint8 (VNNI multiplies u8 by s8), the shift's products taken back
+        values, scale = quant.quantize_rows(x)
+        shifted = (values.astype(jnp.int32) + 128).astype(jnp.uint8)
+        products = lax.dot_general(shifted, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+        products = products - 128 * jnp.sum(w.values.astype(jnp.int32), axis=1)[None]
+        return products.astype(jnp.float32) * scale * w.scale[None]
+
+    def weight_only(x, w):  # the int8 (F, D) values converted inside the dot that reads them, x stays float
+        return lax.dot_general(x, w.values.astype(jnp.float32), (((1,), (1,)), ((), ()))) * w.scale[None]
+
     def converted(x, w):
         return x @ (w.values.astype(jnp.float32).T * w.scale[None])
 
@@ -88,6 +109,9 @@ def _variants() -> dict[str, tuple[Any, Any]]:
         "int8": (quant.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),
         "int8, (D, F)": (inputs_first_dot, device(inputs_first)),
+        "int8, operands swapped": (swapped, device(int8)),
+        "int8, uint8 rows": (unsigned, device(int8)),
+        "int8, weight-only (F, D)": (weight_only, device(int8)),
         "int8, converted": (converted, device(int8)),
         "bfloat16": (bfloat16, [jnp.asarray(w, jnp.bfloat16) for w in floats]),
     }

@@ -22,7 +22,8 @@ for every batch size and dtype, on one random prompt:
   limit                   bytes one decode step must read (every weight but
                           the embedding table, plus the K/V filled on
                           average over the generation) over the bandwidth of
-                          a jitted mat-vec reading as many bytes
+                          a jitted mat-vec reading as many bytes, timed at
+                          the start of every repeat, beside the contenders
 
 The dtype `"int8"` is compact weights with float32 computation: kvattn's
 `from_pretrained(weights="int8")` (int8 by int8 dots, per-output weight
@@ -64,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.baselines import bandwidth
+from benchmarks.baselines import Calibration
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import model_markdown, target, write
 from benchmarks.timing import time_calls
@@ -138,8 +139,10 @@ class _Kvattn:
 
         from kvattn import models
 
+        from flax import nnx
+
         self.model.reset()
-        jax.block_until_ready(self.model.pos)
+        jax.block_until_ready(nnx.state(self.model, nnx.Cache))  # every emptied buffer, not only pos: untimed
         started = time.perf_counter()
         tokens = jax.block_until_ready(models.generate(self.model, self.prompts, count).tokens)
         return time.perf_counter() - started, np.asarray(tokens).tolist()
@@ -376,10 +379,18 @@ class _Transformers:
         self.process = None
 
 
-def _interleaved(contenders: dict, new_tokens: int, repeats: int) -> dict[str, dict[str, Any]]:
-    """`t(1)` and `t(new_tokens)` of every contender, taken in turn within each repeat: medians and last tokens."""
+def _interleaved(contenders: dict, new_tokens: int, repeats: int,
+                 calibration: Calibration) -> tuple[dict[str, dict[str, Any]], float]:
+    """`t(1)` and `t(new_tokens)` of every contender, taken in turn within each repeat: medians and last tokens.
+
+    Each repeat also times `calibration` first, so the bandwidth limit is
+    measured beside the contenders: returns the rows and its median bytes per
+    second.
+    """
     firsts, wholes, tokens = ({name: [] for name in contenders} for _ in range(3))
+    speeds = []
     for _ in range(repeats):
+        speeds.append(calibration.bytes_per_second())
         for name, once in contenders.items():
             firsts[name].append(once(1)[0])
             elapsed, tokens[name] = once(new_tokens)
@@ -389,7 +400,7 @@ def _interleaved(contenders: dict, new_tokens: int, repeats: int) -> dict[str, d
         first, whole = statistics.median(firsts[name]), statistics.median(wholes[name])
         rows[name] = {"first_token_ms": 1e3 * first, "whole_ms": 1e3 * whole,
                       "decode_ms_per_token": 1e3 * (whole - first) / (new_tokens - 1), "tokens": tokens[name]}
-    return rows
+    return rows, statistics.median(speeds)
 
 
 def greedy_agreement(tokens, reference) -> float:
@@ -417,10 +428,8 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                                            dtype="float32" if compact else dtype, weights="int8" if compact else None)
             prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
             step_bytes = _step_bytes(model.config, batch, prompt_len, new_tokens, dtype)
-            limit = bandwidth(step_bytes, repeats)
+            calibration = Calibration(step_bytes)
             base = {"dtype": dtype, "batch_size": batch}
-            rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
-                             step_bytes=step_bytes, bandwidth_gbs=limit / 1e9))
             wanted = {name: how for name, how in caches.items() if not (compact and how[1])}
             theirs = _Transformers(torch_python, checkpoint, prompts, dtype, new_tokens, torch_threads, wanted)
             ours = _Kvattn(model, prompts)
@@ -429,9 +438,12 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             contenders = {"kvattn.models.generate": ours.once}
             contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
             try:
-                timed = _interleaved(contenders, new_tokens, repeats)
+                timed, limit = _interleaved(contenders, new_tokens, repeats, calibration)
             finally:
                 theirs.close()
+            del calibration
+            rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
+                             step_bytes=step_bytes, bandwidth_gbs=limit / 1e9))
             timed["kvattn.models.generate"]["compiles_while_timed"] = ours.compiled_programs() - compiled
             # An int8 contender agrees with kvattn's float32 tokens, when measured: its drift from float32.
             tokens = timed["kvattn.models.generate"]["tokens"]
