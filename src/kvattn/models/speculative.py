@@ -416,9 +416,10 @@ def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: Pro
     Args:
       model: a `CausalLM` with contiguous caches (no sliding-window ring:
         `truncate` cannot roll one back).
-      prompts, max_new_tokens, lengths, temperature, top_k, top_p,
-        stop_tokens, rng: as in `generate`.
       speculative: a `PromptLookup` or a `DraftModel`.
+
+    `prompts`, `max_new_tokens`, `lengths`, `temperature`, `top_k`, `top_p`,
+    `stop_tokens` and `rng` are as in `generate`.
 
     Returns:
       `Speculated(tokens, counts, rounds, steps, drafted, accepted)`.
