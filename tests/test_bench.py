@@ -253,6 +253,31 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
     assert unavailable and all(t["value"] is None and t["met"] is None for t in unavailable)
 
 
+def test_the_model_limit_is_timed_in_every_repeat_beside_the_contenders():
+    """A shared host's bandwidth moves by the minute: the calibration runs at the start of each repeat, in turn."""
+    from benchmarks.model import _interleaved
+
+    calls = []
+
+    class Calibration:
+        speeds = iter([3.0, 1.0, 2.0])
+
+        def bytes_per_second(self):
+            calls.append("limit")
+            return next(self.speeds)
+
+    def contender(name, seconds):
+        def once(count):
+            calls.append((name, count))
+            return seconds * count, [count]
+        return once
+
+    rows, speed = _interleaved({"a": contender("a", 1.0), "b": contender("b", 2.0)}, 5, 3, Calibration())
+    assert calls == ["limit", ("a", 1), ("a", 5), ("b", 1), ("b", 5)] * 3
+    assert speed == 2.0  # the median of the three repeats
+    assert rows["b"]["first_token_ms"] == 2000 and rows["b"]["decode_ms_per_token"] == 2000
+
+
 def test_model_targets_are_issue_23s_ratios_across_dtypes():
     """int8 rows are judged against float32 ones: transformers' best of each, and kvattn's own float32."""
     from benchmarks.model import _targets
