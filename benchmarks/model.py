@@ -5,6 +5,10 @@ One run writes a Llama-shaped Hugging Face checkpoint with random weights
 for every batch size and dtype, on one random prompt:
 
   kvattn.models.generate  the whole generation as one compiled program
+  kvattn.models.stream    at B=1: the same tokens yielded one by one, one
+                          compiled call per token; its first token is the
+                          prefill alone, where `generate(prompts, 1)` also
+                          steps that token into the caches before it returns
   plain_cache             the same weights in the decoder that model
                           collections hand-roll: per layer a `(B, S, K, H)`
                           buffer written with `dynamic_update_slice` and read
@@ -42,8 +46,9 @@ Generation contenders are timed end to end, after an untimed warm-up, as
 repeat takes every contender in turn (transformers' calls go to a worker
 process that stays up), so a shared machine's load falls on all of them:
 decode time per token is `(t(new_tokens) - t(1)) / (new_tokens - 1)` and the
-time to first token is `t(1)` (prompt processing; for kvattn it also holds
-one step, which its loop runs after the last token). The plain cache steps
+time to first token is `t(1)` (prompt processing; for kvattn's `generate`
+it also holds one step, which its loop runs after the last token, so that
+the caches hold it; for its `stream`, only the prompt and the sample). The plain cache steps
 the prompt in token by token (untimed) and is timed directly over the
 `new_tokens - 1` steps after its first. Every contender decodes greedily,
 and its tokens are compared with kvattn's ("greedy agreement": the share of
@@ -129,23 +134,48 @@ def write_llama_checkpoint(directory: str | os.PathLike, *, vocab_size: int, hid
 
 
 class _Kvattn:
-    """`kvattn.models.generate` from empty caches: `once(count)` is `(seconds, tokens)`, the caches emptied untimed."""
+    """kvattn from empty caches, the caches emptied untimed: `once(count)` and `streamed(count)` are `(seconds, tokens)`."""
 
     def __init__(self, model, prompts):
         self.model, self.prompts = model, prompts
 
+    def _emptied(self):
+        import jax
+        from flax import nnx
+
+        self.model.reset()
+        jax.block_until_ready(nnx.state(self.model, nnx.Cache))  # every emptied buffer, not only pos
+
     def once(self, count: int):
+        """`kvattn.models.generate`: the call returns with every new token in the caches (one step per token)."""
         import jax
 
         from kvattn import models
 
-        from flax import nnx
-
-        self.model.reset()
-        jax.block_until_ready(nnx.state(self.model, nnx.Cache))  # every emptied buffer, not only pos: untimed
+        self._emptied()
         started = time.perf_counter()
         tokens = jax.block_until_ready(models.generate(self.model, self.prompts, count).tokens)
         return time.perf_counter() - started, np.asarray(tokens).tolist()
+
+    def streamed(self, count: int):
+        """`kvattn.models.stream` of the first sequence (B=1), timed to the last token it yields.
+
+        With `count` 1 that is the time to the first token as a streaming
+        caller sees it: the prefill and its sample; the step that puts the
+        token in the caches is under way when it is yielded, and is waited
+        for untimed.
+        """
+        import jax
+        from flax import nnx
+
+        from kvattn import models
+
+        self._emptied()
+        started = time.perf_counter()
+        tokens = list(models.stream(self.model, self.prompts[0], count))
+        elapsed = time.perf_counter() - started
+        jax.block_until_ready(nnx.state(self.model, nnx.Cache))
+        return elapsed, [tokens]
 
     @staticmethod
     def compiled_programs() -> int:
@@ -436,6 +466,9 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             ours.once(1), ours.once(new_tokens)  # compile both programs, untimed
             compiled = ours.compiled_programs()
             contenders = {"kvattn.models.generate": ours.once}
+            if batch == 1:  # stream takes one sequence
+                ours.streamed(2)  # compile its prefill and step, untimed
+                contenders["kvattn.models.stream"] = ours.streamed
             contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
             try:
                 timed, limit = _interleaved(contenders, new_tokens, repeats, calibration)
@@ -526,6 +559,11 @@ def _targets(rows) -> list[dict[str, Any]]:
                           figure(dtype, batch, ours_name, "first_token_ms"))
             targets.append(target("first token: transformers' best / kvattn", first, ">=",
                                   1.0 if dtype == "float32" else None, **context))
+            streamed = figure(dtype, batch, ("kvattn.models.stream",), "first_token_ms")
+            if streamed is not None:
+                targets.append(target("first token: transformers' best / kvattn stream",
+                                      ratio(figure(dtype, batch, theirs_names, "first_token_ms"), streamed), ">=",
+                                      None, **context))
         compiles = next(r["compiles_while_timed"] for r in rows
                         if (r["dtype"], r["batch_size"], r["contender"]) == (dtype, batch, ours_name[0]))
         targets.append(target("compilations while timed", compiles, "<=", 0, **context))

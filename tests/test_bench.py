@@ -235,7 +235,10 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
     rows = {(r["batch_size"], r["contender"]): r for r in results["rows"]}
     transformers = ("transformers_dynamic", "transformers_static", "transformers_static_compiled")
     contenders = ("limit", "kvattn.models.generate", "plain_cache", *transformers)
-    assert set(rows) == {(b, c) for b in (1, 2) for c in contenders}
+    assert set(rows) == {(b, c) for b in (1, 2) for c in contenders} | {(1, "kvattn.models.stream")}
+    streamed = rows[1, "kvattn.models.stream"]  # one sequence: the same tokens, the first without a step after it
+    assert streamed["agrees_with_kvattn"] == 1.0 and 0 < streamed["first_token_ms"]
+    assert math.isfinite(streamed["decode_ms_per_token"])
     for batch in (1, 2):
         for name in transformers:
             assert "transformers not installed" in rows[batch, name]["unavailable"]
