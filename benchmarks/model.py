@@ -59,10 +59,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,10 +68,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import plain_cache, transformers_contender
 from benchmarks.baselines import Calibration
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import model_markdown, target, write
-from benchmarks.timing import time_calls
 
 __all__ = ["LLAMA_125M", "greedy_agreement", "run_model", "write_llama_checkpoint"]
 
@@ -183,101 +181,6 @@ class _Kvattn:
         return sys.modules["kvattn.models.generate"]._program._cache_size()
 
 
-def _plain_weights(model) -> dict[str, Any]:
-    """The loaded model's weights as plain arrays: one dict per layer, as hand-rolled decoders keep them."""
-    heads, kv_heads = model.config.num_heads, model.config.num_kv_heads
-    layers = []
-    for block in model.blocks:
-        # kvattn stores the projections fused; hand-rolled decoders keep them apart.
-        query, key, value = np.split(block.attention.qkv.kernel[...], [heads, heads + kv_heads], axis=1)
-        gate, up = np.split(block.mlp.gate_up.kernel[...], 2, axis=1)
-        layers.append({
-            "attention_norm": block.attention_norm.weight[...], "mlp_norm": block.mlp_norm.weight[...],
-            "query": query, "key": key, "value": value, "out": block.attention.out.kernel[...],
-            "gate": gate, "up": up, "down": block.mlp.down.kernel[...],
-        })
-    return {"embed": model.embed[...], "lm_head": model.lm_head.kernel[...],
-            "final_norm": model.final_norm.weight[...], "layers": layers}
-
-
-def _plain_step_fn(config):
-    """The hand-rolled decode step: `(weights, caches, tokens (B,), pos) -> (next tokens, caches)`."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvattn.rope import apply_rope
-
-    eps, group = config.norm_eps, config.num_heads // config.num_kv_heads
-
-    def rms(x, weight):
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        return normed.astype(x.dtype) * weight[None, :]
-
-    def step(weights, caches, tokens, pos):
-        keys, values = caches  # per layer, (B, S, K, H) each
-        x = jnp.take(weights["embed"], tokens, axis=0)  # B D
-        positions = jnp.broadcast_to(pos, (tokens.shape[0], 1))
-        visible = jnp.arange(keys[0].shape[1]) <= pos  # the whole buffer is read; the unfilled tail is masked
-        new_keys, new_values = [], []
-        for layer, layer_keys, layer_values in zip(weights["layers"], keys, values):
-            h = rms(x, layer["attention_norm"])
-            q = apply_rope(jnp.einsum("BD,DNH->BNH", h, layer["query"])[:, None], positions, config.rope)
-            k = apply_rope(jnp.einsum("BD,DKH->BKH", h, layer["key"])[:, None], positions, config.rope)
-            v = jnp.einsum("BD,DKH->BKH", h, layer["value"])[:, None]
-            layer_keys = jax.lax.dynamic_update_slice(layer_keys, k.astype(layer_keys.dtype), (0, pos, 0, 0))
-            layer_values = jax.lax.dynamic_update_slice(layer_values, v.astype(layer_values.dtype), (0, pos, 0, 0))
-            new_keys.append(layer_keys)
-            new_values.append(layer_values)
-            q = q[:, 0].reshape(q.shape[0], config.num_kv_heads, group, config.head_dim)  # B K G H
-            scores = jnp.einsum("BKGH,BSKH->BKGS", q, layer_keys).astype(jnp.float32) / math.sqrt(config.head_dim)
-            scores = jnp.where(visible[None, None, None, :], scores, -jnp.inf)
-            probs = jax.nn.softmax(scores, axis=-1).astype(layer_values.dtype)
-            attended = jnp.einsum("BKGS,BSKH->BKGH", probs, layer_values).reshape(q.shape[0], config.num_heads, -1)
-            x = x + jnp.einsum("BNH,NHD->BD", attended.astype(x.dtype), layer["out"])
-            h = rms(x, layer["mlp_norm"])
-            x = x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
-        logits = (rms(x, weights["final_norm"]) @ weights["lm_head"]).astype(jnp.float32)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), (new_keys, new_values)
-
-    return jax.jit(step, donate_argnums=(1,))
-
-
-def _time_plain(model, prompts, new_tokens: int, repeats: int) -> dict[str, Any]:
-    """The hand-rolled plain cache: the prompt stepped in token by token (untimed), then greedy decoding timed."""
-    import jax
-    import jax.numpy as jnp
-
-    config = model.config
-    weights = _plain_weights(model)
-    dtype = weights["embed"].dtype
-    batch, prompt_len = prompts.shape
-    shape = (batch, prompt_len + new_tokens, config.num_kv_heads, config.head_dim)
-    step = _plain_step_fn(config)
-
-    def prefilled():
-        caches = tuple([jnp.zeros(shape, dtype) for _ in range(config.num_layers)] for _ in range(2))
-        for pos in range(prompt_len):
-            token, caches = step(weights, caches, jnp.asarray(prompts[:, pos]), jnp.int32(pos))
-        return jax.block_until_ready((token, caches))
-
-    def decode(token, caches):
-        out = [token]
-        for pos in range(prompt_len, prompt_len + new_tokens - 1):
-            token, caches = step(weights, caches, token, jnp.int32(pos))
-            out.append(token)
-        return jax.block_until_ready(out)
-
-    decode(*prefilled())  # warm-up, before counting the compiled programs
-    compiled = step._cache_size()
-    timing = time_calls(lambda state: decode(*state), repeats, prepare=prefilled, units=new_tokens - 1, warm_ups=0)
-    return {
-        "decode_ms_per_token": statistics.median(timing.ms),
-        "compiles_while_timed": step._cache_size() - compiled,
-        "tokens": np.stack([np.asarray(t) for t in timing.last_output], axis=1).tolist(),
-    }
-
-
 def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> int:
     """Bytes a decode step reads: every weight but the embedding table, and the K/V filled on average.
 
@@ -296,117 +199,6 @@ def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str
         return int(projections + 4 * (outputs + norms + kv))
     itemsize = np.dtype(dtype).itemsize
     return int((projections + norms + kv) * itemsize)
-
-
-_TRANSFORMERS_WORKER = r"""
-import json, sys, time
-args = json.loads(sys.argv[1])
-try:
-    import torch, transformers
-except ImportError as error:
-    print(json.dumps({"unavailable": f"transformers not installed ({error})"}), flush=True)
-    sys.exit(0)
-torch.set_num_threads(args["threads"])
-compact = args["dtype"] == "int8"
-model = transformers.AutoModelForCausalLM.from_pretrained(
-    args["checkpoint"], dtype=torch.float32 if compact else getattr(torch, args["dtype"]))
-model.eval()
-if compact:
-    model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-prompts = torch.tensor(args["prompts"], dtype=torch.long)
-mask = torch.ones_like(prompts)
-plain = model.forward
-forwards = {False: plain}
-def once(name, count):
-    cache, compiled = args["caches"][name]
-    if compiled not in forwards:  # compiled once, kept for every later call
-        forwards[compiled] = torch.compile(plain, mode="reduce-overhead", fullgraph=True)
-    model.forward = forwards[compiled]
-    options = dict(max_new_tokens=count, min_new_tokens=count, do_sample=False, pad_token_id=0)
-    if cache:
-        options["cache_implementation"] = cache
-    start = time.perf_counter()
-    with torch.inference_mode():
-        tokens = model.generate(prompts, attention_mask=mask, **options)
-    return time.perf_counter() - start, tokens[:, prompts.shape[1]:].tolist()
-unavailable = {}
-for name in args["caches"]:
-    try:
-        once(name, 1), once(name, args["new_tokens"])  # warm-up (and compilation), untimed
-    except Exception as error:
-        unavailable[name] = f"{type(error).__name__}: {error}"[:300]
-print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "unavailable": unavailable}),
-      flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    seconds, tokens = once(request["name"], request["count"])
-    print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
-"""
-
-# name: (cache_implementation, whether the forward goes through torch.compile)
-TRANSFORMERS_CACHES = {"transformers_dynamic": (None, False), "transformers_static": ("static", False)}
-TRANSFORMERS_COMPILED = {"transformers_static_compiled": ("static", True)}
-
-
-class _Transformers:
-    """transformers' `generate` on the checkpoint in a worker process run by `python` (torch is no kvattn dependency).
-
-    The worker loads the model, warms every variant up, then times one
-    generation per request, so its calls interleave with kvattn's. `unavailable`
-    maps a variant (or every one, when the worker cannot start) to why.
-    """
-
-    def __init__(self, python: str, checkpoint: Path, prompts, dtype: str, new_tokens: int, threads: int,
-                 caches: dict):
-        args = {"checkpoint": str(checkpoint), "prompts": np.asarray(prompts).tolist(), "dtype": dtype,
-                "new_tokens": new_tokens, "threads": threads, "caches": caches}
-        self.caches, self.versions, self.unavailable, self.process = caches, None, {}, None
-        try:
-            self.process = subprocess.Popen([python, "-c", _TRANSFORMERS_WORKER, json.dumps(args)], text=True,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        except OSError as error:
-            self.unavailable = dict.fromkeys(caches, f"cannot run {python}: {error}")
-            return
-        ready = self._reply()
-        if ready is None or "unavailable" in ready and isinstance(ready["unavailable"], str):
-            reason = ready["unavailable"] if ready else f"{python} failed: {self._stderr()}"
-            self.unavailable = dict.fromkeys(caches, reason)
-            self.close()
-            return
-        self.versions = f"torch {ready['torch']}, transformers {ready['transformers']}"
-        self.unavailable = ready["unavailable"]
-
-    @property
-    def variants(self) -> list[str]:
-        """The variants that warmed up and can be timed."""
-        return [] if self.versions is None else [name for name in self.caches if name not in self.unavailable]
-
-    def once(self, name: str, count: int):
-        self.process.stdin.write(json.dumps({"name": name, "count": count}) + "\n")
-        self.process.stdin.flush()
-        reply = self._reply()
-        if reply is None:
-            raise RuntimeError(f"the transformers worker stopped: {self._stderr()}")
-        return reply["seconds"], reply["tokens"]
-
-    def _reply(self):
-        line = self.process.stdout.readline()
-        return json.loads(line) if line.strip() else None
-
-    def _stderr(self) -> str:
-        """The end of what the worker wrote to stderr, once it has exited."""
-        self.process.wait(timeout=60)
-        return self.process.stderr.read().strip()[-300:]
-
-    def close(self):
-        """Ends the worker (its input closed, it exits) and closes its pipes."""
-        if self.process is None:
-            return
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        self.process.stdout.close()
-        self.process.stderr.close()
-        self.process = None
 
 
 def _interleaved(contenders: dict, new_tokens: int, repeats: int,
@@ -448,7 +240,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
     from kvattn import models
 
     rows, notes, float_tokens = [], [], {}
-    caches = dict(TRANSFORMERS_CACHES, **(TRANSFORMERS_COMPILED if torch_compile else {}))
+    caches = dict(transformers_contender.CACHES, **(transformers_contender.COMPILED if torch_compile else {}))
     rng = np.random.default_rng(seed)
     # float32 first, so the int8 contenders' agreement is counted against its tokens.
     for dtype in sorted(dtypes, key=lambda d: d == "int8"):
@@ -461,7 +253,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             calibration = Calibration(step_bytes)
             base = {"dtype": dtype, "batch_size": batch}
             wanted = {name: how for name, how in caches.items() if not (compact and how[1])}
-            theirs = _Transformers(torch_python, checkpoint, prompts, dtype, new_tokens, torch_threads, wanted)
+            theirs = transformers_contender.Transformers(torch_python, checkpoint, prompts, dtype, new_tokens, torch_threads, wanted)
             ours = _Kvattn(model, prompts)
             ours.once(1), ours.once(new_tokens)  # compile both programs, untimed
             compiled = ours.compiled_programs()
@@ -493,7 +285,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             if progress:
                 progress(rows)
             if not compact:
-                plain = _time_plain(model, prompts, new_tokens, repeats)
+                plain = plain_cache.time_plain(model, prompts, new_tokens, repeats)
                 plain["agrees_with_kvattn"] = greedy_agreement(plain["tokens"], tokens)
                 rows.append(dict(base, contender="plain_cache", **plain))
                 if progress:
@@ -533,7 +325,7 @@ def _targets(rows) -> list[dict[str, Any]]:
         return None if other is None or ours is None else other / ours
 
     ours_name = ("kvattn.models.generate",)
-    theirs_names = (*TRANSFORMERS_CACHES, *TRANSFORMERS_COMPILED)
+    theirs_names = (*transformers_contender.CACHES, *transformers_contender.COMPILED)
     targets = []
     for dtype, batch in sorted({(r["dtype"], r["batch_size"]) for r in rows}):
         ours, context = figure(dtype, batch, ours_name), {"dtype": dtype, "batch_size": batch}

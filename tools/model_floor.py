@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import model as bench
+from benchmarks import plain_cache
 from benchmarks.timing import time_calls
 from kvattn import models
 
@@ -76,8 +77,8 @@ def main():
         return statistics.median(time_calls(run, args.repeats).ms)
 
     ours = (generation(new_tokens) - generation(1)) / (new_tokens - 1)
-    plain = bench._time_plain(model, prompts, new_tokens, args.repeats)["decode_ms_per_token"]
-    weights = bench._plain_weights(model)
+    plain = plain_cache.time_plain(model, prompts, new_tokens, args.repeats)["decode_ms_per_token"]
+    weights = plain_cache.plain_weights(model)
     step = floor_step_fn(model.config)
     tokens = jnp.asarray(prompts[:, 0])
 
