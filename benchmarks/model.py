@@ -48,9 +48,9 @@ process that stays up), so a shared machine's load falls on all of them:
 decode time per token is `(t(new_tokens) - t(1)) / (new_tokens - 1)` and the
 time to first token is `t(1)` (prompt processing; for kvattn's `generate`
 it also holds one step, which its loop runs after the last token, so that
-the caches hold it; for its `stream`, only the prompt and the sample). The plain cache steps
-the prompt in token by token (untimed) and is timed directly over the
-`new_tokens - 1` steps after its first. Every contender decodes greedily,
+the caches hold it; for its `stream`, only the prompt and the sample). The
+plain cache steps the prompt in token by token (untimed) and is timed
+directly over the `new_tokens - 1` steps after its first. Every contender decodes greedily,
 and its tokens are compared with kvattn's ("greedy agreement": the share of
 positions equal to kvattn's up to each sequence's first difference).
 """
