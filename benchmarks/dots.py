@@ -14,8 +14,8 @@ the median of `repeats`:
   int8, one row unpadded  the same dot with a single row, as XLA:CPU gets it
                           without the padding
   int8, (D, F)            the int8 dot with W stored inputs-first
-  int8, operands swapped  the same int8 dot with W as its first operand
-                          (the rows are then what YNNPACK packs)
+  int8, operands swapped  the same int8 dot with W as its first operand,
+                          the rows second, `(F, M)` transposed after
   int8, uint8 rows        x shifted to uint8 (x + 128, VNNI's u8 by s8
                           form), `128 * sum(W)` per output taken back
   int8, weight-only (F, D)  W int8 `(F, D)` converted to float32 inside the
