@@ -17,16 +17,19 @@ shares are what it is for.
 """
 
 import argparse
+import atexit
 import collections
 import glob
 import gzip
 import json
 import os
 import re
+import shutil
 import tempfile
 
 # XLA writes each optimised program's HLO here (for the thunks' shapes): set before JAX starts its backend.
 HLO_DIR = tempfile.mkdtemp(prefix="kvattn-step-profile-")
+atexit.register(shutil.rmtree, HLO_DIR, ignore_errors=True)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={HLO_DIR} --xla_dump_hlo_as_text".strip()
 
 import jax  # noqa: E402
