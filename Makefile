@@ -10,8 +10,9 @@ PLAIN := .venv-plain
 
 setup: $(STAMP)
 
-# Exact versions come from constraints.txt, so every clone installs the same thing.
-$(STAMP): pyproject.toml constraints.txt
+# Exact versions come from constraints.txt, so every clone installs the same thing. The editable
+# install also compiles the native int8 dot in place (setup.py), again when its source changes.
+$(STAMP): pyproject.toml constraints.txt setup.py src/kvattn/native/int8_dot.cc
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,bench,generate,serve,docs]'
 	touch $(STAMP)
@@ -46,4 +47,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build site
+	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build site src/kvattn/native/*.so

@@ -8,9 +8,13 @@ timed after a warm-up with `block_until_ready`, interleaved with the others,
 the median of `repeats`:
 
   float32                 `x @ W`, W `(D, F)` float32 (what float models run)
-  int8                    `kvattn.quant.dense`: W int8 `(F, D)` with
-                          per-output scales, x quantized per row, int8 by
-                          int8 into int32 (one row padded to two)
+  int8, native (tiled)    `kvattn.quant.dense` of a `TiledInt8Kernel`:
+                          the same int8 values laid out for kvattn's native
+                          dot (AVX512-VNNI, `kvattn.native`), where it runs
+  int8                    `kvattn.quant.dense` of an `Int8Kernel`: W int8
+                          `(F, D)` with per-output scales, x quantized per
+                          row, XLA's int8 by int8 into int32 (one row padded
+                          to two)
   int8, one row unpadded  the same dot with a single row, as XLA:CPU gets it
                           without the padding
   int8, (D, F)            the int8 dot with W stored inputs-first
@@ -62,7 +66,7 @@ def _variants() -> dict[str, tuple[Any, Any]]:
     import jax.numpy as jnp
     from jax import lax
 
-    from kvattn import quant
+    from kvattn import native, quant
 
     rng = np.random.default_rng(0)
     floats = [rng.standard_normal((D, F), np.float32) * 0.02 for _ in range(LAYERS)]
@@ -101,11 +105,12 @@ def _variants() -> dict[str, tuple[Any, Any]]:
         return lax.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
     def device(weights):
-        return [jnp.asarray(w) if isinstance(w, np.ndarray) else
-                quant.Int8Kernel(jnp.asarray(w.values), jnp.asarray(w.scale)) for w in weights]
+        return [jnp.asarray(w) if isinstance(w, np.ndarray) else type(w)(*map(jnp.asarray, w)) for w in weights]
 
+    tiled = [quant.tile(k) for k in int8] if native.available() else []
     return {
         "float32": (lambda x, w: x @ w, device(floats)),
+        **({"int8, native (tiled)": (quant.dense, device(tiled))} if tiled else {}),
         "int8": (quant.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),
         "int8, (D, F)": (inputs_first_dot, device(inputs_first)),

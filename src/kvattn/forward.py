@@ -61,13 +61,14 @@ class FusedWeights(NamedTuple):
     drivers fuse once, ahead of their loops, and a layer may store its
     weights fused (`kvattn.models`).
 
-    Either kernel may be compact (`kvattn.quant.Int8Kernel`): the fused one
-    with values `(N + 2K, H, D)`, the out one with values `(D, N * H)`.
+    Either kernel may be compact (`kvattn.quant.Int8Kernel`, or tiled): the
+    fused one with values `(N + 2K, H, D)`, the out one with values
+    `(D, N * H)`.
     """
 
-    qkv_kernel: jax.Array | quant.Int8Kernel
+    qkv_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel
     qkv_bias: jax.Array | None
-    out_kernel: jax.Array | quant.Int8Kernel
+    out_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel
     out_bias: jax.Array | None
     query_ln: jax.Array | None = None
     key_ln: jax.Array | None = None
@@ -80,8 +81,8 @@ class FusedWeights(NamedTuple):
         """`(N, K)`: the out kernel's query heads, and the rest of the fused heads axis halved."""
         qkv, out = self.qkv_kernel, self.out_kernel
         if quant.is_compact(qkv):
-            fused_heads, head_dim = qkv.values.shape[:2]
-            num_heads = out.values.shape[-1] // head_dim
+            fused_heads, head_dim = qkv.scale.shape[:2]
+            num_heads = out.inputs // head_dim
         else:
             fused_heads, num_heads = qkv.shape[1], out.shape[0]
         return num_heads, (fused_heads - num_heads) // 2

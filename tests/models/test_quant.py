@@ -7,22 +7,32 @@ fixtures, within the error torch's own dynamic int8 quantization makes on
 them. jax issue 39103 (YNNPACK returning wrong rows past 32768 for a dot
 followed by a reduction in one fusion, jaxlib 0.10.2) is pinned on the
 paths kvattn compiles: projection then norm, in float32 and int8.
+
+Where kvattn's native int8 dot runs (AVX512-VNNI), kernels are stored tiled
+for it: that dot must give XLA's exact int32 products for every shape it
+takes, and a tiled model must compute what the untiled one does, bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
+import platform
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvattn
-from kvattn import forward, models, norms, quant
+from kvattn import forward, models, native, norms, quant
 from kvattn.config import AttentionConfig
+from kvattn.models import ModelConfig
 from kvattn.models.decoder import Linear, RMSNorm
+from kvattn.rope import RoPE
 from tests.helpers import FIXTURES, expected
 
 # The largest logit error (a share of the largest float32 logit, over the fixture's prompts) of transformers
@@ -52,21 +62,91 @@ def test_quantize_refuses_what_int8_cannot_hold():
         quant.quantize(np.zeros((quant.INT8_MAX_FEATURES + 1, 1), np.float32))
 
 
+@pytest.mark.parametrize("form", ["values", "tiles"])
 @pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
-def test_an_int8_dot_is_the_exact_product_of_its_quantized_operands(lead):
-    """One row (padded to two inside), several, and several leading axes: the same exact products."""
+def test_an_int8_dot_is_the_exact_product_of_its_quantized_operands(lead, form):
+    """One row (padded to two inside XLA's path), several, and several leading axes: the same exact products."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((*lead, 48), np.float32))
-    int8 = quant.quantize(rng.standard_normal((48, 4, 6), np.float32))
-    got = np.asarray(jax.jit(quant.dense)(x, int8))
+    int8 = quant.quantize(rng.standard_normal((48, 4, 8), np.float32))
+    kernel = int8 if form == "values" else quant.tile(int8)
+    got = np.asarray(jax.jit(quant.dense)(x, kernel))
     values, scale = quant.quantize_rows(np.asarray(x).reshape(-1, 48))
-    products = np.asarray(values, np.int64) @ np.asarray(int8.values, np.int64).reshape(24, 48).T
-    want = products * np.asarray(scale, np.float64) * np.asarray(int8.scale, np.float64).reshape(1, 24)
-    np.testing.assert_allclose(got.reshape(-1, 24), want, rtol=1e-6, atol=0)
-    assert got.shape == (*lead, 4, 6) and got.dtype == x.dtype
+    products = np.asarray(values, np.int64) @ np.asarray(int8.values, np.int64).reshape(32, 48).T
+    want = products * np.asarray(scale, np.float64) * np.asarray(int8.scale, np.float64).reshape(1, 32)
+    np.testing.assert_allclose(got.reshape(-1, 32), want, rtol=1e-6, atol=0)
+    assert got.shape == (*lead, 4, 8) and got.dtype == x.dtype
     # Against the float kernel: off by the quantization steps only.
-    exact = np.asarray(x, np.float64).reshape(-1, 48) @ np.asarray(quant.dequantize(int8), np.float64).reshape(48, 24)
-    assert np.abs(got.reshape(-1, 24) - exact).max() < 0.02 * np.abs(exact).max()
+    exact = np.asarray(x, np.float64).reshape(-1, 48) @ np.asarray(quant.dequantize(kernel), np.float64).reshape(48, 32)
+    assert np.abs(got.reshape(-1, 32) - exact).max() < 0.02 * np.abs(exact).max()
+
+
+# ------------------------------------------------------------------ the native int8 dot and tiled kernels
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the native int8 dot is not built or cannot run here")
+
+
+def _has_vnni() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return platform.machine() == "x86_64" and all(f" {flag}" in flags for flag in ("avx512bw", "avx512_vnni"))
+
+
+def test_the_native_int8_dot_is_built_and_runs_where_the_cpu_has_vnni():
+    """A build that silently failed would only make int8 slower, every other test still passing: not here."""
+    if not _has_vnni():
+        pytest.skip("this CPU lacks AVX512-VNNI, which the native int8 dot needs")
+    assert native.available()
+
+
+def test_tiles_hold_the_values_and_give_them_back():
+    rng = np.random.default_rng(4)
+    int8 = quant.quantize(rng.standard_normal((12, 2, 16), np.float32))
+    tiled = quant.tile(int8)
+    assert tiled.tiles.shape == (2, 3, 16, 4) and tiled.tiles.dtype == np.uint8 and tiled.inputs == 12
+    # Tile 1, group 2, lane 5: output 16 + 5 = (1, 5), inputs 8..11, stored + 128.
+    np.testing.assert_array_equal(tiled.tiles[1, 2, 5].astype(int) - 128, int8.values[1, 5, 8:12])
+    np.testing.assert_array_equal(quant.untile(tiled).values, int8.values)
+    on_device = quant.tile(quant.Int8Kernel(jnp.asarray(int8.values), jnp.asarray(int8.scale)))
+    np.testing.assert_array_equal(np.asarray(on_device.tiles), tiled.tiles)
+    table = quant.Int8Kernel(int8.values.reshape(32, 12), int8.scale.reshape(32))
+    ids = jnp.asarray([[0, 31, 17], [16, 5, 5]])
+    np.testing.assert_array_equal(quant.rows(quant.tile(table), ids), np.asarray(table.values)[np.asarray(ids)])
+    with pytest.raises(ValueError, match="outputs divisible by 16 and inputs by 4, got 24 outputs and 12 inputs"):
+        quant.tile(quant.quantize(rng.standard_normal((12, 24), np.float32)))
+    assert quant.can_tile(32, 12) and not quant.can_tile(50257, 768) and not quant.can_tile(32, 10)
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 19), groups=st.integers(1, 40), tiles=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_the_native_int8_dot_gives_the_exact_int32_products(rows, groups, tiles, seed):
+    """Every row count (blocks of eight and the rest) by tiles read four, two and one at a time, int8's extremes."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-128, 128, (rows, 4 * groups), dtype=np.int8)
+    w = rng.integers(-128, 128, (16 * tiles, 4 * groups), dtype=np.int8)
+    a[0, :2], w[0, :2] = (-128, 127), (-128, -128)
+    got = np.asarray(native.int8_dot(a, quant.tile(quant.Int8Kernel(w, None)).tiles))
+    np.testing.assert_array_equal(got, a.astype(np.int64) @ w.astype(np.int64).T)
+
+
+@needs_native
+def test_the_native_int8_dot_splits_its_outputs_between_threads_exactly():
+    """Enough tiles for every thread of XLA's pool to take a part (37: uneven parts)."""
+    rng = np.random.default_rng(8)
+    a, w = rng.integers(-128, 128, (9, 64), dtype=np.int8), rng.integers(-128, 128, (37 * 16, 64), dtype=np.int8)
+    got = np.asarray(jax.jit(native.int8_dot)(a, quant.tile(quant.Int8Kernel(w, None)).tiles))
+    np.testing.assert_array_equal(got, a.astype(np.int64) @ w.astype(np.int64).T)
+
+
+def test_a_tiled_kernel_reads_the_same_through_xla_without_the_native_dot(monkeypatch):
+    rng = np.random.default_rng(9)
+    int8 = quant.quantize(rng.standard_normal((20, 48), np.float32))
+    x = jnp.asarray(rng.standard_normal((3, 20), np.float32))
+    want = np.asarray(jax.jit(lambda x, k: quant.dense(x, k))(x, int8))
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert not quant.use_tiles(48, 20)
+    np.testing.assert_array_equal(jax.jit(lambda x, k: quant.dense(x, k))(x, quant.tile(int8)), want)
 
 
 def test_a_zero_row_gives_zeros_and_a_non_finite_row_stays_non_finite_alone():
@@ -91,10 +171,16 @@ def _rows_agree(program, args, tail: slice):
     return whole
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_a_projection_then_a_norm_is_right_past_32768_rows(compact):
+@pytest.mark.parametrize("form", ["float32", "int8", "int8 tiled"])
+def test_a_projection_then_a_norm_is_right_past_32768_rows(form, monkeypatch):
     """The decoder's Linear and RMSNorm: XLA:CPU fuses the float32 pair into one YNNPACK fusion (dot, reduce)."""
+    compact = form != "float32"
+    if form == "int8":  # XLA's int8 dot, as where the native one cannot run
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif form == "int8 tiled" and not native.available():
+        pytest.skip("the native int8 dot is not built or cannot run here")
     linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, compact=compact, rngs=nnx.Rngs(0))
+    assert linear.tiled == (form == "int8 tiled")
     norm = RMSNorm(96, 1e-6, jnp.float32)
     x = jax.random.normal(jax.random.key(5), (ROWS, 64))
     got = _rows_agree(lambda x, kernel: norms.rms_norm(quant.dense(x, kernel), norm.weight[...], 1e-6),
@@ -161,7 +247,10 @@ def test_int8_models_hold_int8_kernels_a_quarter_of_the_float_bytes(family):
     params = [{"/".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
               for m in twins(family)[1:]]
     kernels = [name for name in params[1] if name.endswith("kernel")]
-    assert kernels and all(params[1][name].dtype == jnp.int8 for name in kernels)
+    dtypes = {name: params[1][name].dtype for name in kernels}
+    assert kernels and set(dtypes.values()) <= {jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)}
+    # Tiled (uint8, values + 128) where the native dot runs and the shape fits (not llama's 97-token head).
+    assert (jnp.uint8 in dtypes.values()) == native.available()
     assert sum(params[1][name].nbytes for name in kernels) * 4 == sum(params[0][name].nbytes for name in kernels)
 
 
@@ -179,6 +268,31 @@ def test_an_int8_model_decodes_through_its_caches_as_its_full_forward_computes()
     logits = np.asarray(full_forward(model, jnp.asarray(tokens)))
     np.testing.assert_array_equal(generated, logits[rows[:, None], lengths[:, None] - 1 + np.arange(3)].argmax(-1))
     model.reset()
+
+
+@needs_native
+def test_a_tiled_int8_model_computes_what_the_untiled_one_does(monkeypatch):
+    """A tied head read from the tiled table (lookup and logits), fused projections: the same bits, the same tokens.
+
+    The fixtures' vocabularies (97 tokens) do not fit whole tiles, so this
+    model's sizes are chosen to: every kernel and the table are tiled.
+    """
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                         head_dim=16, intermediate_size=48, norm_eps=1e-5, tie_embeddings=True,
+                         max_position_embeddings=16, rope=RoPE(theta=10000.0))
+
+    def build():
+        return models.CausalLM(config, max_len=16, batch_size=2, weights="int8", rngs=nnx.Rngs(0))
+
+    tiled = build()
+    monkeypatch.setattr(native, "available", lambda: False)
+    untiled = build()
+    assert tiled.embed_tiled and all(block.mlp.down.tiled and block.attention.qkv.tiled for block in tiled.blocks)
+    assert not untiled.embed_tiled and untiled.embed.dtype == jnp.int8
+    np.testing.assert_array_equal(quant.untile(tiled._int8_head()).values, untiled.embed[...])
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)), jnp.int32)
+    np.testing.assert_array_equal(full_forward(tiled, prompts), full_forward(untiled, prompts))
+    np.testing.assert_array_equal(models.generate(tiled, prompts, 4).tokens, models.generate(untiled, prompts, 4).tokens)
 
 
 def test_weights_that_would_run_slower_or_do_not_exist_are_refused():

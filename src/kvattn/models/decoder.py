@@ -74,34 +74,45 @@ class Linear(nnx.Module):
     """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout) or a compact one.
 
     Compact (`weights="int8"`), the kernel is int8 `(*outputs, prod(inputs))`
-    beside `kernel_scale` `outputs` (a `kvattn.quant.Int8Kernel` when read).
+    beside `kernel_scale` `outputs` (a `kvattn.quant.Int8Kernel` when read),
+    or, where `kvattn.quant.use_tiles` says the native int8 dot runs, those
+    values tiled for it (a `kvattn.quant.TiledInt8Kernel`; `tiled` is True).
     """
 
     def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
                  rngs: nnx.Rngs | None):
         fan_in = math.prod(inputs)
         self.inputs = inputs
-        if compact and rngs is None:  # zeros, as `_initial` gives, without quantizing them
-            self.kernel = nnx.Param(jnp.zeros((*outputs, fan_in), jnp.int8))
-            self.kernel_scale = nnx.Param(jnp.ones(outputs, jnp.float32))
-        elif compact:
-            int8 = quant.quantize(_initial((fan_in, *outputs), fan_in, rngs))
-            self.kernel, self.kernel_scale = nnx.Param(int8.values), nnx.Param(int8.scale)
+        self.tiled = compact and quant.use_tiles(math.prod(outputs), fan_in)
+        if compact:
+            if rngs is None:  # zeros, as `_initial` gives, without quantizing them
+                int8 = quant.Int8Kernel(np.zeros((*outputs, fan_in), np.int8), np.ones(outputs, np.float32))
+            else:
+                int8 = quant.quantize(_initial((fan_in, *outputs), fan_in, rngs))
+            self.kernel = nnx.Param(jnp.asarray(quant.tile(int8).tiles if self.tiled else int8.values))
+            self.kernel_scale = nnx.Param(jnp.asarray(int8.scale))
         else:
             self.kernel = nnx.Param(_initial((*inputs, *outputs), fan_in, rngs).astype(dtype))
             self.kernel_scale = None
         self.bias = nnx.Param(jnp.zeros(outputs, dtype)) if bias else None
 
     @property
-    def weight(self) -> jax.Array | quant.Int8Kernel:
+    def weight(self) -> jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel:
         """The kernel as `kvattn.quant.dense` reads it."""
         if self.kernel_scale is None:
             return self.kernel[...]
-        return quant.Int8Kernel(self.kernel[...], self.kernel_scale[...])
+        compact = quant.TiledInt8Kernel if self.tiled else quant.Int8Kernel
+        return compact(self.kernel[...], self.kernel_scale[...])
 
     def bias_value(self) -> jax.Array | None:
         """The bias `outputs`, or None without one."""
         return None if self.bias is None else self.bias[...]
+
+    def kernel_shape(self) -> tuple[int, ...]:
+        """The float kernel's shape, `(*inputs, *outputs)`, in whatever form it is stored."""
+        if self.kernel_scale is None:
+            return tuple(self.kernel.shape)
+        return (*self.inputs, *self.kernel_scale.shape)
 
     def load_kernel(self, value) -> None:
         """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when compact)."""
@@ -109,7 +120,7 @@ class Linear(nnx.Module):
             self.kernel[...] = jnp.asarray(value, self.kernel.dtype)
             return
         int8 = quant.quantize(np.asarray(value, np.float32).reshape(math.prod(self.inputs), *self.kernel_scale.shape))
-        self.kernel[...] = int8.values
+        self.kernel[...] = quant.tile(int8).tiles if self.tiled else int8.values
         self.kernel_scale[...] = int8.scale
 
     def __call__(self, x):
@@ -243,9 +254,11 @@ class CausalLM(nnx.Module):
         self.dtype = dtype = jnp.dtype(dtype)
         hidden, vocab = config.hidden_size, config.vocab_size
         table = _initial((vocab, hidden), 1, rngs)
-        if compact and config.tie_embeddings:  # the head's int8 kernel, one scale per token's row
+        # A tied int8 table is the head's kernel, one scale per token's row, tiled where `Linear`'s would be.
+        self.embed_tiled = compact and config.tie_embeddings and quant.use_tiles(vocab, hidden)
+        if compact and config.tie_embeddings:
             values, scale = quant.quantize_rows(table) if rngs else (table.astype(jnp.int8), jnp.ones((vocab, 1)))
-            self.embed, self.embed_scale = nnx.Param(values), nnx.Param(scale[:, 0])
+            self.embed, self.embed_scale = nnx.Param(self._head_form(values)), nnx.Param(scale[:, 0])
         else:
             self.embed, self.embed_scale = nnx.Param(table.astype(dtype)), None
         self.positions = (
@@ -292,16 +305,18 @@ class CausalLM(nnx.Module):
         for part in parents:
             owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
         variable = getattr(owner, name)
-        want = variable.shape
+        want = tuple(variable.shape)
         if isinstance(owner, Linear) and name == "kernel":
-            want = (*owner.inputs, *variable.shape[:-1]) if owner.kernel_scale is not None else want
-        if tuple(np.shape(value)) != tuple(want):
-            raise ValueError(f"{path} holds shape {tuple(want)}, got a weight of shape {tuple(np.shape(value))}")
+            want = owner.kernel_shape()
+        elif owner is self and name == "embed" and self.embed_scale is not None:
+            want = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(np.shape(value)) != want:
+            raise ValueError(f"{path} holds shape {want}, got a weight of shape {tuple(np.shape(value))}")
         if isinstance(owner, Linear) and name == "kernel":
             owner.load_kernel(value)
         elif owner is self and name == "embed" and self.embed_scale is not None:
             values, scale = quant.quantize_rows(np.asarray(value, np.float32))
-            self.embed[...], self.embed_scale[...] = values, scale[:, 0]
+            self.embed[...], self.embed_scale[...] = self._head_form(values), scale[:, 0]
         else:
             variable[...] = jnp.asarray(value, variable.dtype)
 
@@ -310,10 +325,21 @@ class CausalLM(nnx.Module):
         """Tokens each sequence holds, `(B,)` (every layer's cache agrees)."""
         return self.blocks[0].attention.pos[...]
 
+    def _head_form(self, values):
+        """Int8 table rows `(V, D)` as this model stores them: tiled or not (`embed_tiled`)."""
+        return quant.tile(quant.Int8Kernel(values, None)).tiles if self.embed_tiled else values
+
+    def _int8_head(self) -> quant.Int8Kernel | quant.TiledInt8Kernel:
+        """The tied int8 table as a kernel of one output per token."""
+        compact = quant.TiledInt8Kernel if self.embed_tiled else quant.Int8Kernel
+        return compact(self.embed[...], self.embed_scale[...])
+
     def _embed(self, tokens, positions):
-        x = jnp.take(self.embed[...], tokens, axis=0)
         if self.embed_scale is not None:  # int8 rows
-            x = x.astype(self.dtype) * jnp.take(self.embed_scale[...], tokens, axis=0)[..., None].astype(self.dtype)
+            x = quant.rows(self._int8_head(), tokens).astype(self.dtype)
+            x = x * jnp.take(self.embed_scale[...], tokens, axis=0)[..., None].astype(self.dtype)
+        else:
+            x = jnp.take(self.embed[...], tokens, axis=0)
         if self.positions is not None:
             x = x + jnp.take(self.positions[...], positions, axis=0)
         return x
@@ -323,7 +349,7 @@ class CausalLM(nnx.Module):
         if self.lm_head is not None:
             logits = self.lm_head(x)
         elif self.embed_scale is not None:
-            logits = quant.dense(x, quant.Int8Kernel(self.embed[...], self.embed_scale[...]))
+            logits = quant.dense(x, self._int8_head())
         else:
             logits = x @ self.embed[...].T
         return logits.astype(jnp.float32)

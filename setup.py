@@ -1,0 +1,32 @@
+"""Builds kvattn's native int8 dot (`kvattn.native.compiled`) beside the pure-Python package.
+
+Everything else is declared in pyproject.toml. The extension is optional: where
+it cannot be compiled (no C++ compiler, another platform) the package installs
+without it and `kvattn.quant` keeps XLA's own int8 dot. It compiles against
+the XLA FFI headers that jaxlib ships (a build requirement, not imported).
+"""
+
+import importlib.util
+import os
+
+from setuptools import Extension, setup
+
+
+def ffi_headers() -> str:
+    """jaxlib's include directory (what `jax.ffi.include_dir()` returns), found without importing jax."""
+    (location,) = importlib.util.find_spec("jaxlib").submodule_search_locations
+    return os.path.join(location, "include")
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "kvattn.native.compiled",
+            sources=["src/kvattn/native/int8_dot.cc"],
+            include_dirs=[ffi_headers()],
+            extra_compile_args=["-O3", "-std=c++17"],
+            language="c++",
+            optional=True,
+        )
+    ]
+)
