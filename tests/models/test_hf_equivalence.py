@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from kvattn import models
 from tests.helpers import FAMILIES, FIXTURES, expected
@@ -59,6 +60,22 @@ def test_greedy_generation_equals_transformers_token_for_token(loaded):
     assert np.asarray(model.pos).tolist() == (want["lengths"] + want["greedy"].shape[1]).tolist()
     for path in (FIXTURES / family / "made_with.json",):
         assert min(json.loads(path.read_text())["distinct_greedy_tokens"]) >= 8  # the paths vary
+    model.reset()
+
+
+def test_a_step_without_its_head_appends_what_a_step_with_it_appends(loaded):
+    """`generate` skips the head for its last token (a traced False): the caches must not notice."""
+    family, model, want = loaded
+    step = nnx.jit(lambda model, token, head: model.step(token, head=head))
+    model.reset()
+    model.prefill(jnp.asarray(want["prompts"]), jnp.asarray(want["lengths"]))
+    before, token = jax.tree.map(jnp.copy, nnx.state(model, nnx.Cache)), jnp.asarray(want["greedy"][:, 0])
+    logits = step(model, token, jnp.asarray(True))
+    assert np.isfinite(logits).all() and np.asarray(logits).any()
+    with_head = jax.tree.map(np.asarray, nnx.state(model, nnx.Cache))
+    nnx.update(model, before)
+    assert not np.asarray(step(model, token, jnp.asarray(False))).any()
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model, nnx.Cache)), with_head)
     model.reset()
 
 

@@ -134,7 +134,8 @@ def _program(graphdef, params, cache, prompts, lengths, key, max_new_tokens, sam
         out = out.at[:, i].set(jnp.where(done, 0, token))
         counts = counts + (~done).astype(jnp.int32)
         done = done | jnp.any(token[:, None] == stops[None, :], axis=-1)
-        logits = model.step(token, active=~done if stop_tokens else None)
+        # The last token is appended (the caches hold every new token) but never sampled from: no head.
+        logits = model.step(token, active=~done if stop_tokens else None, head=i < max_new_tokens - 1)
         key, sub = jax.random.split(key)
         return nnx.state(model, nnx.Cache), sample(logits, sub, sampling), out, done, counts, key
 
