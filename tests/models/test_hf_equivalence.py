@@ -66,6 +66,8 @@ def test_greedy_generation_equals_transformers_token_for_token(loaded):
 def test_a_step_without_its_head_appends_what_a_step_with_it_appends(loaded):
     """`generate` skips the head for its last token (a traced False): the caches must not notice."""
     family, model, want = loaded
+    if family != "llama":
+        pytest.skip("one family suffices: the head is skipped alike in every family")
     step = nnx.jit(lambda model, token, head: model.step(token, head=head))
     model.reset()
     model.prefill(jnp.asarray(want["prompts"]), jnp.asarray(want["lengths"]))
