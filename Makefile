@@ -11,10 +11,10 @@ PLAIN := .venv-plain
 setup: $(STAMP)
 
 # Exact versions come from constraints.txt, so every clone installs the same thing. The editable
-# install also compiles the native int8 dot in place (setup.py), again when its source changes.
+# install also compiles the native kernels in place (setup.py), again when their sources change.
 # The build requirements go in first and the editable build uses them (--no-build-isolation): jaxlib
 # is installed once, not again into a throwaway build environment. plain-install keeps pip's isolation.
-$(STAMP): pyproject.toml constraints.txt setup.py src/kvattn/native/int8_dot.cc
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/kvattn/native/*.cc)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt 'setuptools>=68' wheel jaxlib
 	$(BIN)/python -m pip install --quiet -c constraints.txt --no-build-isolation -e '.[test,bench,generate,serve,docs]'

@@ -1,8 +1,8 @@
-"""Builds kvattn's native int8 dot (`kvattn.native.compiled`) beside the pure-Python package.
+"""Builds kvattn's native kernels (`kvattn.native.compiled`) beside the pure-Python package.
 
 Everything else is declared in pyproject.toml. The extension is optional: where
 it cannot be compiled (no C++ compiler, another platform) the package installs
-without it and `kvattn.quant` keeps XLA's own int8 dot. It compiles against
+without it and XLA runs what the kernels would (`kvattn.native`). It compiles against
 the XLA FFI headers that jaxlib ships (a build requirement, not imported).
 """
 
@@ -22,7 +22,7 @@ setup(
     ext_modules=[
         Extension(
             "kvattn.native.compiled",
-            sources=["src/kvattn/native/int8_dot.cc"],
+            sources=[f"src/kvattn/native/{name}.cc" for name in ("module", "int8_dot", "decode_attention")],
             include_dirs=[ffi_headers()],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",

@@ -1,9 +1,11 @@
-"""The Pallas decode kernels (`kvattn.kernels`) in interpret mode against the XLA path and the float64 reference.
+"""The decode kernels (`kvattn.kernels`) against the XLA path and the float64 reference.
 
-Interpret mode compiles slowly, so every kernel test keeps one tiny shape
-and draws only data (lengths, page tables, pool contents): one compile per
-test. The dispatch rule is checked by tracing, with the GPU check replaced;
-nothing here lowers a kernel for a GPU.
+The Pallas kernels run in interpret mode, which compiles slowly, so every
+Pallas test keeps one tiny shape and draws only data (lengths, page tables,
+pool contents): one compile per test. The native CPU kernel
+(`kvattn.native.decode_attention`) runs compiled, over drawn shapes too,
+where it is built. The dispatch rule is checked by tracing, with the GPU
+check replaced; nothing here lowers a kernel for a GPU.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
-from kvattn import UnsupportedConfigError, kernels, ops
+from kvattn import UnsupportedConfigError, kernels, native, ops
 from kvattn import cache as cache_ops
 from kvattn.config import NULL_PAGE
 from kvattn.forward import extend
@@ -103,9 +105,14 @@ def test_paged_kernel_equals_xla_and_reference(heads, layout, dtype, softcap, da
 SLOTS = 32
 
 
+needs_native = pytest.mark.skipif(not native.available(), reason="kvattn's native kernels are not built or cannot run")
+KERNELS = ["interpret", pytest.param("native", marks=needs_native)]
+
+
 @functools.cache
-def contiguous_programs():
+def contiguous_programs(kernel: str):
     """Read first (old cache and the new token) and written first, kernel and XLA, compiled once."""
+    how = {"interpret": kernel == "interpret", "native_kernel": kernel == "native"}
 
     @jax.jit
     def run(q, k_new, v_new, new_len, k_cache, v_cache, old_pos):
@@ -114,19 +121,20 @@ def contiguous_programs():
         k_all, v_all = written.k.values, written.v.values
         return {
             "read_first": kernels.contiguous_step(
-                q, new_len, k_cache, v_cache, old_pos, HEADS_MAJOR, new=(k_new, v_new), interpret=True
+                q, new_len, k_cache, v_cache, old_pos, HEADS_MAJOR, new=(k_new, v_new), **how
             ),
             "read_first_xla": ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, old_pos, HEADS_MAJOR),
-            "written_first": kernels.contiguous_step(q, new_len, k_all, v_all, written.pos, HEADS_MAJOR, interpret=True),
+            "written_first": kernels.contiguous_step(q, new_len, k_all, v_all, written.pos, HEADS_MAJOR, **how),
             "written_first_xla": ops.cached_attention(q, new_len, k_all, v_all, old_pos, HEADS_MAJOR),
         }
 
     return run
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=3)
 @given(data=st.data())
-def test_contiguous_kernel_equals_xla_and_reference(data):
+def test_contiguous_kernel_equals_xla_and_reference(kernel, data):
     """GQA 2, heads-major: an empty cache, a full one and ragged lengths, read first and written first; padding rows."""
     num_heads, num_kv_heads = 4, 2
     old_pos = np.array([0, SLOTS - 1, *data.draw(st.lists(st.integers(0, SLOTS - 1), min_size=2, max_size=2))],
@@ -138,7 +146,7 @@ def test_contiguous_kernel_equals_xla_and_reference(data):
     keys[unfilled], values[unfilled] = 0.0, 0.0  # the contiguous cache keeps unfilled slots at zero
     q, k_new, v_new = (jnp.asarray(rng.standard_normal((BATCH, 1, n, HEAD_DIM)).astype(np.float32))
                        for n in (num_heads, num_kv_heads, num_kv_heads))
-    out = contiguous_programs()(q, k_new, v_new, jnp.asarray(new_len), jnp.asarray(keys), jnp.asarray(values),
+    out = contiguous_programs(kernel)(q, k_new, v_new, jnp.asarray(new_len), jnp.asarray(keys), jnp.asarray(values),
                                 jnp.asarray(old_pos))
 
     for order in ("read_first", "written_first"):
@@ -150,6 +158,33 @@ def test_contiguous_kernel_equals_xla_and_reference(data):
             k_seq = np.concatenate([keys[b, :, : old_pos[b]].transpose(1, 0, 2), k_new[b]])
             v_seq = np.concatenate([values[b, :, : old_pos[b]].transpose(1, 0, 2), v_new[b]])
             assert_close(out[order][b], reference_attention(q[b], k_seq, v_seq, old_pos[b : b + 1]))
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4),
+       head_dim=st.sampled_from([16, 32, 64]), slots=st.integers(1, 70), spread=st.sampled_from([0.1, 1.0, 8.0]),
+       seed=st.integers(0, 2**16))
+def test_the_native_kernel_gives_the_float64_softmax_sums(batch, kv_heads, group, head_dim, slots, spread, seed):
+    """Its unnormalised sums, weight totals and top scores, over every visible count from none to all."""
+    rng = np.random.default_rng(seed)
+    q = (spread * rng.standard_normal((batch, kv_heads, group, head_dim))).astype(np.float32)
+    keys, values = rng.standard_normal((2, batch, kv_heads, slots, head_dim)).astype(np.float32)
+    visible = rng.integers(0, slots + 1, batch).astype(np.int32)
+    visible[0] = slots if seed % 2 else 0
+    arrays = (jnp.asarray(x) for x in (q, keys, values, visible))
+    o, total, top = (np.asarray(x) for x in native.decode_attention(*arrays))
+    for b in range(batch):
+        seen = visible[b]
+        if not seen:
+            assert (o[b] == 0).all() and (total[b] == 0).all() and (top[b] == -np.inf).all()
+            continue
+        scores = np.einsum("kgh,ksh->kgs", q[b].astype(np.float64), keys[b, :, :seen].astype(np.float64))
+        best = scores.max(-1)
+        weights = np.exp(scores - best[..., None])
+        np.testing.assert_allclose(top[b], best, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(total[b], weights.sum(-1), rtol=1e-5)
+        np.testing.assert_allclose(o[b], np.einsum("kgs,ksh->kgh", weights, values[b, :, :seen]), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------- through the layer
@@ -288,9 +323,21 @@ def test_auto_runs_xla_on_a_gpu_where_the_kernel_would_not_serve(gpu, options):
 
 
 @pytest.mark.parametrize("options", RUNS_THE_KERNEL, ids=str)
-def test_auto_runs_xla_off_a_gpu(monkeypatch, options):
+def test_auto_runs_no_pallas_kernel_off_a_gpu(monkeypatch, options):
     monkeypatch.setattr(kernels, "on_gpu", lambda: False)
     assert "pallas_call" not in attention_jaxpr(config(**options), write_first=True)
+
+
+@needs_native
+def test_auto_runs_the_native_kernel_on_a_cpu_for_a_decode_step_it_serves():
+    """A contiguous float32 heads-major cache, read first or (a ring) written first; never prefill, never XLA's else."""
+    runs = (({"cache_layout": "heads_major"}, False), ({"cache_layout": "heads_major", "window": 32}, True))
+    for options, write_first in runs:
+        assert native.DECODE_ATTENTION in attention_jaxpr(config(**options), write_first=write_first)
+        assert native.DECODE_ATTENTION not in attention_jaxpr(config(**options), num_new=3)
+    for why, options in RUNS_XLA.items():
+        if why != "slots not a multiple of 16":  # the native kernel reads any number of slots
+            assert native.DECODE_ATTENTION not in attention_jaxpr(config(**options), write_first=True), why
 
 
 def test_a_forced_kernel_refuses_what_it_cannot_serve(gpu):
@@ -314,20 +361,22 @@ def test_a_forced_kernel_refuses_a_backend_off_a_gpu_and_a_sharded_layer(monkeyp
 
 
 @pytest.mark.parametrize(
-    ("mode", "cannot", "in_place", "on_gpu", "path"),
+    ("mode", "cannot", "in_place", "on_gpu", "native_cannot", "path"),
     [
-        ("auto", None, True, True, "pallas"),
-        ("auto", None, False, True, "xla"),
-        ("auto", "why", True, True, "xla"),
-        ("auto", None, True, False, "xla"),
-        ("xla", None, True, True, "xla"),
-        ("pallas", None, False, True, "pallas"),
-        ("interpret", None, False, False, "interpret"),
+        ("auto", None, True, True, None, "pallas"),
+        ("auto", None, False, True, None, "xla"),
+        ("auto", "why", True, True, None, "xla"),
+        ("auto", None, True, False, "why", "xla"),
+        ("auto", "why", True, False, None, "native"),
+        ("auto", None, False, False, None, "xla"),
+        ("xla", None, True, False, None, "xla"),
+        ("pallas", None, False, True, None, "pallas"),
+        ("interpret", None, False, False, None, "interpret"),
     ],
 )
-def test_route(monkeypatch, mode, cannot, in_place, on_gpu, path):
+def test_route(monkeypatch, mode, cannot, in_place, on_gpu, native_cannot, path):
     monkeypatch.setattr(kernels, "on_gpu", lambda: on_gpu)
-    assert kernels.route(mode, cannot, in_place=in_place) == path
+    assert kernels.route(mode, cannot, in_place=in_place, native_cannot=native_cannot) == path
 
 
 def test_the_benchmark_reports_the_kernel_path_unavailable_off_a_gpu(monkeypatch, tmp_path):

@@ -117,20 +117,21 @@ class KVCache:
         tokens now and reads the cache alone (one pass, fewer ops per step). A
         ring chunk of several tokens cannot be written first (a later token
         would overwrite a slot an earlier one still sees): refused. A decode
-        step may run on a Pallas kernel instead (`kvattn.kernels.route`).
+        step may run on a Pallas or native kernel instead (`kvattn.kernels.route`).
         """
         if write_first and self.window is not None and q.shape[1] > 1:
             raise ValueError(f"a ring chunk of {q.shape[1]} tokens must be read first; use write_first only for steps")
         old_pos = self.pos
         cache = append(self, k, v, written) if write_first else self
+        limits = dict(window=self.window, write_first=write_first, logit_softcap=options["logit_softcap"])
         path = "xla" if q.shape[1] > 1 else kernels.route(
             self.kernel,
-            kernels.contiguous_limits(self.k.values, self.k.scale, self.layout, window=self.window,
-                                      write_first=write_first, logit_softcap=options["logit_softcap"]),
+            kernels.contiguous_limits(self.k.values, self.k.scale, self.layout, **limits),
             in_place=self.layout == HEADS_MAJOR,
+            native_cannot=kernels.native_limits(self.k.values, self.k.scale, self.layout, **limits),
         )
         if path != "xla":
-            return cache._kernel_read(q, k, v, lengths, written, old_pos, write_first, path == "interpret"), cache
+            return cache._kernel_read(q, k, v, lengths, written, old_pos, write_first, path), cache
 
         def read(kv):
             (k_cache, k_scale), (v_cache, v_scale) = kv
@@ -150,14 +151,14 @@ class KVCache:
         """The write `attend` left for later: after the output `after`, so XLA updates donated buffers in place."""
         return self if write_first else append(self, k, v, written, after=after)
 
-    def _kernel_read(self, q, k, v, lengths, written, old_pos, write_first: bool, interpret: bool):
+    def _kernel_read(self, q, k, v, lengths, written, old_pos, write_first: bool, path: str):
         """`attend`'s read on `kvattn.kernels.contiguous_step`: the written cache, or the old one and the new token."""
+        how = {"interpret": path == "interpret", "native_kernel": path == "native"}
         if write_first:  # a ring written first holds exactly the window up to the new token
             visible = self.pos if self.window is None else jnp.minimum(self.pos, self.window)
-            return kernels.contiguous_step(q, written, self.k.values, self.v.values, visible, self.layout,
-                                           interpret=interpret)
+            return kernels.contiguous_step(q, written, self.k.values, self.v.values, visible, self.layout, **how)
         return kernels.contiguous_step(q, lengths, self.k.values, self.v.values, old_pos, self.layout, new=(k, v),
-                                       interpret=interpret)
+                                       **how)
 
 
 def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:

@@ -120,7 +120,9 @@ class AttentionConfig:
       decode_kernel: what a decode step's attention runs (one new token per
         sequence; prefill always runs XLA): `"auto"` (the default) jax's
         Pallas GPU kernels when the backend is a GPU and they serve this
-        layer, else XLA; `"xla"` always XLA; `"pallas"` always the kernels,
+        layer, kvattn's native kernel on a CPU where it is built and serves
+        this layer (a contiguous float32 heads-major cache, no soft-cap;
+        `kvattn.native`), else XLA; `"xla"` always XLA; `"pallas"` always the kernels,
         refusing a layer or a backend they cannot serve; `"interpret"` the
         kernels in Pallas's interpret mode, on any backend (slow: for
         tests). See `kvattn.kernels`. A sharded layer (`data_axis` or

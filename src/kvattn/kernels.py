@@ -1,4 +1,4 @@
-"""Decode-step attention through jax's Pallas GPU kernels, and the rule that picks them.
+"""Decode-step attention through jax's Pallas GPU kernels or kvattn's native CPU kernel, and the rule that picks them.
 
 A decode step (one new token per sequence) reads the whole cache once; on a
 GPU, jax's Pallas kernels do that in one pass, split over the slots:
@@ -12,7 +12,12 @@ GPU, jax's Pallas kernels do that in one pass, split over the slots:
   (jax's own wrapper wants `(K, P, page, H)`: a transpose of the whole pool
   every step).
 
-Both return unnormalised partial sums per split of the slots, which are
+On XLA:CPU, a contiguous float32 heads-major cache goes through
+`kvattn.native.decode_attention` instead (AVX512), where it is built and
+the CPU runs it: one pass over the visible slots, where XLA's path reads a
+bucket of the cache under a `cond` in several thunks.
+
+All return unnormalised partial sums (per split of the slots), which are
 combined here (a new token that the cache does not hold yet joins as one
 more term), so a query that sees nothing gets exact zeros, as from
 `kvattn.ops`, rather than the kernels' `0 / eps`.
@@ -21,9 +26,10 @@ more term), so a query that sees nothing gets exact zeros, as from
 the cache types as their static `kernel` field) and from what the call asks:
 
 - `"xla"`, or more than one new token per sequence (prefill): `kvattn.ops`.
-- `"auto"`: the kernel when `jax.default_backend()` is `"gpu"`, the layer is
-  not sharded, the kernel serves the call (see `contiguous_limits`,
-  `paged_limits`) and reads the cache in place; else `kvattn.ops`.
+- `"auto"`: the Pallas kernel when `jax.default_backend()` is `"gpu"`, the
+  layer is not sharded, the kernel serves the call (see `contiguous_limits`,
+  `paged_limits`) and reads the cache in place; on the CPU, the native
+  kernel under the same conditions (see `native_limits`); else `kvattn.ops`.
 - `"pallas"`: the kernel, or `UnsupportedConfigError` naming what it lacks
   (a CPU backend included).
 - `"interpret"`: the kernel in Pallas's interpret mode, on any backend (what
@@ -45,10 +51,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
+from kvattn import native
 from kvattn.config import LAYOUTS
 from kvattn.errors import UnsupportedConfigError
 
-__all__ = ["cache_kernel", "contiguous_limits", "contiguous_step", "on_gpu", "paged_limits", "paged_step", "route"]
+__all__ = [
+    "cache_kernel", "contiguous_limits", "contiguous_step", "native_limits", "on_gpu", "paged_limits", "paged_step",
+    "route",
+]
 
 SLOTS_MAJOR = LAYOUTS["slots_major"]
 HEADS_MAJOR = LAYOUTS["heads_major"]
@@ -77,15 +87,18 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def route(mode: str, cannot: str | None, *, in_place: bool = True) -> str:
-    """Which path a decode step takes: `"xla"`, `"pallas"` (compiled for the GPU) or `"interpret"`.
+def route(mode: str, cannot: str | None, *, in_place: bool = True,
+          native_cannot: str | None = "no native kernel reads this cache") -> str:
+    """Which path a decode step takes: `"xla"`, `"pallas"` (compiled for the GPU), `"interpret"` or `"native"`.
 
     Args:
       mode: `AttentionConfig.decode_kernel`, as the cache carries it.
-      cannot: why the kernel cannot serve this call (`contiguous_limits`,
-        `paged_limits`), or None.
+      cannot: why the Pallas kernel cannot serve this call
+        (`contiguous_limits`, `paged_limits`), or None.
       in_place: whether the kernel would read the cache where it lies;
         `"auto"` takes the kernel only then, a forced mode pays the copy.
+      native_cannot: why the native CPU kernel cannot serve this call
+        (`native_limits`), or None; `"auto"` takes it on a CPU backend.
 
     Raises:
       UnsupportedConfigError: a forced mode (`"pallas"`, `"interpret"`) the
@@ -94,7 +107,9 @@ def route(mode: str, cannot: str | None, *, in_place: bool = True) -> str:
     if mode == "xla":
         return "xla"
     if mode == "auto":
-        return "pallas" if cannot is None and in_place and on_gpu() else "xla"
+        if on_gpu():
+            return "pallas" if cannot is None and in_place else "xla"
+        return "native" if native_cannot is None and in_place and jax.default_backend() == "cpu" else "xla"
     if cannot is None and mode == "pallas" and not on_gpu():
         cannot = f"the backend is {jax.default_backend()!r}, not a GPU ('interpret' runs the kernel anywhere, slowly)"
     if cannot is not None:
@@ -143,6 +158,35 @@ def contiguous_limits(
     if num_slots % MIN_TILE:
         return f"{num_slots} slots are not a multiple of {MIN_TILE}"
     return _head_dim_limit(head_dim)
+
+
+def native_limits(
+    k_cache: Shaped[Array, "B ..."],
+    k_scale: Array | None,
+    layout: str,
+    *,
+    window: int | None,
+    write_first: bool,
+    logit_softcap: float | None,
+) -> str | None:
+    """Why `kvattn.native.decode_attention` cannot serve a decode step over this contiguous cache, or None.
+
+    It reads float32 heads-major caches (one interval of slots, as the
+    Pallas kernel), has no soft-cap, and takes head dims in 16-float vectors.
+    """
+    if not native.available():
+        return "kvattn's native kernels are not built or cannot run on this CPU"
+    if k_scale is not None or k_cache.dtype != jnp.float32:
+        return f"the cache is {k_cache.dtype}; the native kernel reads float32 caches"
+    if layout != HEADS_MAJOR:
+        return "the native kernel reads heads-major caches"
+    if logit_softcap is not None:
+        return "the native kernel has no logit soft-cap"
+    if window is not None and not write_first:
+        return "a ring read before the write must skip one slot (the drivers write first)"
+    if k_cache.shape[-1] % 16:
+        return f"head_dim {k_cache.shape[-1]} is not a multiple of 16"
+    return None
 
 
 def paged_limits(k_pages: Shaped[Array, "P ..."], layout: str, *, window: int | None) -> str | None:
@@ -203,6 +247,7 @@ def contiguous_step(
     *,
     new: tuple[Float[Array, "B 1 K H"], Float[Array, "B 1 K H"]] | None = None,
     interpret: bool = False,
+    native_kernel: bool = False,
 ) -> Float[Array, "B 1 N H"]:
     """Attention of one query per sequence over slots `0 .. visible[b] - 1` of a contiguous cache, on `gqa`.
 
@@ -217,23 +262,28 @@ def contiguous_step(
       visible: slots each query sees.
       layout: the caches' layout.
       new: the new token's key and value, when the cache does not hold them.
-      interpret: run the kernel in Pallas's interpret mode.
+      interpret: run the Pallas kernel in its interpret mode.
+      native_kernel: run `kvattn.native.decode_attention` (CPU, heads-major)
+        instead of the Pallas kernel.
     """
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     num_kv_heads = k_cache.shape[layout.index("K")]
     grouped = _grouped(q, num_kv_heads)
     batch, _, group, head_dim = grouped.shape
-    if layout == HEADS_MAJOR:  # gqa swaps the axes back: XLA removes both transposes
-        k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
-    k_splits, block_k = _gqa_tiles(k_cache.shape[1])
-    o, (total, running_max) = decode_attention.gqa(
-        grouped.reshape(batch, num_kv_heads * group, head_dim), k_cache, v_cache, kv_seq_len=visible,
-        sm_scale=1.0, block_k=block_k, k_splits=k_splits, interpret=interpret, return_residuals=True,
-        normalize_output=False,
-    )
-    o = o.reshape(grouped.shape)
-    total, running_max = (x.reshape(grouped.shape[:-1]) for x in (total, running_max))
+    if native_kernel:
+        o, total, running_max = native.decode_attention(grouped, k_cache, v_cache, visible.astype(jnp.int32))
+    else:
+        if layout == HEADS_MAJOR:  # gqa swaps the axes back: XLA removes both transposes
+            k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
+        k_splits, block_k = _gqa_tiles(k_cache.shape[1])
+        o, (total, running_max) = decode_attention.gqa(
+            grouped.reshape(batch, num_kv_heads * group, head_dim), k_cache, v_cache, kv_seq_len=visible,
+            sm_scale=1.0, block_k=block_k, k_splits=k_splits, interpret=interpret, return_residuals=True,
+            normalize_output=False,
+        )
+        o = o.reshape(grouped.shape)
+        total, running_max = (x.reshape(grouped.shape[:-1]) for x in (total, running_max))
     if new is not None:
         k_new, v_new = new
         score = jnp.einsum("BKGH,BKH->BKG", grouped, k_new[:, 0])

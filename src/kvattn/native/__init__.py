@@ -1,12 +1,17 @@
 """kvattn's native kernels for XLA:CPU, called from jitted programs through XLA's FFI.
 
-One kernel so far: the int8 dot of `kvattn.quant` (`int8_dot.cc`), int8 rows
-by int8 weights laid out once in AVX512-VNNI's tile order, into exact int32.
-It is compiled with the package (`setup.py`) where a C++ compiler is found,
-and used only where it can run: its extension is present, the CPU has
-AVX512-VNNI, and JAX accepted its FFI target and got the exact products of a
-small check through it. Everywhere else `available()` is False and
-`kvattn.quant` keeps XLA's own int8 dot.
+- `int8_dot` (`int8_dot.cc`): the int8 dot of `kvattn.quant`, int8 rows by
+  int8 weights laid out once in AVX512-VNNI's tile order, into exact int32.
+- `decode_attention` (`decode_attention.cc`): one query per sequence and
+  head over a contiguous float32 heads-major cache, unnormalised with its
+  residuals, as `kvattn.kernels.contiguous_step` takes jax's Pallas GPU
+  kernel's.
+
+They are compiled with the package (`setup.py`) where a C++ compiler is
+found, and used only where they can run: the extension is present, the CPU
+has AVX512-VNNI, and JAX accepted the FFI targets and got the exact products
+of a small int8 dot through them. Everywhere else `available()` is False and
+XLA runs what they would.
 """
 
 from __future__ import annotations
@@ -16,17 +21,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int8, Int32, UInt8
+from jaxtyping import Array, Float, Int8, Int32, UInt8
 
-__all__ = ["INT8_DOT", "available", "int8_dot"]
+__all__ = ["DECODE_ATTENTION", "INT8_DOT", "available", "decode_attention", "int8_dot"]
 
-# The FFI target's name, registered for the CPU platform on first use.
+# The FFI targets' names, registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
+DECODE_ATTENTION = "kvattn_decode_attention"
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the native int8 dot is built, can run on this CPU, and is registered with JAX."""
+    """Whether the native kernels are built, can run on this CPU, and are registered with JAX."""
     try:
         from kvattn.native import compiled  # the extension setup.py builds
     except ImportError:
@@ -34,6 +40,7 @@ def available() -> bool:
     if not compiled.supported():
         return False
     jax.ffi.register_ffi_target(INT8_DOT, compiled.int8_dot(), platform="cpu")
+    jax.ffi.register_ffi_target(DECODE_ATTENTION, compiled.decode_attention(), platform="cpu")
     # A small product through the compiled call, against NumPy's: an FFI mismatch between the jaxlib the
     # extension was built against and this one fails here rather than in a model's program.
     from kvattn import quant  # which imports this module
@@ -61,3 +68,21 @@ def int8_dot(
     """
     out = jax.ShapeDtypeStruct((rows.shape[0], tiles.shape[0] * tiles.shape[2]), jnp.int32)
     return jax.ffi.ffi_call(INT8_DOT, out, vmap_method="sequential")(rows, tiles)
+
+
+def decode_attention(
+    q: Float[Array, "B K G H"], k_cache: Float[Array, "B K S H"], v_cache: Float[Array, "B K S H"],
+    visible: Int32[Array, " B"],
+) -> tuple[Float[Array, "B K G H"], Float[Array, "B K G"], Float[Array, "B K G"]]:
+    """Each query `(B, K, G, H)` over slots `0 .. visible[b] - 1` of heads-major caches: `(o, total, top)`.
+
+    `o` is `sum_s exp(score_s - top) v_s` with `score_s = q . k_s` (the
+    caller scales `q`), `total` the sum of those weights and `top` the largest
+    score: unnormalised, -inf and zeros where nothing is visible. `H` must
+    be a multiple of 16. CPU only, when `available()`; under `vmap` it runs
+    once per batch element.
+    """
+    batch, heads, group, _ = q.shape
+    residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
+    return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)

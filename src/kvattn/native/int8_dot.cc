@@ -13,8 +13,6 @@
 // out). Rows: int8 `(..., K)`. Work is split over XLA's intra-op thread pool
 // by output tiles; the handler returns a future completed by the last part.
 
-#include <Python.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -153,28 +151,11 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
 
 }  // namespace
 
+bool KvattnNativeSupported() { return Supported(); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnInt8Dot, Dot,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<TiledWeights>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
-
-// The Python module `kvattn.native.compiled`: `int8_dot()` (the FFI handler as a capsule) and `supported()`.
-
-static PyObject* Handler(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&KvattnInt8Dot), nullptr, nullptr);
-}
-
-static PyObject* IsSupported(PyObject*, PyObject*) { return PyBool_FromLong(Supported()); }
-
-static PyMethodDef kMethods[] = {
-    {"int8_dot", Handler, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
-    {"supported", IsSupported, METH_NOARGS, "Whether this CPU has the instructions the int8 dot needs."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-static PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "compiled", "kvattn's native kernels for XLA:CPU.", -1,
-                              kMethods};
-
-PyMODINIT_FUNC PyInit_compiled() { return PyModule_Create(&kModule); }

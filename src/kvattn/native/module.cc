@@ -1,0 +1,35 @@
+// The Python module `kvattn.native.compiled`: each kernel's XLA FFI handler as a PyCapsule, and
+// `supported()`, whether this CPU has the instructions they need (AVX512-VNNI, and AVX512F/BW with it).
+
+#include <Python.h>
+
+#include "xla/ffi/api/c_api.h"
+
+bool KvattnNativeSupported();
+extern "C" XLA_FFI_Error* KvattnInt8Dot(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* KvattnDecodeAttention(XLA_FFI_CallFrame* call_frame);
+
+namespace {
+
+PyObject* Int8Dot(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&KvattnInt8Dot), nullptr, nullptr);
+}
+
+PyObject* DecodeAttention(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&KvattnDecodeAttention), nullptr, nullptr);
+}
+
+PyObject* Supported(PyObject*, PyObject*) { return PyBool_FromLong(KvattnNativeSupported()); }
+
+PyMethodDef kMethods[] = {
+    {"int8_dot", Int8Dot, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
+    {"decode_attention", DecodeAttention, METH_NOARGS, "The XLA FFI handler of decode attention, as a PyCapsule."},
+    {"supported", Supported, METH_NOARGS, "Whether this CPU has the instructions the kernels need."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "compiled", "kvattn's native kernels for XLA:CPU.", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_compiled() { return PyModule_Create(&kModule); }
