@@ -149,15 +149,22 @@ def contiguous_limits(
     16 or more.
     """
     num_slots, head_dim = k_cache.shape[layout.index("S")], k_cache.shape[-1]
+    cannot = _float32_interval("decode kernel", k_cache, k_scale, window=window, write_first=write_first,
+                               logit_softcap=logit_softcap)
+    if cannot is None and num_slots % MIN_TILE:
+        cannot = f"{num_slots} slots are not a multiple of {MIN_TILE}"
+    return cannot or _head_dim_limit(head_dim)
+
+
+def _float32_interval(kernel: str, k_cache, k_scale, *, window, write_first, logit_softcap) -> str | None:
+    """What both contiguous kernels need: float32 values, no soft-cap, one interval of slots to read."""
     if k_scale is not None or k_cache.dtype != jnp.float32:
-        return f"the cache is {k_cache.dtype}; the decode kernel reads float32 caches"
+        return f"the cache is {k_cache.dtype}; the {kernel} reads float32 caches"
     if logit_softcap is not None:
-        return "the decode kernel has no logit soft-cap"
+        return f"the {kernel} has no logit soft-cap"
     if window is not None and not write_first:
         return "a ring read before the write must skip one slot (the drivers write first)"
-    if num_slots % MIN_TILE:
-        return f"{num_slots} slots are not a multiple of {MIN_TILE}"
-    return _head_dim_limit(head_dim)
+    return None
 
 
 def native_limits(
@@ -176,17 +183,13 @@ def native_limits(
     """
     if not native.available():
         return "kvattn's native kernels are not built or cannot run on this CPU"
-    if k_scale is not None or k_cache.dtype != jnp.float32:
-        return f"the cache is {k_cache.dtype}; the native kernel reads float32 caches"
     if layout != HEADS_MAJOR:
         return "the native kernel reads heads-major caches"
-    if logit_softcap is not None:
-        return "the native kernel has no logit soft-cap"
-    if window is not None and not write_first:
-        return "a ring read before the write must skip one slot (the drivers write first)"
-    if k_cache.shape[-1] % 16:
-        return f"head_dim {k_cache.shape[-1]} is not a multiple of 16"
-    return None
+    cannot = _float32_interval("native kernel", k_cache, k_scale, window=window, write_first=write_first,
+                               logit_softcap=logit_softcap)
+    if cannot is None and k_cache.shape[-1] % 16:
+        cannot = f"head_dim {k_cache.shape[-1]} is not a multiple of 16"
+    return cannot
 
 
 def paged_limits(k_pages: Shaped[Array, "P ..."], layout: str, *, window: int | None) -> str | None:
