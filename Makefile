@@ -27,7 +27,7 @@ demo: $(STAMP)
 # site last (its examples already ran as doctests in the suite). The suite
 # runs a test file per core (pytest-xdist), so a file's compiled programs stay
 # shared between its tests.
-test: plain-install $(STAMP)
+test: plain-install
 	$(BIN)/python -m pytest -q -n auto --dist loadfile
 	$(MAKE) docs
 
@@ -38,11 +38,15 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # Built afresh every time, from a non-editable install: the README Quickstart
-# must run with only the declared run-time dependencies.
-plain-install:
-	rm -rf $(PLAIN)
+# must run with only the declared run-time dependencies. The wheel is built
+# with .venv's build requirements (jaxlib for the native kernels' headers)
+# rather than in a throwaway build environment that installs them again;
+# the plain environment gets the wheel and its declared dependencies only.
+plain-install: $(STAMP)
+	rm -rf $(PLAIN) build/plain
+	$(BIN)/python -m pip wheel --quiet --no-build-isolation --no-deps -w build/plain .
 	$(PYTHON) -m venv $(PLAIN)
-	$(PLAIN)/bin/python -m pip install --quiet -c constraints.txt .
+	$(PLAIN)/bin/python -m pip install --quiet -c constraints.txt build/plain/kvattn-*.whl
 	cd tools && ../$(PLAIN)/bin/python check_quickstart.py ../README.md
 
 # The benchmarks live in benchmarks/ beside the package, not in the wheel; options: python -m benchmarks --help
