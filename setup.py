@@ -23,7 +23,8 @@ setup(
         Extension(
             "kvattn.native.compiled",
             sources=[f"src/kvattn/native/{name}.cc" for name in ("module", "int8_dot", "decode_attention")],
-            include_dirs=[ffi_headers()],
+            include_dirs=["src", ffi_headers()],  # kvattn/native/native.h, xla/ffi/api/ffi.h
+            depends=["src/kvattn/native/native.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
             optional=True,

@@ -23,14 +23,16 @@
 #include <limits>
 #include <vector>
 
+#include "kvattn/native/native.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVATTN_X86 1
+#ifdef KVATTN_X86
 #include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
+using kvattn::Failed;
+using kvattn::Supported;
 
 namespace {
 
@@ -104,18 +106,13 @@ void Pair(const float*, const float*, const float*, int64_t, int64_t, int64_t, f
 
 #endif  // KVATTN_X86
 
-ffi::Future Failed(const char* message) {
-  ffi::Promise failed;
-  failed.SetError(ffi::Error::InvalidArgument(message));
-  return ffi::Future(failed);
-}
-
 using Rank4 = ffi::Buffer<ffi::F32, 4>;
 using Rank3 = ffi::Buffer<ffi::F32, 3>;
 using Lengths = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Lengths visible, ffi::Result<Rank4> o,
                    ffi::Result<Rank3> total, ffi::Result<Rank3> top) {
+  if (!Supported()) return Failed("kvattn's decode attention needs AVX512, which this CPU lacks");
   const auto qd = q.dimensions(), kd = keys.dimensions();
   const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], S = kd[2];
   const auto vd = values.dimensions();

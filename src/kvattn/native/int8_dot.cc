@@ -18,14 +18,16 @@
 #include <cstring>
 #include <memory>
 
+#include "kvattn/native/native.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVATTN_X86 1
+#ifdef KVATTN_X86
 #include <immintrin.h>
 #endif
 
 namespace ffi = xla::ffi;
+using kvattn::Failed;
+using kvattn::Supported;
 
 namespace {
 
@@ -98,24 +100,12 @@ void Part(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const int32_t
   }
 }
 
-bool Supported() {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
-}
-
 #else
 
 void Part(const int8_t*, int64_t, int64_t, const uint8_t*, const int32_t*, int32_t*, int64_t, int64_t,
           int64_t) {}
-bool Supported() { return false; }
 
 #endif  // KVATTN_X86
-
-ffi::Future Failed(const char* message) {
-  ffi::Promise failed;
-  failed.SetError(ffi::Error::InvalidArgument(message));
-  return ffi::Future(failed);
-}
 
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
   if (!Supported()) return Failed("kvattn's int8 dot needs AVX512-VNNI, which this CPU lacks");
@@ -150,8 +140,6 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
 }
 
 }  // namespace
-
-bool KvattnNativeSupported() { return Supported(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnInt8Dot, Dot,
                               ffi::Ffi::Bind()

@@ -3,9 +3,9 @@
 
 #include <Python.h>
 
+#include "kvattn/native/native.h"
 #include "xla/ffi/api/c_api.h"
 
-bool KvattnNativeSupported();
 extern "C" XLA_FFI_Error* KvattnInt8Dot(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* KvattnDecodeAttention(XLA_FFI_CallFrame* call_frame);
 
@@ -19,7 +19,7 @@ PyObject* DecodeAttention(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&KvattnDecodeAttention), nullptr, nullptr);
 }
 
-PyObject* Supported(PyObject*, PyObject*) { return PyBool_FromLong(KvattnNativeSupported()); }
+PyObject* Supported(PyObject*, PyObject*) { return PyBool_FromLong(kvattn::Supported()); }
 
 PyMethodDef kMethods[] = {
     {"int8_dot", Int8Dot, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
