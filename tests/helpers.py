@@ -6,6 +6,7 @@ Test modules import from here and from `tests.reference`, never from each other.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import jax
@@ -19,6 +20,11 @@ from kvattn.paging import PageManager
 # The tiny Hugging Face checkpoints and transformers' outputs (made by tools/make_hf_fixtures.py).
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+
+
+def default_compile_env() -> dict[str, str]:
+    """This process's environment with `XLA_FLAGS` as the suite found it, before conftest.py's compile settings."""
+    return {**os.environ, "XLA_FLAGS": os.environ.get("KVATTN_TESTS_XLA_FLAGS_FOUND", "")}
 
 
 def expected(family: str) -> dict:

@@ -47,7 +47,9 @@ def launch(scenario: str, num_processes: int, timeout: float = 120.0, **kwargs) 
         outputs = [Path(tmp) / f"out{i}.pkl" for i in range(num_processes)]
         logs = [Path(tmp) / f"log{i}.txt" for i in range(num_processes)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+        # The parent's XLA_FLAGS (the suite's compile settings, conftest.py), then this run's device count.
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+        env["XLA_FLAGS"] = flags.strip()
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
         children = []
         try:
