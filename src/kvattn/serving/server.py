@@ -17,7 +17,8 @@ fixed shapes, so requests come and go without a recompilation.
   prefills only the rest. Prefill chunks start at multiples of `chunk` (a
   multiple of the page size) in absolute positions, so a hit runs the very
   programs a cold run would, and, with greedy decoding, gives bit-identical
-  outputs.
+  outputs (a preempted request recomputes its generated tokens as prompt
+  chunks: the same tokens, log-probabilities equal to rounding).
 - Running out of pages preempts the request admitted last (a recomputed
   request keeps its first admission's place, so it is not the first victim
   again): its pages are freed (its full pages stay in the prefix cache) and
