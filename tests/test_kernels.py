@@ -2,9 +2,9 @@
 
 The Pallas kernels run in interpret mode, which compiles slowly, so every
 Pallas test keeps one tiny shape and draws only data (lengths, page tables,
-pool contents): one compile per test. The native CPU kernel
-(`kvattn.native.decode_attention`) runs compiled, over drawn shapes too,
-where it is built. The dispatch rule is checked by tracing, with the GPU
+pool contents): one compile per test. The native CPU kernels
+(`kvattn.native.decode_attention`, `prefill_attention`) run compiled, over
+drawn shapes too, where they are built. The dispatch rule is checked by tracing, with the GPU
 check replaced; nothing here lowers a kernel for a GPU.
 """
 
@@ -187,6 +187,37 @@ def test_the_native_kernel_gives_the_float64_softmax_sums(batch, kv_heads, group
         np.testing.assert_allclose(o[b], np.einsum("kgs,ksh->kgh", weights, values[b, :, :seen]), rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), kv_heads=st.integers(1, 3), group=st.integers(1, 4), new=st.integers(1, 11),
+       head_dim=st.sampled_from([16, 32, 64, 80, 128]), slots=st.integers(1, 40),
+       spread=st.sampled_from([0.1, 1.0, 8.0]), seed=st.integers(0, 2**16))
+def test_the_native_prefill_kernel_equals_the_float64_reference(batch, kv_heads, group, new, head_dim, slots, spread,
+                                                                 seed):
+    """A chunk over filled cache slots and causally over itself: every fill from none to all, ragged and padding rows.
+
+    Head dims past 64 take two passes over the values; rows come in blocks of
+    four (a group of 3 splits a token across blocks); keys in pairs of 16.
+    """
+    rng = np.random.default_rng(seed)
+    heads = kv_heads * group
+    q = (spread * rng.standard_normal((batch, new, heads, head_dim))).astype(np.float32)
+    k_new, v_new = rng.standard_normal((2, batch, new, kv_heads, head_dim)).astype(np.float32)
+    keys, values = rng.standard_normal((2, batch, kv_heads, slots, head_dim)).astype(np.float32)
+    cache_len = rng.integers(0, slots + 1, batch).astype(np.int32)
+    new_len = rng.integers(0, new + 1, batch).astype(np.int32)
+    cache_len[0], new_len[0] = (slots, new) if seed % 2 else (0, new)
+    got = np.asarray(jax.jit(kernels.contiguous_chunk)(*(jnp.asarray(x) for x in (q, k_new, v_new, new_len, keys,
+                                                                                   values, cache_len))))
+    for b in range(batch):
+        np.testing.assert_array_equal(got[b, new_len[b]:], 0.0)  # padding queries
+        if new_len[b]:
+            k_seq = np.concatenate([keys[b, :, : cache_len[b]].transpose(1, 0, 2), k_new[b, : new_len[b]]])
+            v_seq = np.concatenate([values[b, :, : cache_len[b]].transpose(1, 0, 2), v_new[b, : new_len[b]]])
+            want = reference_attention(q[b, : new_len[b]], k_seq, v_seq, cache_len[b] + np.arange(new_len[b]))
+            assert_close(got[b, : new_len[b]], want)
+
+
 # --------------------------------------------------------- through the layer
 
 IN_FEATURES, NUM_HEADS, NUM_KV_HEADS, MAX_LEN = 64, 4, 2, 16  # head_dim 16
@@ -338,6 +369,32 @@ def test_auto_runs_the_native_kernel_on_a_cpu_for_a_decode_step_it_serves():
     for why, options in RUNS_XLA.items():
         if why != "slots not a multiple of 16":  # the native kernel reads any number of slots
             assert native.DECODE_ATTENTION not in attention_jaxpr(config(**options), write_first=True), why
+
+
+@needs_native
+def test_auto_runs_the_native_prefill_kernel_on_a_cpu_for_a_chunk_it_serves(monkeypatch):
+    """A chunk read first over a contiguous float32 heads-major cache; never a step, never where XLA's path is kept."""
+    assert native.PREFILL_ATTENTION in attention_jaxpr(config(cache_layout="heads_major"), num_new=3)
+    assert native.PREFILL_ATTENTION not in attention_jaxpr(config(cache_layout="heads_major"))
+    keeps_xla = {**RUNS_XLA, "window": {"cache_layout": "heads_major", "window": 32},
+                 "forced pallas": {"cache_layout": "heads_major", "decode_kernel": "pallas"}}
+    for why, options in keeps_xla.items():
+        if why != "slots not a multiple of 16":
+            assert native.PREFILL_ATTENTION not in attention_jaxpr(config(**options), num_new=3), why
+    assert native.PREFILL_ATTENTION not in attention_jaxpr(config(cache_layout="heads_major"), num_new=3,
+                                                           write_first=True)
+    monkeypatch.setattr(kernels, "on_gpu", lambda: True)
+    assert native.PREFILL_ATTENTION not in attention_jaxpr(config(cache_layout="heads_major"), num_new=3)
+
+
+@pytest.mark.parametrize(
+    ("mode", "native_cannot", "on_gpu", "path"),
+    [("auto", None, False, "native"), ("auto", "why", False, "xla"), ("auto", None, True, "xla"),
+     ("xla", None, False, "xla"), ("pallas", None, False, "xla"), ("interpret", None, False, "xla")],
+)
+def test_chunk_route(monkeypatch, mode, native_cannot, on_gpu, path):
+    monkeypatch.setattr(kernels, "on_gpu", lambda: on_gpu)
+    assert kernels.chunk_route(mode, native_cannot) == path
 
 
 def test_a_forced_kernel_refuses_what_it_cannot_serve(gpu):

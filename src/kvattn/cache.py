@@ -117,19 +117,27 @@ class KVCache:
         tokens now and reads the cache alone (one pass, fewer ops per step). A
         ring chunk of several tokens cannot be written first (a later token
         would overwrite a slot an earlier one still sees): refused. A decode
-        step may run on a Pallas or native kernel instead (`kvattn.kernels.route`).
+        step may run on a Pallas or native kernel instead (`kvattn.kernels.route`),
+        a chunk read first on the native prefill kernel (`kvattn.kernels.chunk_route`).
         """
         if write_first and self.window is not None and q.shape[1] > 1:
             raise ValueError(f"a ring chunk of {q.shape[1]} tokens must be read first; use write_first only for steps")
         old_pos = self.pos
         cache = append(self, k, v, written) if write_first else self
         limits = dict(window=self.window, write_first=write_first, logit_softcap=options["logit_softcap"])
-        path = "xla" if q.shape[1] > 1 else kernels.route(
-            self.kernel,
-            kernels.contiguous_limits(self.k.values, self.k.scale, self.layout, **limits),
-            in_place=self.layout == HEADS_MAJOR,
-            native_cannot=kernels.native_limits(self.k.values, self.k.scale, self.layout, **limits),
-        )
+        native_cannot = kernels.native_limits(self.k.values, self.k.scale, self.layout, **limits)
+        if q.shape[1] > 1:  # a chunk: the native prefill kernel reads first
+            if not write_first and kernels.chunk_route(self.kernel, native_cannot) == "native":
+                ctx = kernels.contiguous_chunk(q, k, v, lengths, self.k.values, self.v.values, old_pos)
+                return ctx, cache
+            path = "xla"
+        else:
+            path = kernels.route(
+                self.kernel,
+                kernels.contiguous_limits(self.k.values, self.k.scale, self.layout, **limits),
+                in_place=self.layout == HEADS_MAJOR,
+                native_cannot=native_cannot,
+            )
         if path != "xla":
             return cache._kernel_read(q, k, v, lengths, written, old_pos, write_first, path), cache
 

@@ -1,4 +1,4 @@
-"""Decode-step attention through jax's Pallas GPU kernels or kvattn's native CPU kernel, and the rule that picks them.
+"""Attention through jax's Pallas GPU kernels or kvattn's native CPU kernels, and the rules that pick them.
 
 A decode step (one new token per sequence) reads the whole cache once; on a
 GPU, jax's Pallas kernels do that in one pass, split over the slots:
@@ -15,7 +15,10 @@ GPU, jax's Pallas kernels do that in one pass, split over the slots:
 On XLA:CPU, a contiguous float32 heads-major cache goes through
 `kvattn.native.decode_attention` instead (AVX512), where it is built and
 the CPU runs it: one pass over the visible slots, where XLA's path reads a
-bucket of the cache under a `cond` in several thunks.
+bucket of the cache under a `cond` in several thunks. A chunk of several new
+tokens (a prefill) over such a cache goes through
+`kvattn.native.prefill_attention` (`chunk_route`, `contiguous_chunk`): no
+Pallas kernel here takes chunks.
 
 All return unnormalised partial sums (per split of the slots), which are
 combined here (a new token that the cache does not hold yet joins as one
@@ -25,7 +28,8 @@ more term), so a query that sees nothing gets exact zeros, as from
 `route` decides, per call, from `AttentionConfig.decode_kernel` (carried by
 the cache types as their static `kernel` field) and from what the call asks:
 
-- `"xla"`, or more than one new token per sequence (prefill): `kvattn.ops`.
+- `"xla"`: `kvattn.ops`; more than one new token per sequence (prefill)
+  takes `chunk_route` instead.
 - `"auto"`: the Pallas kernel when `jax.default_backend()` is `"gpu"`, the
   layer is not sharded, the kernel serves the call (see `contiguous_limits`,
   `paged_limits`) and reads the cache in place; on the CPU, the native
@@ -56,8 +60,8 @@ from kvattn.config import LAYOUTS
 from kvattn.errors import UnsupportedConfigError
 
 __all__ = [
-    "cache_kernel", "contiguous_limits", "contiguous_step", "native_limits", "on_gpu", "paged_limits", "paged_step",
-    "route",
+    "cache_kernel", "chunk_route", "contiguous_chunk", "contiguous_limits", "contiguous_step", "native_limits",
+    "on_gpu", "paged_limits", "paged_step", "route",
 ]
 
 SLOTS_MAJOR = LAYOUTS["slots_major"]
@@ -120,6 +124,18 @@ def route(mode: str, cannot: str | None, *, in_place: bool = True,
     return mode
 
 
+def chunk_route(mode: str, native_cannot: str | None) -> str:
+    """Which path a chunk of several new tokens per sequence takes: `"native"` or `"xla"`.
+
+    The native prefill kernel under `"auto"` on a CPU backend, where it
+    serves the call (`native_limits`, read first); XLA everywhere else. No
+    Pallas kernel takes chunks, so a forced decode kernel (`"pallas"`,
+    `"interpret"`) leaves them on XLA rather than refusing them.
+    """
+    usable = native_cannot is None and not on_gpu() and jax.default_backend() == "cpu"
+    return "native" if mode == "auto" and usable else "xla"
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -176,10 +192,12 @@ def native_limits(
     write_first: bool,
     logit_softcap: float | None,
 ) -> str | None:
-    """Why `kvattn.native.decode_attention` cannot serve a decode step over this contiguous cache, or None.
+    """Why kvattn's native kernels cannot serve a call over this contiguous cache, or None.
 
-    It reads float32 heads-major caches (one interval of slots, as the
-    Pallas kernel), has no soft-cap, and takes head dims in 16-float vectors.
+    `kvattn.native.decode_attention` (a step) and `prefill_attention` (a
+    chunk, read first) read float32 heads-major caches (one interval of
+    slots, as the Pallas kernel), have no soft-cap, and take head dims in
+    16-float vectors.
     """
     if not native.available():
         return "kvattn's native kernels are not built or cannot run on this CPU"
@@ -295,6 +313,26 @@ def contiguous_step(
         o = o * old[..., None] + fresh[..., None] * v_new[:, 0, :, None, :]
         total = total * old + fresh
     return _normalised(o, total, new_len)
+
+
+def contiguous_chunk(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B T K H"],
+    v: Float[Array, "B T K H"],
+    new_len: Int[Array, " B"],
+    k_cache: Float[Array, "B K S H"],
+    v_cache: Float[Array, "B K S H"],
+    cache_len: Int[Array, " B"],
+) -> Float[Array, "B T N H"]:
+    """`kvattn.ops.attention` of a chunk read first over a float32 heads-major cache, natively.
+
+    On `kvattn.native.prefill_attention`: no window and no soft-cap
+    (`native_limits`); queries unscaled, as `kvattn.ops` takes them.
+    """
+    scaled = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
+    return native.prefill_attention(
+        scaled, k, v, k_cache, v_cache, cache_len.astype(jnp.int32), new_len.astype(jnp.int32)
+    )
 
 
 # ------------------------------------------------------------------- paged pools

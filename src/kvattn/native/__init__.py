@@ -6,6 +6,10 @@
   head over a contiguous float32 heads-major cache, unnormalised with its
   residuals, as `kvattn.kernels.contiguous_step` takes jax's Pallas GPU
   kernel's.
+- `prefill_attention` (`prefill_attention.cc`): a chunk of new tokens over
+  a contiguous float32 heads-major cache and causally over themselves,
+  normalised, as `kvattn.ops.attention` computes it without a window or a
+  soft-cap.
 
 They are compiled with the package (`setup.py`) where a C++ compiler is
 found, and used only where they can run: the extension is present, the CPU
@@ -23,11 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8, Int32, UInt8
 
-__all__ = ["DECODE_ATTENTION", "INT8_DOT", "available", "decode_attention", "int8_dot"]
+__all__ = [
+    "DECODE_ATTENTION", "INT8_DOT", "PREFILL_ATTENTION", "available", "decode_attention", "int8_dot",
+    "prefill_attention",
+]
 
 # The FFI targets' names, registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
 DECODE_ATTENTION = "kvattn_decode_attention"
+PREFILL_ATTENTION = "kvattn_prefill_attention"
 
 
 @functools.cache
@@ -41,6 +49,7 @@ def available() -> bool:
         return False
     jax.ffi.register_ffi_target(INT8_DOT, compiled.int8_dot(), platform="cpu")
     jax.ffi.register_ffi_target(DECODE_ATTENTION, compiled.decode_attention(), platform="cpu")
+    jax.ffi.register_ffi_target(PREFILL_ATTENTION, compiled.prefill_attention(), platform="cpu")
     # A small product through the compiled call, against NumPy's: an FFI mismatch between the jaxlib the
     # extension was built against and this one fails here rather than in a model's program.
     from kvattn import quant  # which imports this module
@@ -86,3 +95,22 @@ def decode_attention(
     residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
     out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
     return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)
+
+
+def prefill_attention(
+    q: Float[Array, "B T N H"], k_new: Float[Array, "B T K H"], v_new: Float[Array, "B T K H"],
+    k_cache: Float[Array, "B K S H"], v_cache: Float[Array, "B K S H"], cache_len: Int32[Array, " B"],
+    new_len: Int32[Array, " B"],
+) -> Float[Array, "B T N H"]:
+    """Causal attention of new tokens over `cache_len[b]` filled slots of heads-major caches and over themselves.
+
+    New token `t < new_len[b]` of query head `n` (kv head `n // (N // K)`)
+    sees slots `0 .. cache_len[b] - 1` and new tokens `0 .. t`; later
+    queries are padding and get zeros. The caller scales `q`. `H` must be a
+    multiple of 16. CPU only, when `available()`; under `vmap` it runs once
+    per batch element.
+    """
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(PREFILL_ATTENTION, out, vmap_method="sequential")(
+        q, k_new, v_new, k_cache, v_cache, cache_len, new_len
+    )

@@ -9,8 +9,7 @@
 // unnormalised, as jax's Pallas decode kernel returns them with its
 // residuals, so `kvattn.kernels.contiguous_step` folds in the new token and
 // divides alike for both. Slots at or past visible[b] are never read; with
-// none visible, o and total are 0 and top is -inf. exp is a vectorised
-// polynomial (Cephes' expf: relative error below 2e-7) scaled by 2^n.
+// none visible, o and total are 0 and top is -inf (exp: `kvattn::Exp`).
 //
 // XLA's own path for this step reads a cache bucket under a `cond`, with a
 // scores dot, a masked softmax and a values dot as separate thunks; this
@@ -26,10 +25,6 @@
 #include "kvattn/native/native.h"
 #include "xla/ffi/api/ffi.h"
 
-#ifdef KVATTN_X86
-#include <immintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
 using kvattn::Failed;
 using kvattn::Supported;
@@ -38,23 +33,7 @@ namespace {
 
 #ifdef KVATTN_X86
 
-#define KVATTN_AVX512 __attribute__((target("avx512f")))
-
-KVATTN_AVX512 inline __m512 Exp(__m512 x) {  // x <= 0
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // below, exp rounds to 0 in float32 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using kvattn::Exp;
 
 // One (b, k) pair: G queries of H (a multiple of 16) over `visible` slots of `keys` and `values` (S, H).
 KVATTN_AVX512 void Pair(const float* q, const float* keys, const float* values, int64_t visible, int64_t G,

@@ -8,6 +8,7 @@
 
 extern "C" XLA_FFI_Error* KvattnInt8Dot(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* KvattnDecodeAttention(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* KvattnPrefillAttention(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
@@ -19,11 +20,17 @@ PyObject* DecodeAttention(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&KvattnDecodeAttention), nullptr, nullptr);
 }
 
+PyObject* PrefillAttention(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&KvattnPrefillAttention), nullptr, nullptr);
+}
+
 PyObject* Supported(PyObject*, PyObject*) { return PyBool_FromLong(kvattn::Supported()); }
 
 PyMethodDef kMethods[] = {
     {"int8_dot", Int8Dot, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
     {"decode_attention", DecodeAttention, METH_NOARGS, "The XLA FFI handler of decode attention, as a PyCapsule."},
+    {"prefill_attention", PrefillAttention, METH_NOARGS,
+     "The XLA FFI handler of prefill (chunk) attention, as a PyCapsule."},
     {"supported", Supported, METH_NOARGS, "Whether this CPU has the instructions the kernels need."},
     {nullptr, nullptr, 0, nullptr},
 };
