@@ -284,6 +284,26 @@ def test_contiguous_layer_and_ring_decoder_on_the_kernel_equal_the_reference():
                 assert_close(got[b], model.append(b, x[b]))
 
 
+@needs_native
+def test_a_cached_layer_differentiates_on_the_native_kernels_as_on_xla():
+    """An FFI call has no derivatives of its own: the native kernels take those of the same sums in jax.numpy."""
+    rng = np.random.default_rng(2)
+    xs, x = tokens(rng, 3, 5), tokens(rng, 3)
+    lengths, ones = jnp.asarray([5, 3, 0], jnp.int32), jnp.ones((3,), jnp.int32)
+    grads = {}
+    for kernel in ("auto", "xla"):
+        built = layer(cache_layout="heads_major", max_len=MAX_LEN, decode_kernel=kernel)
+
+        def loss(weights, xs, x, built=built):  # a ragged prefill, then a step
+            ys, cache = extend(weights, built.cache, xs, lengths, config=built.config)
+            y, _ = extend(weights, cache, x[:, None], ones, config=built.config)
+            return jnp.sum(ys**2) + jnp.sum(jnp.sin(y))
+
+        grads[kernel] = jax.grad(loss, argnums=(0, 1, 2))(built.weights, xs, x)
+    for got, want in zip(jax.tree.leaves(grads["auto"]), jax.tree.leaves(grads["xla"]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------ the rule
 
 
