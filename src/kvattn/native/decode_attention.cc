@@ -106,24 +106,14 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Leng
   float* op = o->typed_data();
   float* tp = total->typed_data();
   float* mp = top->typed_data();
-  const int64_t pairs = B * K;
-  const int64_t parts = std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(1, pairs));
-  ffi::CountDownPromise done(parts);
-  ffi::Future future(done);
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t first = pairs * p / parts, last = pairs * (p + 1) / parts;
-    pool.Schedule([=]() mutable {
-      std::vector<float> scores;
-      for (int64_t pair = first; pair < last; ++pair) {
-        const int64_t b = pair / K;
-        const int64_t n = std::clamp<int64_t>(seen[b], 0, S);
-        Pair(qp + pair * G * H, kp + pair * S * H, vp + pair * S * H, n, G, H, op + pair * G * H, tp + pair * G,
-             mp + pair * G, scores);
-      }
-      done.CountDown(1);
-    });
-  }
-  return future;
+  return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
+    std::vector<float> scores;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t n = std::clamp<int64_t>(seen[pair / K], 0, S);
+      Pair(qp + pair * G * H, kp + pair * S * H, vp + pair * S * H, n, G, H, op + pair * G * H, tp + pair * G,
+           mp + pair * G, scores);
+    }
+  });
 }
 
 }  // namespace

@@ -126,17 +126,9 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
   }
   const uint8_t* weights = w.typed_data();
   int32_t* result = out->typed_data();
-  const int64_t parts = std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(1, tiles / 8));
-  ffi::CountDownPromise done(parts);
-  ffi::Future future(done);
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t t0 = tiles * p / parts, t1 = tiles * (p + 1) / parts;
-    pool.Schedule([=]() mutable {
-      Part(rows, M, K, weights, shift.get(), result, N, t0, t1);
-      done.CountDown(1);
-    });
-  }
-  return future;
+  return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
+    Part(rows, M, K, weights, shift.get(), result, N, first, last);
+  });
 }
 
 }  // namespace

@@ -1,7 +1,11 @@
-// What kvattn's native kernels share: the CPU check and a handler's refusal.
+// What kvattn's native kernels share: the CPU check, a handler's refusal, the split over XLA's thread pool
+// and exp.
 
 #ifndef KVATTN_NATIVE_NATIVE_H_
 #define KVATTN_NATIVE_NATIVE_H_
+
+#include <algorithm>
+#include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +32,23 @@ inline xla::ffi::Future Failed(const char* message) {
   xla::ffi::Promise failed;
   failed.SetError(xla::ffi::Error::InvalidArgument(message));
   return xla::ffi::Future(failed);
+}
+
+// Runs work(first, last) over items [0, items), split into at most min(the pool's threads, most_parts) parts
+// on XLA's intra-op thread pool; the returned future completes when the last part has.
+template <typename Work>
+xla::ffi::Future Split(xla::ffi::ThreadPool& pool, int64_t items, int64_t most_parts, Work work) {
+  const int64_t parts = std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(1, most_parts));
+  xla::ffi::CountDownPromise done(parts);
+  xla::ffi::Future future(done);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t first = items * p / parts, last = items * (p + 1) / parts;
+    pool.Schedule([=]() mutable {
+      work(first, last);
+      done.CountDown(1);
+    });
+  }
+  return future;
 }
 
 #ifdef KVATTN_X86

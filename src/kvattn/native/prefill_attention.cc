@@ -178,23 +178,14 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank
   const float *kcp = k_cache.typed_data(), *vcp = v_cache.typed_data();
   const int32_t *held = cache_len.typed_data(), *added = new_len.typed_data();
   float* op = out->typed_data();
-  const int64_t pairs = B * K;
-  const int64_t parts = std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(1, pairs));
-  ffi::CountDownPromise done(parts);
-  ffi::Future future(done);
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t first = pairs * p / parts, last = pairs * (p + 1) / parts;
-    pool.Schedule([=]() mutable {
-      Scratch scratch;
-      for (int64_t pair = first; pair < last; ++pair) {
-        const int64_t b = pair / K;
-        Pair(shape, b, pair % K, qp, knp, vnp, kcp, vcp, std::clamp<int64_t>(held[b], 0, S),
-             std::clamp<int64_t>(added[b], 0, T), op, scratch);
-      }
-      done.CountDown(1);
-    });
-  }
-  return future;
+  return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
+    Scratch scratch;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t b = pair / K;
+      Pair(shape, b, pair % K, qp, knp, vnp, kcp, vcp, std::clamp<int64_t>(held[b], 0, S),
+           std::clamp<int64_t>(added[b], 0, T), op, scratch);
+    }
+  });
 }
 
 }  // namespace
