@@ -20,10 +20,11 @@ tokens (a prefill) over such a cache goes through
 `kvattn.native.prefill_attention` (`chunk_route`, `contiguous_chunk`): no
 Pallas kernel here takes chunks.
 
-All return unnormalised partial sums (per split of the slots), which are
-combined here (a new token that the cache does not hold yet joins as one
-more term), so a query that sees nothing gets exact zeros, as from
-`kvattn.ops`, rather than the kernels' `0 / eps`.
+The decode kernels return unnormalised partial sums (per split of the
+slots), which are combined here (a new token that the cache does not hold
+yet joins as one more term), so a query that sees nothing gets exact zeros,
+as from `kvattn.ops`, rather than the kernels' `0 / eps`. The prefill kernel
+returns normalised outputs, zeros for padding queries.
 
 `route` decides, per call, from `AttentionConfig.decode_kernel` (carried by
 the cache types as their static `kernel` field) and from what the call asks:

@@ -196,8 +196,8 @@ def apply_rope(
     cos = (jnp.cos(angles) * attention_factor)[:, :, None, None, :]
     sin = (jnp.sin(angles) * attention_factor)[:, :, None, None, :]
     rotated = x[..., :rotary_dim].astype(jnp.float32)
-    # Each pair as an axis of 2, so a rotation is x * cos + swapped(x) * (-sin, sin): a reverse, which XLA
-    # fuses as an index map, where halves joined by a concatenate cost a branch per element (~8x slower on CPU).
+    # Each pair as an axis of 2, so a rotation is x * cos + flip(x) * (-sin, sin), bit for bit what the halves
+    # joined by a concatenate give; XLA:CPU fuses the flip ~3x faster (a 128-token prefill at B=8: 37 -> 13 ms).
     pair_axis = -1 if rope.interleaved else -2
     pairs = rotated.reshape(*x.shape[:-1], *((rotary_dim // 2, 2) if rope.interleaved else (2, rotary_dim // 2)))
     if rope.interleaved:
