@@ -9,15 +9,14 @@ import os
 # The suite's programs are tiny, so compiling them is most of its time: XLA:CPU's LLVM backend runs
 # without optimisation here (about a third less CPU for the suite). The HLO passes, fusions and YNNPACK
 # calls stay XLA's defaults; subprocesses (servers, the mesh and multi-host checks) inherit the setting.
-# A user's own XLA_FLAGS naming either flag wins: XLA_FLAGS=--xla_backend_optimization_level=2 make test
-# runs the suite as compiled by default. The flags found are kept for the one check that needs XLA's
-# defaults in a process of its own (tests.helpers.default_compile_env).
+# A user's own XLA_FLAGS naming either flag leaves both out: XLA_FLAGS=--xla_backend_optimization_level=2
+# make test runs the suite as compiled by default. The flags found are kept for the one check that needs
+# XLA's defaults in a process of its own (tests.helpers.default_compile_env).
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 _found = os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("KVATTN_TESTS_XLA_FLAGS_FOUND", _found)
-os.environ["XLA_FLAGS"] = " ".join(
-    [_found, *(flag for flag in FAST_COMPILE if flag.split("=")[0] not in _found)]
-).strip()
+if not any(flag.split("=")[0] in _found for flag in FAST_COMPILE):
+    os.environ["XLA_FLAGS"] = " ".join([_found, *FAST_COMPILE]).strip()
 
 import jax  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
