@@ -89,10 +89,13 @@ def decode_attention(
     caller scales `q`), `total` the sum of those weights and `top` the largest
     score: unnormalised, -inf and zeros where nothing is visible. `H` must
     be a multiple of 16. CPU only, when `available()`; under `vmap` it runs
-    once per batch element. Differentiable: its derivatives are those of the
-    same sums in `jax.numpy`.
+    once per batch element. An FFI call has no derivatives: `kvattn.kernels`
+    gives it those of its XLA twin.
     """
-    return _decode_call(q, k_cache, v_cache, visible)
+    batch, heads, group, _ = q.shape
+    residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
+    return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)
 
 
 def prefill_attention(
@@ -106,60 +109,8 @@ def prefill_attention(
     sees slots `0 .. cache_len[b] - 1` and new tokens `0 .. t`; later
     queries are padding and get zeros. The caller scales `q`. `H` must be a
     multiple of 16. CPU only, when `available()`; under `vmap` it runs once
-    per batch element. Differentiable, as `decode_attention`.
+    per batch element. No derivatives, as `decode_attention`.
     """
-    return _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
-
-
-# An FFI call has no derivatives of its own: each kernel's are those of the same computation written in
-# jax.numpy below, so a cached layer differentiates on the native path as on XLA's.
-
-
-def _with_derivatives_of(computation):
-    """A `jax.custom_jvp` of the decorated kernel whose derivatives are `computation`'s."""
-
-    def wrap(kernel):
-        call = jax.custom_jvp(kernel)
-        call.defjvp(lambda primals, tangents: jax.jvp(computation, primals, tangents))
-        return call
-
-    return wrap
-
-
-def _decode_sums(q, k_cache, v_cache, visible):
-    seen = jnp.arange(k_cache.shape[2])[None, None, None, :] < visible[:, None, None, None]
-    scores = jnp.where(seen, jnp.einsum("bkgh,bksh->bkgs", q, k_cache), -jnp.inf)
-    top = jnp.max(scores, axis=-1)
-    weights = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None]), 0.0)
-    return jnp.einsum("bkgs,bksh->bkgh", weights, v_cache), jnp.sum(weights, axis=-1), top
-
-
-def _prefill(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
-    batch, num_new, num_heads, head_dim = q.shape
-    num_kv_heads, num_slots = k_cache.shape[1], k_cache.shape[2]
-    grouped = q.reshape(batch, num_new, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    keys = jnp.concatenate([k_cache, jnp.swapaxes(k_new, 1, 2)], axis=2)  # B K S+T H
-    values = jnp.concatenate([v_cache, jnp.swapaxes(v_new, 1, 2)], axis=2)
-    t = jnp.arange(num_new)
-    old = jnp.broadcast_to(jnp.arange(num_slots)[None, None, :] < cache_len[:, None, None], (batch, num_new, num_slots))
-    new = jnp.broadcast_to(t[None, :] <= t[:, None], (batch, num_new, num_new))
-    seen = jnp.concatenate([old, new], axis=-1)[:, :, None, None, :]
-    scores = jnp.where(seen, jnp.einsum("btkgh,bksh->btkgs", grouped, keys), -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    ctx = jnp.einsum("btkgs,bksh->btkgh", weights, values).reshape(q.shape)
-    return jnp.where((t[None, :] < new_len[:, None])[:, :, None, None], ctx, 0.0)
-
-
-@_with_derivatives_of(_decode_sums)
-def _decode_call(q, k_cache, v_cache, visible):
-    batch, heads, group, _ = q.shape
-    residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
-    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
-    return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)
-
-
-@_with_derivatives_of(_prefill)
-def _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(PREFILL_ATTENTION, out, vmap_method="sequential")(
         q, k_new, v_new, k_cache, v_cache, cache_len, new_len
