@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
-from kvattn import native, ops
+from kvattn import native
 from kvattn.config import LAYOUTS
 from kvattn.errors import UnsupportedConfigError
 
@@ -294,7 +294,7 @@ def contiguous_step(
     grouped = _grouped(q, num_kv_heads)
     batch, _, group, head_dim = grouped.shape
     if native_kernel:
-        o, total, running_max = _native_decode(grouped, k_cache, v_cache, visible.astype(jnp.int32))
+        o, total, running_max = native.decode_attention(grouped, k_cache, v_cache, visible.astype(jnp.int32))
     else:
         if layout == HEADS_MAJOR:  # gqa swaps the axes back: XLA removes both transposes
             k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
@@ -328,50 +328,9 @@ def contiguous_chunk(
     """`kvattn.ops.attention` of a chunk read first over a float32 heads-major cache, natively.
 
     On `kvattn.native.prefill_attention`: no window and no soft-cap
-    (`native_limits`); queries unscaled, as `kvattn.ops` takes them.
+    (`native_limits`).
     """
-    return _native_chunk(q, k, v, new_len.astype(jnp.int32), k_cache, v_cache, cache_len.astype(jnp.int32))
-
-
-# An FFI call has no derivatives of its own: each native kernel takes those of its XLA twin (`kvattn.ops`
-# for a chunk, the same sums in jax.numpy for a step), so a cached layer differentiates on either path.
-
-
-def _derivatives_of(twin):
-    """A `jax.custom_jvp` of the decorated kernel call whose derivatives are `twin`'s."""
-
-    def wrap(kernel):
-        call = jax.custom_jvp(kernel)
-        call.defjvp(lambda primals, tangents: jax.jvp(twin, primals, tangents))
-        return call
-
-    return wrap
-
-
-def _decode_sums(q, k_cache, v_cache, visible):
-    """What `kvattn.native.decode_attention` returns, in jax.numpy."""
-    seen = jnp.arange(k_cache.shape[2])[None, None, None, :] < visible[:, None, None, None]
-    scores = jnp.where(seen, jnp.einsum("bkgh,bksh->bkgs", q, k_cache), -jnp.inf)
-    top = jnp.max(scores, axis=-1)
-    weights = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None]), 0.0)
-    return jnp.einsum("bkgs,bksh->bkgh", weights, v_cache), jnp.sum(weights, axis=-1), top
-
-
-@_derivatives_of(_decode_sums)
-def _native_decode(q, k_cache, v_cache, visible):
-    return native.decode_attention(q, k_cache, v_cache, visible)
-
-
-def _chunk_on_xla(q, k, v, new_len, k_cache, v_cache, cache_len):
-    return ops.attention(q, k, v, new_len, k_cache, v_cache, cache_len, HEADS_MAJOR)
-
-
-@_derivatives_of(_chunk_on_xla)
-def _native_chunk(q, k, v, new_len, k_cache, v_cache, cache_len):
-    scaled = q * jnp.asarray(1.0 / math.sqrt(q.shape[-1]), q.dtype)
-    return native.prefill_attention(scaled, k, v, k_cache, v_cache, cache_len, new_len)
-
-
+    return native.prefill_attention(q, k, v, k_cache, v_cache, cache_len.astype(jnp.int32), new_len.astype(jnp.int32))
 
 
 # ------------------------------------------------------------------- paged pools

@@ -8,8 +8,7 @@
   kernel's.
 - `prefill_attention` (`prefill_attention.cc`): a chunk of new tokens over
   a contiguous float32 heads-major cache and causally over themselves,
-  normalised, as `kvattn.ops.attention` computes it without a window or a
-  soft-cap.
+  `kvattn.ops.attention` without a window or a soft-cap.
 
 They are compiled with the package (`setup.py`) where a C++ compiler is
 found, and used only where they can run: the extension is present, the CPU
@@ -26,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8, Int32, UInt8
+
+from kvattn import ops
 
 __all__ = [
     "DECODE_ATTENTION", "INT8_DOT", "PREFILL_ATTENTION", "available", "decode_attention", "int8_dot",
@@ -89,13 +90,10 @@ def decode_attention(
     caller scales `q`), `total` the sum of those weights and `top` the largest
     score: unnormalised, -inf and zeros where nothing is visible. `H` must
     be a multiple of 16. CPU only, when `available()`; under `vmap` it runs
-    once per batch element. An FFI call has no derivatives: `kvattn.kernels`
-    gives it those of its XLA twin.
+    once per batch element. Differentiable: its derivatives are those of
+    the same sums in `jax.numpy`.
     """
-    batch, heads, group, _ = q.shape
-    residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
-    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
-    return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)
+    return _decode_call(q, k_cache, v_cache, visible)
 
 
 def prefill_attention(
@@ -103,14 +101,56 @@ def prefill_attention(
     k_cache: Float[Array, "B K S H"], v_cache: Float[Array, "B K S H"], cache_len: Int32[Array, " B"],
     new_len: Int32[Array, " B"],
 ) -> Float[Array, "B T N H"]:
-    """Causal attention of new tokens over `cache_len[b]` filled slots of heads-major caches and over themselves.
+    """`kvattn.ops.attention` over heads-major caches, without a window or a soft-cap, in one native pass.
 
     New token `t < new_len[b]` of query head `n` (kv head `n // (N // K)`)
     sees slots `0 .. cache_len[b] - 1` and new tokens `0 .. t`; later
-    queries are padding and get zeros. The caller scales `q`. `H` must be a
-    multiple of 16. CPU only, when `available()`; under `vmap` it runs once
-    per batch element. No derivatives, as `decode_attention`.
+    queries are padding and get zeros. Queries unscaled, as `kvattn.ops`
+    takes them. `H` must be a multiple of 16. CPU only, when `available()`;
+    under `vmap` it runs once per batch element. Differentiable: its
+    derivatives are `kvattn.ops.attention`'s.
     """
+    return _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
+
+
+# An FFI call has no derivatives of its own: each kernel takes those of its XLA twin (`kvattn.ops.attention`
+# for a chunk; for a step, the same unnormalised sums in jax.numpy, which kvattn.ops never forms), so a
+# cached layer differentiates on the native path as on XLA's.
+
+
+def _derivatives_of(twin):
+    """A `jax.custom_jvp` of the decorated kernel call whose derivatives are `twin`'s."""
+
+    def wrap(kernel):
+        call = jax.custom_jvp(kernel)
+        call.defjvp(lambda primals, tangents: jax.jvp(twin, primals, tangents))
+        return call
+
+    return wrap
+
+
+def _decode_sums(q, k_cache, v_cache, visible):
+    seen = jnp.arange(k_cache.shape[2])[None, None, None, :] < visible[:, None, None, None]
+    scores = jnp.where(seen, jnp.einsum("bkgh,bksh->bkgs", q, k_cache), -jnp.inf)
+    top = jnp.max(scores, axis=-1)
+    weights = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None]), 0.0)
+    return jnp.einsum("bkgs,bksh->bkgh", weights, v_cache), jnp.sum(weights, axis=-1), top
+
+
+def _chunk_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
+    return ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, ops.HEADS_MAJOR)
+
+
+@_derivatives_of(_decode_sums)
+def _decode_call(q, k_cache, v_cache, visible):
+    batch, heads, group, _ = q.shape
+    residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
+    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
+    return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)
+
+
+@_derivatives_of(_chunk_on_xla)
+def _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(PREFILL_ATTENTION, out, vmap_method="sequential")(
         q, k_new, v_new, k_cache, v_cache, cache_len, new_len

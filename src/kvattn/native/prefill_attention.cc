@@ -4,9 +4,9 @@
 // Sequence b held cache_len[b] tokens and appends the first new_len[b] of its T new tokens. New token
 // t < new_len[b], query head n = k G + g, sees the keys
 //   k_cache[b, k, s] for s < cache_len[b], then k_new[b, u, k] for u <= t,
-// and gets sum_j softmax_j(q . key_j) value_j over them: `kvattn.ops.attention` without a window or a
-// soft-cap (the caller scales q). Padding queries (t >= new_len[b]) get zeros; nothing past the visible
-// keys is read.
+// and gets sum_j softmax_j(q . key_j / sqrt(H)) value_j over them: `kvattn.ops.attention` without a
+// window or a soft-cap (q scaled by a float32 1/sqrt(H) first, as there). Padding queries
+// (t >= new_len[b]) get zeros; nothing past the visible keys is read.
 //
 // XLA's path forms the scores, the masked softmax and two batched dots as separate thunks with
 // transposes between them. This does one (b, k) pair at a time, the pairs split over XLA's intra-op
@@ -15,6 +15,7 @@
 // and sum over its visible keys); values are mixed four rows at a time, 64 head dims per pass.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -29,12 +30,14 @@ namespace {
 
 struct Shape {
   int64_t B, T, K, G, H, S;
+  float scale;  // 1/sqrt(H), rounded to float32 as kvattn.ops rounds it
 };
 
 struct Scratch {
   std::vector<float> keys;            // (blocks, H, 16): the pair's visible keys, transposed
   std::vector<const float*> values;   // a row pointer per visible key
   std::vector<float> scores;          // (4, padded): scores, then weights, of one block of rows
+  std::vector<float> queries;         // (4, H): one block's queries, scaled
 };
 
 constexpr int64_t kRows = 4;   // query rows per block
@@ -92,9 +95,13 @@ KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, co
     const float* qs[kRows];
     float* outs[kRows];
     int64_t seen[kRows];
+    scratch.queries.resize(kRows * H);
     for (int64_t i = 0; i < kRows; ++i) {  // rows past the end repeat the last one
       const int64_t r = first + std::min(i, n - 1);
-      qs[i] = row_of(q, r / G, r % G);
+      float* scaled = scratch.queries.data() + i * H;
+      std::transform(row_of(q, r / G, r % G), row_of(q, r / G, r % G) + H, scaled,
+                     [&](float x) { return x * d.scale; });
+      qs[i] = scaled;
       outs[i] = row_of(out, r / G, r % G);
       seen[i] = cached + r / G + 1;
     }
@@ -173,7 +180,7 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank
     return Failed("kvattn prefill attention: q (B, T, N, H), new keys and values (B, T, K, H) with K dividing N, "
                   "caches (B, K, S, H), lengths (B,), H % 16 == 0");
   }
-  const Shape shape{B, T, K, N / K, H, S};
+  const Shape shape{B, T, K, N / K, H, S, static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)))};
   const float *qp = q.typed_data(), *knp = k_new.typed_data(), *vnp = v_new.typed_data();
   const float *kcp = k_cache.typed_data(), *vcp = v_cache.typed_data();
   const int32_t *held = cache_len.typed_data(), *added = new_len.typed_data();
