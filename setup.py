@@ -22,7 +22,10 @@ setup(
     ext_modules=[
         Extension(
             "kvattn.native.compiled",
-            sources=[f"src/kvattn/native/{name}.cc" for name in ("module", "int8_dot", "decode_attention", "prefill_attention")],
+            sources=[
+                f"src/kvattn/native/{name}.cc"
+                for name in ("module", "int8_dot", "f32_dot", "decode_attention", "prefill_attention")
+            ],
             include_dirs=["src", ffi_headers()],  # kvattn/native/native.h, xla/ffi/api/ffi.h
             depends=["src/kvattn/native/native.h"],
             extra_compile_args=["-O3", "-std=c++17"],

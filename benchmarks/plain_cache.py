@@ -25,14 +25,14 @@ def plain_weights(model) -> dict[str, Any]:
     layers = []
     for block in model.blocks:
         # kvattn stores the projections fused; hand-rolled decoders keep them apart.
-        query, key, value = np.split(block.attention.qkv.kernel[...], [heads, heads + kv_heads], axis=1)
-        gate, up = np.split(block.mlp.gate_up.kernel[...], 2, axis=1)
+        query, key, value = np.split(block.attention.qkv.float_kernel(), [heads, heads + kv_heads], axis=1)
+        gate, up = np.split(block.mlp.gate_up.float_kernel(), 2, axis=1)
         layers.append({
             "attention_norm": block.attention_norm.weight[...], "mlp_norm": block.mlp_norm.weight[...],
-            "query": query, "key": key, "value": value, "out": block.attention.out.kernel[...],
-            "gate": gate, "up": up, "down": block.mlp.down.kernel[...],
+            "query": query, "key": key, "value": value, "out": block.attention.out.float_kernel(),
+            "gate": gate, "up": up, "down": block.mlp.down.float_kernel(),
         })
-    return {"embed": model.embed[...], "lm_head": model.lm_head.kernel[...],
+    return {"embed": model.weight_value("embed"), "lm_head": model.lm_head.float_kernel(),
             "final_norm": model.final_norm.weight[...], "layers": layers}
 
 

@@ -61,14 +61,15 @@ class FusedWeights(NamedTuple):
     drivers fuse once, ahead of their loops, and a layer may store its
     weights fused (`kvattn.models`).
 
-    Either kernel may be compact (`kvattn.quant.Int8Kernel`, or tiled): the
-    fused one with values `(N + 2K, H, D)`, the out one with values
-    `(D, N * H)`.
+    Either kernel may be laid out (`kvattn.quant.is_laid_out`): compact
+    (`kvattn.quant.Int8Kernel`, or tiled), the fused one with values
+    `(N + 2K, H, D)`, the out one with values `(D, N * H)`; or float32
+    panels (`kvattn.quant.PanelKernel`) of the same kernels.
     """
 
-    qkv_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel
+    qkv_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel
     qkv_bias: jax.Array | None
-    out_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel
+    out_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel
     out_bias: jax.Array | None
     query_ln: jax.Array | None = None
     key_ln: jax.Array | None = None
@@ -80,8 +81,8 @@ class FusedWeights(NamedTuple):
     def heads(self) -> tuple[int, int]:
         """`(N, K)`: the out kernel's query heads, and the rest of the fused heads axis halved."""
         qkv, out = self.qkv_kernel, self.out_kernel
-        if quant.is_compact(qkv):
-            fused_heads, head_dim = qkv.scale.shape[:2]
+        if quant.is_laid_out(qkv):
+            fused_heads, head_dim = qkv.features[:2]
             num_heads = out.inputs // head_dim
         else:
             fused_heads, num_heads = qkv.shape[1], out.shape[0]
@@ -103,7 +104,7 @@ def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
             )
         weights = weights.fused()
     num_heads, num_kv_heads = weights.heads()
-    if quant.is_compact(weights.qkv_kernel):
+    if quant.is_laid_out(weights.qkv_kernel):
         qkv = quant.dense(xs, weights.qkv_kernel)
         qkv = qkv if weights.qkv_bias is None else qkv + weights.qkv_bias[None, None]
     else:
@@ -125,7 +126,8 @@ def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, x
     """
     dtype = compute_dtype(config, xs)
     # Compact kernels are read as they are stored: converting one would write it out in full every call.
-    weights = jax.tree.map(lambda w: w if quant.is_compact(w) else w.astype(dtype), weights, is_leaf=quant.is_compact)
+    weights = jax.tree.map(lambda w: w if quant.is_laid_out(w) else w.astype(dtype), weights,
+                           is_leaf=quant.is_laid_out)
     q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
     if config.normalize_qk:
         norm = norms.rms_norm if config.normalize_qk == "rms" else norms.layer_norm
@@ -139,7 +141,7 @@ def output(config: AttentionConfig, weights: Weights | FusedWeights, ctx, xs):
     """The `out` projection of float32 attention values `(B, T, N, H)`, in the computation dtype."""
     dtype = compute_dtype(config, xs)
     bias = None if weights.out_bias is None else weights.out_bias.astype(dtype)
-    if quant.is_compact(weights.out_kernel):
+    if quant.is_laid_out(weights.out_kernel):
         batch, num_new = ctx.shape[:2]
         ys = quant.dense(ctx.astype(dtype).reshape(batch, num_new, -1), weights.out_kernel)
         return ys if bias is None else ys + bias[None, None]

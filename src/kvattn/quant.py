@@ -25,12 +25,23 @@ values laid out once in the order that dot reads (`tile`), which takes about
 half the time of YNNPACK's at every batch size, with equal results (int32
 sums are exact). `use_tiles` says where; `dense` reads either form.
 
+A float32 kernel has a laid-out form too, for the same native library's
+float32 dot: a `PanelKernel` holds `(D, *F)` as contiguous panels of 16
+outputs (`panel`), which the dot streams whole. XLA:CPU reads a `(D, N)`
+kernel row by row, and a step's few rows then make a strided read: measured
+here, the panels took a step's dots from 14-37 GB/s to 43-46 and a prefill's
+from about 300 to 380-420 GFLOP/s (`benchmarks/dots.py`). `use_panels` says
+where models store them.
+
 Axis legend: M rows (tokens), D input features, F output features (one or
 more axes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -42,8 +53,9 @@ from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 from kvattn import native
 
 __all__ = [
-    "INT8_MAX_FEATURES", "TILE_INPUTS", "TILE_OUTPUTS", "Int8Kernel", "TiledInt8Kernel", "can_tile", "dense",
-    "dequantize", "is_compact", "quantize", "quantize_rows", "rows", "tile", "untile", "use_tiles",
+    "INT8_MAX_FEATURES", "PANEL_OUTPUTS", "TILE_INPUTS", "TILE_OUTPUTS", "Int8Kernel", "PanelKernel",
+    "TiledInt8Kernel", "can_tile", "dense", "dequantize", "is_compact", "is_laid_out", "panel", "quantize",
+    "quantize_rows", "rows", "tile", "unpanel", "untile", "use_panels", "use_tiles",
 ]
 
 # int8 x int8 products summed in int32: at most 127 * 127 * D, which must stay below 2**31.
@@ -51,6 +63,8 @@ INT8_MAX_FEATURES = (2**31 - 1) // (127 * 127)
 # A tile of `TiledInt8Kernel`: this many outputs (int32 lanes of a 512-bit vector), by groups of this many
 # inputs (the products AVX512-VNNI sums per lane).
 TILE_OUTPUTS, TILE_INPUTS = 16, 4
+# Outputs per panel of a `PanelKernel` (float32 lanes of a 512-bit vector).
+PANEL_OUTPUTS = 16
 
 
 class Int8Kernel(NamedTuple):
@@ -67,6 +81,11 @@ class Int8Kernel(NamedTuple):
     def inputs(self) -> int:
         """`D`, the input features."""
         return self.values.shape[-1]
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        """`F`, the output axes."""
+        return tuple(self.scale.shape)
 
 
 class TiledInt8Kernel(NamedTuple):
@@ -87,10 +106,78 @@ class TiledInt8Kernel(NamedTuple):
         """`D`, the input features."""
         return self.tiles.shape[1] * TILE_INPUTS
 
+    @property
+    def features(self) -> tuple[int, ...]:
+        """`F`, the output axes."""
+        return tuple(self.scale.shape)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=["features"])
+@dataclasses.dataclass(frozen=True)
+class PanelKernel:
+    """A float32 kernel `(D, *F)` laid out for `kvattn.native`'s float32 dot: `panels` `(N / 16, D, 16)`.
+
+    `N` is the product of the output axes `features`; panel `p` holds
+    outputs `16p..16p+15` for every input, contiguously. `panel` makes one,
+    `unpanel` gives the kernel back. A pytree whose one leaf is `panels`.
+    """
+
+    panels: Float[Array, "Np D 16"] | Float[np.ndarray, "Np D 16"]
+    features: tuple[int, ...]
+
+    @property
+    def inputs(self) -> int:
+        """`D`, the input features."""
+        return self.panels.shape[1]
+
 
 def is_compact(kernel) -> bool:
     """Whether `kernel` is an `Int8Kernel` or a `TiledInt8Kernel` rather than a float array."""
     return isinstance(kernel, Int8Kernel | TiledInt8Kernel)
+
+
+def is_laid_out(kernel) -> bool:
+    """Whether `kernel` is one of the forms `dense` reads as stored (int8, tiled or panels), not a plain array.
+
+    Such a kernel is never converted to another dtype: `dense` reads it as it is.
+    """
+    return isinstance(kernel, Int8Kernel | TiledInt8Kernel | PanelKernel)
+
+
+def use_panels(outputs: int, dtype) -> bool:
+    """Whether a float kernel of `outputs` (the product of `F`) is best stored as panels here.
+
+    It must be float32 with whole panels, and the native dot must run on
+    this backend.
+    """
+    return (jnp.dtype(dtype) == jnp.float32 and outputs % PANEL_OUTPUTS == 0 and jax.default_backend() == "cpu"
+            and native.available())
+
+
+def panel(kernel: Float[Array, " D *F"] | Float[np.ndarray, " D *F"]) -> PanelKernel:
+    """A float32 kernel `(D, *F)` laid out as a `PanelKernel` (NumPy for a NumPy kernel).
+
+    Raises:
+      ValueError: a kernel that is not float32, or outputs not divisible
+        by 16 (`PANEL_OUTPUTS`).
+    """
+    xp = _xp(kernel)
+    features = tuple(kernel.shape[1:])
+    outputs = math.prod(features)
+    if kernel.dtype != np.float32 or outputs % PANEL_OUTPUTS:
+        raise ValueError(
+            f"a panel kernel needs float32 with outputs divisible by {PANEL_OUTPUTS}, got {kernel.dtype} with "
+            f"{outputs} outputs"
+        )
+    grouped = kernel.reshape(kernel.shape[0], outputs // PANEL_OUTPUTS, PANEL_OUTPUTS)
+    panels = xp.transpose(grouped, (1, 0, 2))
+    return PanelKernel(xp.ascontiguousarray(panels) if xp is np else panels, features)
+
+
+def unpanel(kernel: PanelKernel) -> Float[Array, " D *F"] | Float[np.ndarray, " D *F"]:
+    """The float32 kernel `(D, *F)` a `PanelKernel` lays out."""
+    xp = _xp(kernel.panels)
+    return xp.transpose(kernel.panels, (1, 0, 2)).reshape(kernel.inputs, *kernel.features)
 
 
 def can_tile(outputs: int, inputs: int) -> bool:
@@ -196,11 +283,14 @@ def dequantize(kernel: Int8Kernel | TiledInt8Kernel) -> Float[Array, " D *F"]:
 
 
 def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:
-    """`x @ kernel` over the last axis of `x`: a float kernel `(D, *F)` or an int8 one (module docstring).
+    """`x @ kernel` over the last axis of `x`: a float kernel `(D, *F)`, panels or an int8 one (module docstring).
 
-    A float kernel computes in its own dtype, as `x @ kernel` does; an int8
-    kernel returns `x`'s dtype.
+    A float kernel computes in its own dtype, as `x @ kernel` does; panels
+    in float32; an int8 kernel returns `x`'s dtype.
     """
+    if isinstance(kernel, PanelKernel):
+        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        return _panel_dot(flat, kernel.panels).reshape(*x.shape[:-1], *kernel.features)
     if not is_compact(kernel):
         return jnp.tensordot(x, kernel, axes=1)
     features = kernel.scale.shape
@@ -219,6 +309,17 @@ def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:
             products, row_scale = products[:1], row_scale[:1]
     y = products.astype(jnp.float32) * row_scale * kernel.scale.reshape(1, -1)
     return y.reshape(*x.shape[:-1], *features).astype(x.dtype)
+
+
+def _panel_dot(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
+    """`rows @ kernel` for the kernel `panels` lays out: the native dot on the CPU, XLA's dot elsewhere."""
+
+    def on_xla(rows, panels):
+        return rows @ unpanel(PanelKernel(panels, (panels.shape[0] * PANEL_OUTPUTS,)))
+
+    if not native.available():
+        return on_xla(rows, panels)
+    return lax.platform_dependent(rows, panels, cpu=native.f32_dot, default=on_xla)
 
 
 def _tiled_dot(values: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) -> Int[Array, "M N"]:

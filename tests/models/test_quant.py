@@ -171,21 +171,22 @@ def _rows_agree(program, args, tail: slice):
     return whole
 
 
-@pytest.mark.parametrize("form", ["float32", "int8", "int8 tiled"])
+@pytest.mark.parametrize("form", ["float32", "float32 panels", "int8", "int8 tiled"])
 def test_a_projection_then_a_norm_is_right_past_32768_rows(form, monkeypatch):
     """The decoder's Linear and RMSNorm: XLA:CPU fuses the float32 pair into one YNNPACK fusion (dot, reduce)."""
-    compact = form != "float32"
-    if form == "int8":  # XLA's int8 dot, as where the native one cannot run
+    compact = form.startswith("int8")
+    if form in ("float32", "int8"):  # XLA's dots, as where the native ones cannot run
         monkeypatch.setattr(native, "available", lambda: False)
-    elif form == "int8 tiled" and not native.available():
-        pytest.skip("the native int8 dot is not built or cannot run here")
+    elif not native.available():
+        pytest.skip("the native dots are not built or cannot run here")
     linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, compact=compact, rngs=nnx.Rngs(0))
-    assert linear.tiled == (form == "int8 tiled")
+    assert (linear.tiled, linear.paneled) == (form == "int8 tiled", form == "float32 panels")
     norm = RMSNorm(96, 1e-6, jnp.float32)
     x = jax.random.normal(jax.random.key(5), (ROWS, 64))
     got = _rows_agree(lambda x, kernel: norms.rms_norm(quant.dense(x, kernel), norm.weight[...], 1e-6),
                       (x, linear.weight), slice(32_760, 32_800))
-    kernel = linear.weight if not compact else quant.dequantize(linear.weight)
+    kernel = quant.dequantize(linear.weight) if compact else linear.weight
+    kernel = quant.unpanel(kernel) if linear.paneled else kernel
     y = np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)
     want = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6)
     tolerance = 1e-5 if not compact else 0.05  # int8 activations round each row to its own 1/127 steps
@@ -283,8 +284,10 @@ def test_a_tiled_int8_model_computes_what_the_untiled_one_does(monkeypatch):
 
     # Random float weights in the float layout, loaded into both as from_pretrained loads a checkpoint.
     rng = np.random.default_rng(0)
-    floats = {"/".join(map(str, path)): (rng.standard_normal(param.shape) / 4).astype(np.float32)
-              for path, param in nnx.to_flat_state(nnx.state(models.CausalLM(config, max_len=16), nnx.Param))}
+    reference = models.CausalLM(config, max_len=16)
+    paths = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(reference, nnx.Param))]
+    floats = {path: (rng.standard_normal(np.shape(reference.weight_value(path))) / 4).astype(np.float32)
+              for path in paths}
 
     def build():
         model = models.CausalLM(config, max_len=16, batch_size=2, weights="int8")
@@ -300,6 +303,83 @@ def test_a_tiled_int8_model_computes_what_the_untiled_one_does(monkeypatch):
     np.testing.assert_array_equal(quant.untile(tiled._int8_head()).values, untiled.embed[...])
     prompts = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)), jnp.int32)
     np.testing.assert_array_equal(full_forward(tiled, prompts), full_forward(untiled, prompts))
+
+
+# ------------------------------------------------------------------ float32 panels and the native float32 dot
+
+
+def test_panels_hold_the_kernel_and_give_it_back():
+    rng = np.random.default_rng(11)
+    kernel = rng.standard_normal((12, 2, 16)).astype(np.float32)
+    paneled = quant.panel(kernel)
+    assert paneled.panels.shape == (2, 12, 16) and paneled.features == (2, 16) and paneled.inputs == 12
+    np.testing.assert_array_equal(paneled.panels[1, 7], kernel[7, 1])  # panel 1 holds outputs 16..31
+    np.testing.assert_array_equal(quant.unpanel(paneled), kernel)
+    np.testing.assert_array_equal(np.asarray(quant.panel(jnp.asarray(kernel)).panels), paneled.panels)
+    with pytest.raises(ValueError, match="float32 with outputs divisible by 16, got float32 with 24 outputs"):
+        quant.panel(kernel[:, :, :12])
+    with pytest.raises(ValueError, match="got float64 with 32 outputs"):
+        quant.panel(kernel.astype(np.float64))
+    assert not quant.use_panels(24, jnp.float32) and not quant.use_panels(32, jnp.bfloat16)
+    assert quant.use_panels(32, jnp.float32) == native.available()
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(0, 21), inputs=st.integers(0, 70), panels=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_the_native_f32_dot_equals_the_float64_product_and_each_row_is_its_own(rows, inputs, panels, seed):
+    """Blocks of eight rows and the rest, panels three at a time and alone, split between threads.
+
+    A row's bits do not depend on the rows computed beside it: the same row
+    alone gives the same bits (what keeps a prompt's chunks and a batch's
+    rows independent of each other).
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, inputs)).astype(np.float32)
+    kernel = rng.standard_normal((inputs, 16 * panels)).astype(np.float32)
+    got = np.asarray(native.f32_dot(x, quant.panel(kernel).panels))
+    want = x.astype(np.float64) @ kernel.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(inputs, 1))
+    if rows:
+        row = int(rng.integers(rows))
+        alone = np.asarray(native.f32_dot(x[row:row + 1], quant.panel(kernel).panels))
+        np.testing.assert_array_equal(alone[0], got[row])
+
+
+@needs_native
+def test_the_native_f32_dot_differentiates_as_the_dot_of_its_kernel():
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((5, 24)), jnp.float32)
+    kernel = quant.panel(jnp.asarray(rng.standard_normal((24, 48)), jnp.float32))
+    weights = jnp.asarray(rng.standard_normal((5, 48)), jnp.float32)
+
+    def loss(dot, x, panels):
+        return jnp.sum(jnp.tanh(dot(x, panels)) * weights)
+
+    got = jax.grad(functools.partial(loss, native.f32_dot), argnums=(0, 1))(x, kernel.panels)
+    want = jax.grad(functools.partial(loss, lambda x, p: x @ quant.unpanel(quant.PanelKernel(p, (48,)))),
+                    argnums=(0, 1))(x, kernel.panels)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+def test_a_paneled_model_computes_what_the_plain_one_does(monkeypatch):
+    """Every float32 kernel as panels against the same model on XLA's dots: logits to float32's rounding, and the
+    weights it was given back exactly."""
+    model = models.from_pretrained(FIXTURES / "llama", max_len=16)
+    kernels = [model.blocks[0].attention.qkv, model.blocks[0].attention.out, model.blocks[0].mlp.down]
+    assert all(linear.paneled for linear in kernels) and model.blocks[0].mlp.down.kernel.shape == (4, 96, 16)
+    monkeypatch.setattr(native, "available", lambda: False)
+    plain = models.from_pretrained(FIXTURES / "llama", max_len=16)
+    assert not plain.blocks[0].mlp.down.paneled
+    for path, _ in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
+        path = "/".join(map(str, path))
+        np.testing.assert_array_equal(model.weight_value(path), plain.weight_value(path), err_msg=path)
+    monkeypatch.undo()  # the paneled model's programs need the native dot registered
+    prompts = jnp.asarray(np.random.default_rng(2).integers(0, 97, (2, 6)), jnp.int32)
+    want = np.asarray(jax.jit(lambda p: plain(p))(prompts))
+    np.testing.assert_allclose(full_forward(model, prompts), want, rtol=1e-5, atol=1e-5)
 
 
 def test_weights_that_would_run_slower_or_do_not_exist_are_refused():

@@ -327,7 +327,9 @@ def test_sampled_generation_has_the_distribution_of_plain_sampling(tiny_target):
     third = probs[:, 2].reshape(VOCAB, VOCAB, VOCAB)
     exact = first[:, None, None] * second[:, :, None] * third
 
-    result = models.speculate(tiny_target, np.tile(PROMPT, (ROWS, 1)), SAMPLED, rng=jax.random.key(7, impl="rbg"),
+    # The key is arbitrary: p over keys 8-44 was spread evenly over (0, 1) (lowest 0.003); key 7 drew 8e-5 once
+    # the float32 dots ran natively (other summation order, other samples), 0.14 on XLA's.
+    result = models.speculate(tiny_target, np.tile(PROMPT, (ROWS, 1)), SAMPLED, rng=jax.random.key(8, impl="rbg"),
                               speculative=models.DraftModel(tiny(1), num_tokens=2), temperature=SAMPLING.temperature,
                               top_k=SAMPLING.top_k)
     assert np.asarray(result.counts).tolist() == [SAMPLED] * ROWS

@@ -264,8 +264,13 @@ def test_rope_settings_are_checked_when_the_config_is_read(rope, message):
 
 
 def load_params(directory) -> dict:
-    model = models.from_pretrained(directory, max_len=8)
-    return {"/".join(map(str, k)): np.array(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return weight_values(models.from_pretrained(directory, max_len=8))
+
+
+def weight_values(model) -> dict:
+    """Every parameter by path, in the layout the loader is given it (`CausalLM.weight_value`)."""
+    paths = ("/".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    return {path: np.array(model.weight_value(path)) for path in paths}
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +456,7 @@ def test_fuzz_every_mutated_checkpoint_is_refused_clearly_or_loads_what_its_file
         assert str(error) and "\n" not in str(error)
         return
     # It loaded: every parameter is exactly what the files hold (in float32), and finite.
-    loaded = {"/".join(map(str, k)): np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    loaded = weight_values(model)
     assert all(np.isfinite(value).all() for value in loaded.values())
     want = models.hf.expected_tensors(model.config)
     for short, (_, targets, _) in want.items():

@@ -71,12 +71,15 @@ class LayerNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout) or a compact one.
+    """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout) or a laid-out one.
 
     Compact (`weights="int8"`), the kernel is int8 `(*outputs, prod(inputs))`
     beside `kernel_scale` `outputs` (a `kvattn.quant.Int8Kernel` when read),
     or, where `kvattn.quant.use_tiles` says the native int8 dot runs, those
     values tiled for it (a `kvattn.quant.TiledInt8Kernel`; `tiled` is True).
+    A float32 kernel is stored as panels `(prod(outputs) / 16,
+    prod(inputs), 16)` where `kvattn.quant.use_panels` says the native
+    float32 dot runs (a `kvattn.quant.PanelKernel`; `paneled` is True).
     """
 
     def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
@@ -84,6 +87,8 @@ class Linear(nnx.Module):
         fan_in = math.prod(inputs)
         self.inputs = inputs
         self.tiled = compact and quant.use_tiles(math.prod(outputs), fan_in)
+        self.paneled = not compact and quant.use_panels(math.prod(outputs), dtype)
+        self.outputs = outputs
         if compact:
             if rngs is None:  # zeros, as `_initial` gives, without quantizing them
                 int8 = quant.Int8Kernel(np.zeros((*outputs, fan_in), np.int8), np.ones(outputs, np.float32))
@@ -92,17 +97,29 @@ class Linear(nnx.Module):
             self.kernel = nnx.Param(jnp.asarray(quant.tile(int8).tiles if self.tiled else int8.values))
             self.kernel_scale = nnx.Param(jnp.asarray(int8.scale))
         else:
-            self.kernel = nnx.Param(_initial((*inputs, *outputs), fan_in, rngs).astype(dtype))
+            kernel = _initial((*inputs, *outputs), fan_in, rngs).astype(dtype)
+            self.kernel = nnx.Param(quant.panel(kernel.reshape(fan_in, -1)).panels if self.paneled else kernel)
             self.kernel_scale = None
         self.bias = nnx.Param(jnp.zeros(outputs, dtype)) if bias else None
 
     @property
-    def weight(self) -> jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel:
+    def weight(self) -> jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel:
         """The kernel as `kvattn.quant.dense` reads it."""
+        if self.paneled:
+            return quant.PanelKernel(self.kernel[...], self.outputs)
         if self.kernel_scale is None:
             return self.kernel[...]
         compact = quant.TiledInt8Kernel if self.tiled else quant.Int8Kernel
         return compact(self.kernel[...], self.kernel_scale[...])
+
+    def float_kernel(self) -> jax.Array:
+        """The kernel `(*inputs, *outputs)` as a float array: panels laid back, int8 values dequantized."""
+        weight = self.weight
+        if isinstance(weight, quant.PanelKernel):
+            return quant.unpanel(weight).reshape(*self.inputs, *self.outputs)
+        if quant.is_compact(weight):
+            return quant.dequantize(weight).reshape(*self.inputs, *self.outputs)
+        return weight
 
     def bias_value(self) -> jax.Array | None:
         """The bias `outputs`, or None without one."""
@@ -110,12 +127,14 @@ class Linear(nnx.Module):
 
     def kernel_shape(self) -> tuple[int, ...]:
         """The float kernel's shape, `(*inputs, *outputs)`, in whatever form it is stored."""
-        if self.kernel_scale is None:
-            return tuple(self.kernel.shape)
-        return (*self.inputs, *self.kernel_scale.shape)
+        return (*self.inputs, *self.outputs)
 
     def load_kernel(self, value) -> None:
         """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when compact)."""
+        if self.paneled:
+            kernel = np.asarray(value, np.float32).reshape(math.prod(self.inputs), -1)
+            self.kernel[...] = jnp.asarray(quant.panel(kernel).panels)
+            return
         if self.kernel_scale is None:
             self.kernel[...] = jnp.asarray(value, self.kernel.dtype)
             return
@@ -300,10 +319,7 @@ class CausalLM(nnx.Module):
         Raises:
           ValueError: `value` has another shape than the parameter.
         """
-        *parents, name = path.split("/")
-        owner = self
-        for part in parents:
-            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+        owner, name = self._owner(path)
         variable = getattr(owner, name)
         want = tuple(variable.shape)
         if isinstance(owner, Linear) and name == "kernel":
@@ -319,6 +335,26 @@ class CausalLM(nnx.Module):
             self.embed[...], self.embed_scale[...] = self._head_form(values), scale[:, 0]
         else:
             variable[...] = jnp.asarray(value, variable.dtype)
+
+    def weight_value(self, path: str) -> jax.Array:
+        """The weight at a parameter path in the layout `load_weight` takes, whatever form stores it.
+
+        A projection's kernel comes back `(*inputs, *outputs)` in float
+        (panels laid back, int8 dequantized); every other parameter as it
+        is stored.
+        """
+        owner, name = self._owner(path)
+        if isinstance(owner, Linear) and name == "kernel":
+            return owner.float_kernel()
+        return getattr(owner, name)[...]
+
+    def _owner(self, path: str) -> tuple[nnx.Module, str]:
+        """The module holding a parameter path, e.g. `"blocks/0/mlp/down/kernel"`, and the parameter's name."""
+        *parents, name = path.split("/")
+        owner = self
+        for part in parents:
+            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+        return owner, name
 
     @property
     def pos(self) -> jax.Array:

@@ -2,6 +2,8 @@
 
 - `int8_dot` (`int8_dot.cc`): the int8 dot of `kvattn.quant`, int8 rows by
   int8 weights laid out once in AVX512-VNNI's tile order, into exact int32.
+- `f32_dot` (`f32_dot.cc`): the float32 dot of `kvattn.quant`'s panel
+  kernels, rows by weights laid out once as contiguous panels of 16 outputs.
 - `decode_attention` (`decode_attention.cc`): one query per sequence and
   head over a contiguous float32 heads-major cache, unnormalised with its
   residuals, as `kvattn.kernels.contiguous_step` takes jax's Pallas GPU
@@ -29,12 +31,13 @@ from jaxtyping import Array, Float, Int8, Int32, UInt8
 from kvattn import ops
 
 __all__ = [
-    "DECODE_ATTENTION", "INT8_DOT", "PREFILL_ATTENTION", "available", "decode_attention", "int8_dot",
-    "prefill_attention",
+    "DECODE_ATTENTION", "F32_DOT", "INT8_DOT", "PREFILL_ATTENTION", "available", "decode_attention", "f32_dot",
+    "int8_dot", "prefill_attention",
 ]
 
 # The FFI targets' names, registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
+F32_DOT = "kvattn_f32_dot"
 DECODE_ATTENTION = "kvattn_decode_attention"
 PREFILL_ATTENTION = "kvattn_prefill_attention"
 
@@ -49,6 +52,7 @@ def available() -> bool:
     if not compiled.supported():
         return False
     jax.ffi.register_ffi_target(INT8_DOT, compiled.int8_dot(), platform="cpu")
+    jax.ffi.register_ffi_target(F32_DOT, compiled.f32_dot(), platform="cpu")
     jax.ffi.register_ffi_target(DECODE_ATTENTION, compiled.decode_attention(), platform="cpu")
     jax.ffi.register_ffi_target(PREFILL_ATTENTION, compiled.prefill_attention(), platform="cpu")
     # A small product through the compiled call, against NumPy's: an FFI mismatch between the jaxlib the
@@ -78,6 +82,20 @@ def int8_dot(
     """
     out = jax.ShapeDtypeStruct((rows.shape[0], tiles.shape[0] * tiles.shape[2]), jnp.int32)
     return jax.ffi.ffi_call(INT8_DOT, out, vmap_method="sequential")(rows, tiles)
+
+
+def f32_dot(
+    rows: Float[Array, "M D"] | Float[np.ndarray, "M D"],
+    panels: Float[Array, "Np D 16"] | Float[np.ndarray, "Np D 16"],
+) -> Float[Array, "M N"]:
+    """`rows @ kernel` in float32, for the kernel `(D, N)` that `panels` lays out (`kvattn.quant.panel`).
+
+    Each output is one float32 sum over `D` in order, so a row's result does
+    not depend on the other rows. CPU only, when `available()`; under `vmap`
+    it runs once per batch element. Differentiable: its derivatives are
+    those of `rows @ kernel` in `jax.numpy`.
+    """
+    return _f32_call(rows, panels)
 
 
 def decode_attention(
@@ -114,8 +132,9 @@ def prefill_attention(
 
 
 # An FFI call has no derivatives of its own: each kernel takes those of its XLA twin (`kvattn.ops.attention`
-# for a chunk; for a step, the same unnormalised sums in jax.numpy, which kvattn.ops never forms), so a
-# cached layer differentiates on the native path as on XLA's.
+# for a chunk; for a step, the same unnormalised sums in jax.numpy, which kvattn.ops never forms; for the
+# float32 dot, the dot of the kernel the panels lay out), so a cached layer or a model differentiates on the
+# native path as on XLA's.
 
 
 def _derivatives_of(twin):
@@ -139,6 +158,16 @@ def _decode_sums(q, k_cache, v_cache, visible):
 
 def _chunk_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
     return ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, ops.HEADS_MAJOR)
+
+
+def _f32_on_xla(rows, panels):
+    return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
+
+
+@_derivatives_of(_f32_on_xla)
+def _f32_call(rows, panels):
+    out = jax.ShapeDtypeStruct((rows.shape[0], panels.shape[0] * panels.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call(F32_DOT, out, vmap_method="sequential")(rows, panels)
 
 
 @_derivatives_of(_decode_sums)

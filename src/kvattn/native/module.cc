@@ -7,6 +7,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* KvattnInt8Dot(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* KvattnF32Dot(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* KvattnDecodeAttention(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* KvattnPrefillAttention(XLA_FFI_CallFrame* call_frame);
 
@@ -14,6 +15,10 @@ namespace {
 
 PyObject* Int8Dot(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&KvattnInt8Dot), nullptr, nullptr);
+}
+
+PyObject* F32Dot(PyObject*, PyObject*) {
+  return PyCapsule_New(reinterpret_cast<void*>(&KvattnF32Dot), nullptr, nullptr);
 }
 
 PyObject* DecodeAttention(PyObject*, PyObject*) {
@@ -28,6 +33,7 @@ PyObject* Supported(PyObject*, PyObject*) { return PyBool_FromLong(kvattn::Suppo
 
 PyMethodDef kMethods[] = {
     {"int8_dot", Int8Dot, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
+    {"f32_dot", F32Dot, METH_NOARGS, "The XLA FFI handler of the float32 dot, as a PyCapsule."},
     {"decode_attention", DecodeAttention, METH_NOARGS, "The XLA FFI handler of decode attention, as a PyCapsule."},
     {"prefill_attention", PrefillAttention, METH_NOARGS,
      "The XLA FFI handler of prefill (chunk) attention, as a PyCapsule."},
