@@ -6,9 +6,7 @@ for every batch size and dtype, on one random prompt:
 
   kvattn.models.generate  the whole generation as one compiled program
   kvattn.models.stream    at B=1: the same tokens yielded one by one, one
-                          compiled call per token; its first token is the
-                          prefill alone, where `generate(prompts, 1)` also
-                          steps that token into the caches before it returns
+                          compiled call per token
   plain_cache             the same weights in the decoder that model
                           collections hand-roll: per layer a `(B, S, K, H)`
                           buffer written with `dynamic_update_slice` and read
@@ -46,9 +44,10 @@ Generation contenders are timed end to end, after an untimed warm-up, as
 repeat takes every contender in turn (transformers' calls go to a worker
 process that stays up), so a shared machine's load falls on all of them:
 decode time per token is `(t(new_tokens) - t(1)) / (new_tokens - 1)` and the
-time to first token is `t(1)` (prompt processing; for kvattn's `generate`
-it also holds one step, which its loop runs after the last token, so that
-the caches hold it; for its `stream`, only the prompt and the sample). The
+time to first token is `t(1)` (the prompt and the sample). kvattn's
+`generate` and `stream` also step each token into the caches; the step for
+the last one is under way when the tokens are ready, and is waited for
+untimed (before the caches are emptied for the next call). The
 plain cache steps the prompt in token by token (untimed) and is timed
 directly over the `new_tokens - 1` steps after its first. Every contender decodes greedily,
 and its tokens are compared with kvattn's ("greedy agreement": the share of
@@ -141,11 +140,17 @@ class _Kvattn:
         import jax
         from flax import nnx
 
+        jax.block_until_ready(nnx.state(self.model, nnx.Cache))  # the last call's caches, finished untimed
         self.model.reset()
         jax.block_until_ready(nnx.state(self.model, nnx.Cache))  # every emptied buffer, not only pos
 
     def once(self, count: int):
-        """`kvattn.models.generate`: the call returns with every new token in the caches (one step per token)."""
+        """`kvattn.models.generate`, timed to its tokens.
+
+        Every new token goes into the caches, one step each; the step that
+        appends the last one runs in a program of its own after the tokens
+        are ready (nothing reads its output), and is waited for untimed.
+        """
         import jax
 
         from kvattn import models
@@ -177,8 +182,9 @@ class _Kvattn:
 
     @staticmethod
     def compiled_programs() -> int:
-        """Programs in the jit cache of `generate`'s loop (`kvattn.models` re-exports the function, not the module)."""
-        return sys.modules["kvattn.models.generate"]._program._cache_size()
+        """Programs in the jit caches of `generate` (`kvattn.models` re-exports the function, not the module)."""
+        module = sys.modules["kvattn.models.generate"]
+        return module._program._cache_size() + module._append._cache_size()
 
 
 def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> int:

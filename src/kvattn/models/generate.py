@@ -41,6 +41,9 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
     The caches afterwards hold the prompts and every new token, so
     generation can go on. Nothing the caller holds is deleted: the compiled
     loop works on its own copy of the caches and the model gets the new ones.
+    The step that appends the last token is a second program, dispatched
+    after the one that produces the tokens: under JAX's asynchronous
+    dispatch the tokens are ready a step before the caches are.
 
     Args:
       model: a `CausalLM` built with `batch_size=B`.
@@ -70,11 +73,13 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
         model, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens, rng
     )
     graphdef, params, cache = nnx.split(model, nnx.Param, nnx.Cache)
-    tokens, counts, cache = _program(
+    tokens, counts, cache, last, done = _program(
         graphdef, params, cache, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32),
         jax.random.key(0) if rng is None else rng, int(max_new_tokens), sampling, stop_tokens,
     )
-    nnx.update(model, cache)
+    # The last token goes into the caches in a program of its own, dispatched after the tokens' program: the
+    # tokens are ready one step sooner, and whoever reads the caches waits for them (asynchronous dispatch).
+    nnx.update(model, _append(graphdef, params, cache, last, done, bool(stop_tokens)))
     return Generated(tokens, counts)
 
 
@@ -122,20 +127,27 @@ def _sampling(model: CausalLM, temperature, top_k, top_p, rng) -> Sampling:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "stop_tokens"))
 def _program(graphdef, params, cache, prompts, lengths, key, max_new_tokens, sampling, stop_tokens):
+    """The prompts' prefill and every new token: `(tokens, counts, cache, last, done)`.
+
+    The caches come back holding every new token but the last (`last`), which
+    `_append` adds; `done` marks the sequences that must not append it.
+    """
     model = nnx.merge(graphdef, params, cache)
     batch = prompts.shape[0]
     logits = model.prefill(prompts, lengths, last_only=True)
     key, first = jax.random.split(key)
     stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
 
+    def record(i, token, out, done, counts):
+        """Token `i` into `out` and `counts` (zeros once a sequence is done); done after a stop token."""
+        out = out.at[:, i].set(jnp.where(done, 0, token))
+        return out, done | jnp.any(token[:, None] == stops[None, :], axis=-1), counts + (~done).astype(jnp.int32)
+
     def body(i, carry):
         cache, token, out, done, counts, key = carry
         model = nnx.merge(graphdef, params, cache)
-        out = out.at[:, i].set(jnp.where(done, 0, token))
-        counts = counts + (~done).astype(jnp.int32)
-        done = done | jnp.any(token[:, None] == stops[None, :], axis=-1)
-        # The last token is appended (the caches hold every new token) but never sampled from: no head.
-        logits = model.step(token, active=~done if stop_tokens else None, head=i < max_new_tokens - 1)
+        out, done, counts = record(i, token, out, done, counts)
+        logits = model.step(token, active=~done if stop_tokens else None)
         key, sub = jax.random.split(key)
         return nnx.state(model, nnx.Cache), sample(logits, sub, sampling), out, done, counts, key
 
@@ -143,8 +155,17 @@ def _program(graphdef, params, cache, prompts, lengths, key, max_new_tokens, sam
         nnx.state(model, nnx.Cache), sample(logits, first, sampling), jnp.zeros((batch, max_new_tokens), jnp.int32),
         jnp.zeros((batch,), jnp.bool_), jnp.zeros((batch,), jnp.int32), key,
     )
-    cache, _, out, _, counts, _ = jax.lax.fori_loop(0, max_new_tokens, body, carry)
-    return out, counts, cache
+    cache, last, out, done, counts, _ = jax.lax.fori_loop(0, max_new_tokens - 1, body, carry)
+    out, done, counts = record(max_new_tokens - 1, last, out, done, counts)
+    return out, counts, cache, last, done
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "stopping"))
+def _append(graphdef, params, cache, token, done, stopping):
+    """The caches with `token` appended to every sequence (with `stopping`, those not `done`); no head."""
+    model = nnx.merge(graphdef, params, cache)
+    model.step(token, active=~done if stopping else None, head=False)
+    return nnx.state(model, nnx.Cache)
 
 
 def stream(model: CausalLM, prompt, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
