@@ -193,11 +193,12 @@ def apply_rope(
     head_dim = x.shape[-1]
     inv_freq, attention_factor, rotary_dim = rope_tables(rope, head_dim)
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # B T R/2
-    # Read back through an identity gather, cos and sin stay one value per position: fused straight into the
-    # rotation, XLA:CPU's loop over heads ran 1.7x slower (B=8, 128 tokens, 12 heads: 1.7 -> 1.0 ms), same bits.
-    rows = jnp.arange(angles.shape[0] * angles.shape[1]).reshape(angles.shape[:2])
-    cos = jnp.take((jnp.cos(angles) * attention_factor).reshape(rows.size, -1), rows, axis=0)[:, :, None, None, :]
-    sin = jnp.take((jnp.sin(angles) * attention_factor).reshape(rows.size, -1), rows, axis=0)[:, :, None, None, :]
+    # Read back through an identity gather along T, cos and sin stay one value per position: fused straight into
+    # the rotation, XLA:CPU's loop over heads ran 2.2-2.4x slower (B=8, 128 tokens, 12 heads: 1.2 against 0.5 ms a
+    # call), same bits. Along T only, so a batch sharded over devices stays so.
+    steps = jnp.arange(angles.shape[1])
+    cos = jnp.take(jnp.cos(angles) * attention_factor, steps, axis=1)[:, :, None, None, :]
+    sin = jnp.take(jnp.sin(angles) * attention_factor, steps, axis=1)[:, :, None, None, :]
     rotated = x[..., :rotary_dim].astype(jnp.float32)
     # Each pair as an axis of 2, so a rotation is x * cos + flip(x) * (-sin, sin), bit for bit what the halves
     # joined by a concatenate give; XLA:CPU fuses the flip ~3x faster (a 128-token prefill at B=8: 37 -> 13 ms).
