@@ -7,7 +7,11 @@ up), chained so that no dot can start before the one ahead of it ends, for
 timed after a warm-up with `block_until_ready`, interleaved with the others,
 the median of `repeats`:
 
-  float32                 `x @ W`, W `(D, F)` float32 (what float models run)
+  float32                 `x @ W`, W `(D, F)` float32 (XLA's dot)
+  float32, native (panels)  `kvattn.quant.dense` of a `PanelKernel`: the same
+                          float32 W laid out in panels of 16 outputs for
+                          kvattn's native float32 dot, where it runs (what
+                          float32 models run there)
   int8, native (tiled)    `kvattn.quant.dense` of a `TiledInt8Kernel`:
                           the same int8 values laid out for kvattn's native
                           dot (AVX512-VNNI, `kvattn.native`), where it runs
@@ -108,8 +112,10 @@ def _variants() -> dict[str, tuple[Any, Any]]:
         return [jnp.asarray(w) if isinstance(w, np.ndarray) else type(w)(*map(jnp.asarray, w)) for w in weights]
 
     tiled = [quant.tile(k) for k in int8] if native.available() else []
+    panels = [quant.panel(jnp.asarray(w)) for w in floats] if native.available() else []
     return {
         "float32": (lambda x, w: x @ w, device(floats)),
+        **({"float32, native (panels)": (quant.dense, panels)} if panels else {}),
         **({"int8, native (tiled)": (quant.dense, device(tiled))} if tiled else {}),
         "int8": (quant.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),
