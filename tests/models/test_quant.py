@@ -382,6 +382,31 @@ def test_a_paneled_model_computes_what_the_plain_one_does(monkeypatch):
     np.testing.assert_allclose(full_forward(model, prompts), want, rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+def test_a_tied_table_in_panels_is_both_the_lookup_and_the_head(monkeypatch):
+    """A tied float32 table stored as the head's panels `(V / 16, D, 16)`: the embedding gathers its rows from
+    them, the head multiplies by them, and the model computes what the plain one does."""
+    config = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=16, intermediate_size=48, norm_eps=1e-5, tie_embeddings=True,
+                         max_position_embeddings=16, rope=RoPE(theta=10000.0))
+    rng = np.random.default_rng(3)
+    paneled = models.CausalLM(config, max_len=16, batch_size=2)
+    paths = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(paneled, nnx.Param))]
+    floats = {path: (rng.standard_normal(np.shape(paneled.weight_value(path))) / 4).astype(np.float32)
+              for path in paths}
+    monkeypatch.setattr(native, "available", lambda: False)
+    plain = models.CausalLM(config, max_len=16, batch_size=2)
+    monkeypatch.undo()
+    for model in (paneled, plain):
+        for path, value in floats.items():
+            model.load_weight(path, value)
+    assert paneled.embed_paneled and paneled.embed.shape == (4, 32, 16) and not plain.embed_paneled
+    np.testing.assert_array_equal(paneled.weight_value("embed"), floats["embed"])
+    prompts = jnp.asarray(rng.integers(0, 64, (2, 6)), jnp.int32)
+    np.testing.assert_allclose(full_forward(paneled, prompts), full_forward(plain, prompts), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(models.generate(paneled, prompts, 4).tokens, models.generate(plain, prompts, 4).tokens)
+
+
 def test_weights_that_would_run_slower_or_do_not_exist_are_refused():
     with pytest.raises(ValueError, match="weights='bfloat16' needs fast bfloat16 dots, which the cpu backend lacks"):
         models.from_pretrained(FIXTURES / "llama", max_len=8, weights="bfloat16")

@@ -248,7 +248,9 @@ class CausalLM(nnx.Module):
       weights: None for float weights in `dtype`, or `"int8"`: every
         projection (and a tied embedding table) in int8 with per-output
         float32 scales, its dots int8 by int8 (`kvattn.quant`). An untied
-        embedding table, only ever gathered, stays float.
+        embedding table, only ever gathered, stays float. Float32 kernels
+        (and a tied table, the head's) are stored as panels where
+        `kvattn.quant.use_panels` says kvattn's float32 dot runs.
       cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
       num_pages, page_size: a paged cache per layer (see
         `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence
@@ -275,9 +277,13 @@ class CausalLM(nnx.Module):
         table = _initial((vocab, hidden), 1, rngs)
         # A tied int8 table is the head's kernel, one scale per token's row, tiled where `Linear`'s would be.
         self.embed_tiled = compact and config.tie_embeddings and quant.use_tiles(vocab, hidden)
+        # A tied float32 table is the head's kernel `(D, V)` too: stored as its panels where `Linear`'s would be.
+        self.embed_paneled = not compact and config.tie_embeddings and quant.use_panels(vocab, dtype)
         if compact and config.tie_embeddings:
             values, scale = quant.quantize_rows(table) if rngs else (table.astype(jnp.int8), jnp.ones((vocab, 1)))
             self.embed, self.embed_scale = nnx.Param(self._head_form(values)), nnx.Param(scale[:, 0])
+        elif self.embed_paneled:
+            self.embed, self.embed_scale = nnx.Param(quant.panel(table.T).panels), None
         else:
             self.embed, self.embed_scale = nnx.Param(table.astype(dtype)), None
         self.positions = (
@@ -324,7 +330,7 @@ class CausalLM(nnx.Module):
         want = tuple(variable.shape)
         if isinstance(owner, Linear) and name == "kernel":
             want = owner.kernel_shape()
-        elif owner is self and name == "embed" and self.embed_scale is not None:
+        elif owner is self and name == "embed" and (self.embed_scale is not None or self.embed_paneled):
             want = (self.config.vocab_size, self.config.hidden_size)
         if tuple(np.shape(value)) != want:
             raise ValueError(f"{path} holds shape {want}, got a weight of shape {tuple(np.shape(value))}")
@@ -333,6 +339,8 @@ class CausalLM(nnx.Module):
         elif owner is self and name == "embed" and self.embed_scale is not None:
             values, scale = quant.quantize_rows(np.asarray(value, np.float32))
             self.embed[...], self.embed_scale[...] = self._head_form(values), scale[:, 0]
+        elif owner is self and name == "embed" and self.embed_paneled:
+            self.embed[...] = jnp.asarray(quant.panel(np.asarray(value, np.float32).T).panels)
         else:
             variable[...] = jnp.asarray(value, variable.dtype)
 
@@ -340,12 +348,14 @@ class CausalLM(nnx.Module):
         """The weight at a parameter path in the layout `load_weight` takes, whatever form stores it.
 
         A projection's kernel comes back `(*inputs, *outputs)` in float
-        (panels laid back, int8 dequantized); every other parameter as it
-        is stored.
+        (panels laid back, int8 dequantized), a float table paneled for the
+        head `(V, D)`; every other parameter as it is stored.
         """
         owner, name = self._owner(path)
         if isinstance(owner, Linear) and name == "kernel":
             return owner.float_kernel()
+        if owner is self and name == "embed" and self.embed_paneled:
+            return quant.unpanel(self._panel_head()).T
         return getattr(owner, name)[...]
 
     def _owner(self, path: str) -> tuple[nnx.Module, str]:
@@ -370,10 +380,16 @@ class CausalLM(nnx.Module):
         compact = quant.TiledInt8Kernel if self.embed_tiled else quant.Int8Kernel
         return compact(self.embed[...], self.embed_scale[...])
 
+    def _panel_head(self) -> quant.PanelKernel:
+        """The tied float32 table as the head's kernel `(D, V)`, in panels."""
+        return quant.PanelKernel(self.embed[...], (self.config.vocab_size,))
+
     def _embed(self, tokens, positions):
         if self.embed_scale is not None:  # int8 rows
             x = quant.rows(self._int8_head(), tokens).astype(self.dtype)
             x = x * jnp.take(self.embed_scale[...], tokens, axis=0)[..., None].astype(self.dtype)
+        elif self.embed_paneled:  # token t is lane t % 16 of panel t // 16
+            x = self.embed[...][tokens // quant.PANEL_OUTPUTS, :, tokens % quant.PANEL_OUTPUTS]
         else:
             x = jnp.take(self.embed[...], tokens, axis=0)
         if self.positions is not None:
@@ -386,6 +402,8 @@ class CausalLM(nnx.Module):
             logits = self.lm_head(x)
         elif self.embed_scale is not None:
             logits = quant.dense(x, self._int8_head())
+        elif self.embed_paneled:
+            logits = quant.dense(x, self._panel_head())
         else:
             logits = x @ self.embed[...].T
         return logits.astype(jnp.float32)
