@@ -314,13 +314,9 @@ def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:
 
 def _panel_dot(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
     """`rows @ kernel` for the kernel `panels` lays out: the native dot on the CPU, XLA's dot elsewhere."""
-
-    def on_xla(rows, panels):
-        return rows @ unpanel(PanelKernel(panels, (panels.shape[0] * PANEL_OUTPUTS,)))
-
     if not native.available():
-        return on_xla(rows, panels)
-    return lax.platform_dependent(rows, panels, cpu=native.f32_dot, default=on_xla)
+        return native.f32_dot_on_xla(rows, panels)
+    return lax.platform_dependent(rows, panels, cpu=native.f32_dot, default=native.f32_dot_on_xla)
 
 
 def _tiled_dot(values: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) -> Int[Array, "M N"]:

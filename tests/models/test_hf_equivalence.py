@@ -64,19 +64,21 @@ def test_greedy_generation_equals_transformers_token_for_token(loaded):
 
 
 def test_a_step_without_its_head_appends_what_a_step_with_it_appends(loaded):
-    """`generate` skips the head for its last token (a traced False): the caches must not notice."""
+    """`generate` skips the head for its last token (`head=False`): the caches must not notice."""
     family, model, want = loaded
     if family != "llama":
         pytest.skip("one family suffices: the head is skipped alike in every family")
-    step = nnx.jit(lambda model, token, head: model.step(token, head=head))
+    step = nnx.jit(lambda model, token, head: model.step(token, head=head), static_argnames="head")
     model.reset()
     model.prefill(jnp.asarray(want["prompts"]), jnp.asarray(want["lengths"]))
     before, token = jax.tree.map(jnp.copy, nnx.state(model, nnx.Cache)), jnp.asarray(want["greedy"][:, 0])
-    logits = step(model, token, jnp.asarray(True))
+    logits = step(model, token, True)
     assert np.isfinite(logits).all() and np.asarray(logits).any()
     with_head = jax.tree.map(np.asarray, nnx.state(model, nnx.Cache))
     nnx.update(model, before)
-    assert not np.asarray(step(model, token, jnp.asarray(False))).any()
+    assert not np.asarray(step(model, token, False)).any()
+    with pytest.raises(ValueError, match="head must be True or False, got Array"):
+        model.step(token, head=jnp.asarray(False))  # a traced choice of program is refused, before any write
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model, nnx.Cache)), with_head)
     model.reset()
 

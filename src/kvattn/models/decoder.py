@@ -456,21 +456,22 @@ class CausalLM(nnx.Module):
     def step(self, tokens, active=None, *, pages=None, head=True):
         """Appends one token per sequence `(B,)` int: logits `(B, V)`.
 
-        `head` False, or a traced boolean that is False, skips the head: the
-        logits are then zeros. `generate` passes False for its last token,
-        which it appends to the caches but whose logits nothing reads.
+        `head=False` skips the head: the logits are then zeros. `generate`
+        passes False for its last token, which it appends to the caches but
+        whose logits nothing reads.
+
+        Raises:
+          ValueError: `head` is not a Python bool (it picks the program).
         """
+        if not isinstance(head, bool):
+            raise ValueError(f"head must be True or False, got {head!r}")
         tokens, valid = self._tokens(tokens, (None,))
         if valid is not None:  # a sequence with a bad id writes nothing
             active = valid if active is None else active & valid
         x = self._embed(tokens, self.pos if pages is None else jnp.asarray(pages.pos))
         for block in self.blocks:
             x = block.forward(x, lambda h, attention=block.attention: attention.step(h, active, pages=pages))
-        if head is True:
-            logits = self._logits(x)
-        else:
-            zeros = jax.ShapeDtypeStruct((*x.shape[:-1], self.config.vocab_size), jnp.float32)
-            logits = jax.lax.cond(head, self._logits, lambda x: jnp.zeros(zeros.shape, zeros.dtype), x)
+        logits = self._logits(x) if head else jnp.zeros((*x.shape[:-1], self.config.vocab_size), jnp.float32)
         return self._poison(logits, valid)
 
     def reset(self, which=None):

@@ -32,7 +32,7 @@ from kvattn import ops
 
 __all__ = [
     "DECODE_ATTENTION", "F32_DOT", "INT8_DOT", "PREFILL_ATTENTION", "available", "decode_attention", "f32_dot",
-    "int8_dot", "prefill_attention",
+    "f32_dot_on_xla", "int8_dot", "prefill_attention",
 ]
 
 # The FFI targets' names, registered for the CPU platform on first use.
@@ -160,11 +160,13 @@ def _chunk_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
     return ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, ops.HEADS_MAJOR)
 
 
-def _f32_on_xla(rows, panels):
+def f32_dot_on_xla(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
+    """What `f32_dot` computes, as XLA's dot of the kernel the panels lay out: it runs on any backend, and its
+    derivatives are `f32_dot`'s."""
     return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
 
 
-@_derivatives_of(_f32_on_xla)
+@_derivatives_of(f32_dot_on_xla)
 def _f32_call(rows, panels):
     out = jax.ShapeDtypeStruct((rows.shape[0], panels.shape[0] * panels.shape[2]), jnp.float32)
     return jax.ffi.ffi_call(F32_DOT, out, vmap_method="sequential")(rows, panels)
