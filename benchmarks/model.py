@@ -4,8 +4,8 @@ One run writes a Llama-shaped Hugging Face checkpoint with random weights
 (config.json + model.safetensors, written with numpy, no torch), then times,
 for every batch size and dtype, on one random prompt:
 
-  kvattn.models.generate  the whole generation as one compiled program
-  kvattn.models.stream    at B=1: the same tokens yielded one by one, one
+  kvattn.generation.generate  the whole generation as one compiled program
+  kvattn.generation.stream    at B=1: the same tokens yielded one by one, one
                           compiled call per token
   plain_cache             the same weights in the decoder that model
                           collections hand-roll: per layer a `(B, S, K, H)`
@@ -145,7 +145,7 @@ class _Kvattn:
         jax.block_until_ready(nnx.state(self.model, nnx.Cache))  # every emptied buffer, not only pos
 
     def once(self, count: int):
-        """`kvattn.models.generate`, timed to its tokens.
+        """`kvattn.generation.generate`, timed to its tokens.
 
         Every new token goes into the caches, one step each; the step that
         appends the last one runs in a program of its own after the tokens
@@ -153,15 +153,15 @@ class _Kvattn:
         """
         import jax
 
-        from kvattn import models
+        from kvattn import generation, models
 
         self._emptied()
         started = time.perf_counter()
-        tokens = jax.block_until_ready(models.generate(self.model, self.prompts, count).tokens)
+        tokens = jax.block_until_ready(generation.generate(self.model, self.prompts, count).tokens)
         return time.perf_counter() - started, np.asarray(tokens).tolist()
 
     def streamed(self, count: int):
-        """`kvattn.models.stream` of the first sequence (B=1), timed to the last token it yields.
+        """`kvattn.generation.stream` of the first sequence (B=1), timed to the last token it yields.
 
         With `count` 1 that is the time to the first token as a streaming
         caller sees it: the prefill and its sample; the step that puts the
@@ -175,7 +175,7 @@ class _Kvattn:
 
         self._emptied()
         started = time.perf_counter()
-        tokens = list(models.stream(self.model, self.prompts[0], count))
+        tokens = list(generation.stream(self.model, self.prompts[0], count))
         elapsed = time.perf_counter() - started
         jax.block_until_ready(nnx.state(self.model, nnx.Cache))
         return elapsed, [tokens]
@@ -183,7 +183,7 @@ class _Kvattn:
     @staticmethod
     def compiled_programs() -> int:
         """Programs in the jit caches of `generate` (`kvattn.models` re-exports the function, not the module)."""
-        module = sys.modules["kvattn.models.generate"]
+        module = sys.modules["kvattn.generation.generate"]
         return module._program._cache_size() + module._append._cache_size()
 
 
@@ -263,10 +263,10 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             ours = _Kvattn(model, prompts)
             ours.once(1), ours.once(new_tokens)  # compile both programs, untimed
             compiled = ours.compiled_programs()
-            contenders = {"kvattn.models.generate": ours.once}
+            contenders = {"kvattn.generation.generate": ours.once}
             if batch == 1:  # stream takes one sequence
                 ours.streamed(2)  # compile its prefill and step, untimed
-                contenders["kvattn.models.stream"] = ours.streamed
+                contenders["kvattn.generation.stream"] = ours.streamed
             contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
             try:
                 timed, limit = _interleaved(contenders, new_tokens, repeats, calibration)
@@ -275,9 +275,9 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             del calibration
             rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
                              step_bytes=step_bytes, bandwidth_gbs=limit / 1e9))
-            timed["kvattn.models.generate"]["compiles_while_timed"] = ours.compiled_programs() - compiled
+            timed["kvattn.generation.generate"]["compiles_while_timed"] = ours.compiled_programs() - compiled
             # An int8 contender agrees with kvattn's float32 tokens, when measured: its drift from float32.
-            tokens = timed["kvattn.models.generate"]["tokens"]
+            tokens = timed["kvattn.generation.generate"]["tokens"]
             reference = float_tokens.get(batch, tokens) if compact else float_tokens.setdefault(batch, tokens)
             for name, row in timed.items():
                 if row["tokens"] is not reference:
@@ -312,7 +312,7 @@ def _finished(rows) -> list[dict[str, Any]]:
 
 
 def _targets(rows) -> list[dict[str, Any]]:
-    """Issue #23's targets for kvattn.models.generate: ratios of times (None where the other is unavailable).
+    """Issue #23's targets for kvattn.generation.generate: ratios of times (None where the other is unavailable).
 
     float32: decode at B=1 >= 85% of the bandwidth limit and >= 1.1x
     transformers' best, at B>1 >= 1.3x; the first token no slower than
@@ -330,7 +330,7 @@ def _targets(rows) -> list[dict[str, Any]]:
     def ratio(other, ours):
         return None if other is None or ours is None else other / ours
 
-    ours_name = ("kvattn.models.generate",)
+    ours_name = ("kvattn.generation.generate",)
     theirs_names = (*transformers_contender.CACHES, *transformers_contender.COMPILED)
     targets = []
     for dtype, batch in sorted({(r["dtype"], r["batch_size"]) for r in rows}):
@@ -357,7 +357,7 @@ def _targets(rows) -> list[dict[str, Any]]:
                           figure(dtype, batch, ours_name, "first_token_ms"))
             targets.append(target("first token: transformers' best / kvattn", first, ">=",
                                   1.0 if dtype == "float32" else None, **context))
-            streamed = figure(dtype, batch, ("kvattn.models.stream",), "first_token_ms")
+            streamed = figure(dtype, batch, ("kvattn.generation.stream",), "first_token_ms")
             if streamed is not None:
                 targets.append(target("first token: transformers' best / kvattn stream",
                                       ratio(figure(dtype, batch, theirs_names, "first_token_ms"), streamed), ">=",

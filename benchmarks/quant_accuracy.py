@@ -59,7 +59,7 @@ def _kvattn(family: str) -> dict[str, Any]:
     import jax.numpy as jnp
     from flax import nnx
 
-    from kvattn import models
+    from kvattn import generation, models
 
     want = dict(np.load(FIXTURES / family / "expected.npz"))
     count = _new_tokens(want, family)
@@ -70,7 +70,7 @@ def _kvattn(family: str) -> dict[str, Any]:
         model = models.from_pretrained(FIXTURES / family, max_len=prompts.shape[1] + count, batch_size=len(lengths),
                                        **options)
         logits = np.asarray(forward(model, jnp.asarray(prompts)), np.float32)
-        tokens = np.asarray(models.generate(model, prompts, count, lengths=lengths).tokens)
+        tokens = np.asarray(generation.generate(model, prompts, count, lengths=lengths).tokens)
         if reference is None:
             reference = (logits, tokens)
             continue

@@ -125,10 +125,10 @@ def model_markdown(results: dict[str, Any]) -> str:
         agree = f"{row['agrees_with_kvattn']:.2f}" if "agrees_with_kvattn" in row else ""
         body.append([*base, name, f"{row['decode_ms_per_token']:.2f}", f"{row['tokens_per_s']:.1f}", first, agree])
     header = ["dtype", "B", "contender", "decode ms/token", "tokens/s", "first token ms", "greedy agreement"]
-    lines = [*table(header, body), "", "Targets of `kvattn.models.generate`:", ""]
+    lines = [*table(header, body), "", "Targets of `kvattn.generation.generate`:", ""]
     if "int8" in results["config"]["dtypes"] and "int8_dot" in results:
         lines = [*table(header, body), "", f"kvattn's int8 dots: {results['int8_dot']}.", "",
-                 "Targets of `kvattn.models.generate`:", ""]
+                 "Targets of `kvattn.generation.generate`:", ""]
     lines += targets_table(results["targets"], {"dtype": "dtype", "batch_size": "B"})
     return "\n".join(lines) + "\n"
 

@@ -15,7 +15,7 @@ each batch size:
 
 Contenders, one after another in every repeat:
 
-  kvattn_plain          `kvattn.models.generate`
+  kvattn_plain          `kvattn.generation.generate`
   kvattn_prompt_lookup  `generate(..., speculative=PromptLookup(num_tokens))`
   kvattn_draft_model    `generate(..., speculative=DraftModel(draft, draft_tokens))`
   transformers_plain    transformers' `generate` (torch, CPU), greedy
@@ -96,12 +96,12 @@ def write_draft_checkpoint(checkpoint: str | os.PathLike, directory: str | os.Pa
 
 def _workloads(model, batch: int, start_len: int, prompt_len: int, seed: int) -> dict[str, np.ndarray]:
     """The prompts of each workload at this batch size (see the module docstring)."""
-    from kvattn import models
+    from kvattn import generation, models
 
     rng = np.random.default_rng(seed + batch)
     start = rng.integers(0, model.config.vocab_size, (batch, start_len))
     model.reset()
-    continuation = np.asarray(models.generate(model, start, prompt_len - start_len).tokens)
+    continuation = np.asarray(generation.generate(model, start, prompt_len - start_len).tokens)
     model.reset()
     return {
         "copy-heavy": np.concatenate([start, continuation], axis=1).astype(np.int32),
@@ -113,12 +113,12 @@ def _kvattn_calls(model, draft, sizes):
     """Each kvattn contender as `call(prompts, n)`, emptying every cache first (untimed) and returning the result."""
     from kvattn import models
 
-    lookup = models.PromptLookup(num_tokens=sizes["num_tokens"])
-    drafted = models.DraftModel(draft, num_tokens=sizes["draft_tokens"])
+    lookup = generation.PromptLookup(num_tokens=sizes["num_tokens"])
+    drafted = generation.DraftModel(draft, num_tokens=sizes["draft_tokens"])
     return {
-        "kvattn_plain": lambda prompts, n: models.generate(model, prompts, n),
-        "kvattn_prompt_lookup": lambda prompts, n: models.speculate(model, prompts, n, speculative=lookup),
-        "kvattn_draft_model": lambda prompts, n: models.speculate(model, prompts, n, speculative=drafted),
+        "kvattn_plain": lambda prompts, n: generation.generate(model, prompts, n),
+        "kvattn_prompt_lookup": lambda prompts, n: generation.speculate(model, prompts, n, speculative=lookup),
+        "kvattn_draft_model": lambda prompts, n: generation.speculate(model, prompts, n, speculative=drafted),
     }
 
 
@@ -482,7 +482,7 @@ def measure_server(checkpoint, sizes: dict, batch: int, repeats: int, page_size:
     del reference
     servers = {"server_plain": Server(model, chunk=4 * page_size, prefix_caching=False),
                "server_prompt_lookup": Server(model, chunk=4 * page_size, prefix_caching=False,
-                                              speculative=models.PromptLookup(num_tokens=sizes["num_tokens"]))}
+                                              speculative=generation.PromptLookup(num_tokens=sizes["num_tokens"]))}
     for server in servers.values():
         server.warm_up()
     compiled, rows = _programs(), []

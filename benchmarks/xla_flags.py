@@ -5,7 +5,7 @@ depends on the machine and the jaxlib. This measures candidates as a user
 would set them, in `XLA_FLAGS` before JAX starts, on the model benchmark's
 checkpoint (`benchmarks.model.LLAMA_125M`, random weights): each round runs
 one subprocess per candidate, in turn, and each subprocess times
-`kvattn.models.generate` for every batch size and weights (after an untimed
+`kvattn.generation.generate` for every batch size and weights (after an untimed
 warm-up, `t(n)` the median over `repeats` runs producing n new tokens from
 empty caches; decode ms/token `(t(new_tokens) - t(1)) / (new_tokens - 1)`,
 first token `t(1)`). A candidate's figure is the median over rounds; its
@@ -50,7 +50,7 @@ CANDIDATES = {
 _CHILD = r"""
 import json, statistics, sys, time
 import jax, numpy as np
-from kvattn import models
+from kvattn import generation, models
 args = json.loads(sys.argv[1])
 out = []
 for batch in args["batch_sizes"]:
@@ -62,7 +62,7 @@ for batch in args["batch_sizes"]:
             model.reset()
             jax.block_until_ready(model.pos)
             started = time.perf_counter()
-            tokens = jax.block_until_ready(models.generate(model, prompts, count).tokens)
+            tokens = jax.block_until_ready(generation.generate(model, prompts, count).tokens)
             return time.perf_counter() - started, tokens
         once(1), once(args["new_tokens"])
         firsts, wholes = [], []

@@ -234,15 +234,15 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
     assert (out_dir / "model.md").stat().st_size > 0 and (out_dir / "checkpoint" / "model.safetensors").exists()
     rows = {(r["batch_size"], r["contender"]): r for r in results["rows"]}
     transformers = ("transformers_dynamic", "transformers_static", "transformers_static_compiled")
-    contenders = ("limit", "kvattn.models.generate", "plain_cache", *transformers)
-    assert set(rows) == {(b, c) for b in (1, 2) for c in contenders} | {(1, "kvattn.models.stream")}
-    streamed = rows[1, "kvattn.models.stream"]  # one sequence: the same tokens, the first without a step after it
+    contenders = ("limit", "kvattn.generation.generate", "plain_cache", *transformers)
+    assert set(rows) == {(b, c) for b in (1, 2) for c in contenders} | {(1, "kvattn.generation.stream")}
+    streamed = rows[1, "kvattn.generation.stream"]  # one sequence: the same tokens, the first without a step after it
     assert streamed["agrees_with_kvattn"] == 1.0 and 0 < streamed["first_token_ms"]
     assert math.isfinite(streamed["decode_ms_per_token"])
     for batch in (1, 2):
         for name in transformers:
             assert "transformers not installed" in rows[batch, name]["unavailable"]
-        ours = rows[batch, "kvattn.models.generate"]
+        ours = rows[batch, "kvattn.generation.generate"]
         assert ours["first_token_ms"] > 0 and ours["whole_ms"] > 0 and math.isfinite(ours["decode_ms_per_token"])
         assert ours["compiles_while_timed"] == 0
         assert rows[batch, "limit"]["decode_ms_per_token"] > 0 and rows[batch, "limit"]["bandwidth_gbs"] > 0
@@ -289,10 +289,10 @@ def test_model_targets_are_issue_23s_ratios_across_dtypes():
         return {"dtype": dtype, "batch_size": batch, "contender": contender, "decode_ms_per_token": decode,
                 "first_token_ms": first, "compiles_while_timed": 0}
 
-    rows = [row("float32", 8, "kvattn.models.generate", 30.0, 500.0),
+    rows = [row("float32", 8, "kvattn.generation.generate", 30.0, 500.0),
             row("float32", 8, "transformers_static", 45.0, 600.0),
             row("float32", 8, "transformers_dynamic", 48.0, 550.0), row("float32", 8, "plain_cache", 40.0),
-            row("int8", 8, "kvattn.models.generate", 20.0, 400.0), row("int8", 8, "transformers_dynamic", 30.0, 450.0)]
+            row("int8", 8, "kvattn.generation.generate", 20.0, 400.0), row("int8", 8, "transformers_dynamic", 30.0, 450.0)]
     got = {(t["dtype"], t["name"]): (t["value"], t["met"]) for t in _targets(rows)}
     assert got["float32", "speedup over transformers' best"] == (1.5, True)
     assert got["float32", "first token: transformers' best / kvattn"] == (1.1, True)

@@ -1,13 +1,13 @@
 """What bounds whole-model decoding at B=8: the step every decoder must run, with no attention at all.
 
-Issue "real models" asks kvattn.models.generate to decode at B=8 at least 2x
+Issue "real models" asks kvattn.generation.generate to decode at B=8 at least 2x
 faster than transformers and 1.5x faster than the plain hand-rolled cache.
 Both contenders run the same weight matmuls per step (projections, MLP,
 head); only attention differs. This times, on the benchmark's random
 125M Llama (float32, prompt 128, 128 new tokens):
 
 - plain: the hand-rolled decoder of `python -m benchmarks --model`, one jitted step per token;
-- kvattn: `kvattn.models.generate` (decode ms per token);
+- kvattn: `kvattn.generation.generate` (decode ms per token);
 - floor: the plain step with attention removed (each layer's output
   projection applied to the new token's value): no cache read at all.
 
@@ -30,7 +30,7 @@ import numpy as np
 from benchmarks import model as bench
 from benchmarks import plain_cache
 from benchmarks.timing import time_calls
-from kvattn import models
+from kvattn import generation, models
 
 
 def floor_step_fn(config):
@@ -73,7 +73,7 @@ def main():
     def generation(count):
         def run(_):
             model.reset()
-            return models.generate(model, prompts, count).tokens
+            return generation.generate(model, prompts, count).tokens
         return statistics.median(time_calls(run, args.repeats).ms)
 
     ours = (generation(new_tokens) - generation(1)) / (new_tokens - 1)

@@ -1,6 +1,6 @@
 """Where a whole-model generation spends its time on XLA:CPU: the profiler's thunks, grouped.
 
-Runs `kvattn.models.generate` on the model benchmark's random 125M Llama
+Runs `kvattn.generation.generate` on the model benchmark's random 125M Llama
 (`benchmarks.model.LLAMA_125M`, float32, prompt 128) twice under
 `jax.profiler.trace`, once for the first token alone and once for
 `--new-tokens`, and prints, for each, the time of XLA's thunks grouped by
@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import model as bench  # noqa: E402
-from kvattn import models  # noqa: E402
+from kvattn import generation, models  # noqa: E402
 
 HLO_OP = re.compile(r"%(\S+) = (\S+) (\w+)\(")
 
@@ -89,7 +89,7 @@ def main():
         def run():
             model.reset()
             jax.block_until_ready(nnx.state(model, nnx.Cache))
-            jax.block_until_ready(models.generate(model, prompts, count).tokens)
+            jax.block_until_ready(generation.generate(model, prompts, count).tokens)
         return run
 
     written, files = set(), {}

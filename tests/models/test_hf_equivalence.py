@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kvattn import models
+from kvattn import generation, models
 from tests.helpers import FAMILIES, FIXTURES, expected
 
 # float32 against transformers' float32: |kvattn - transformers| <= RTOL * max|logits| per position.
@@ -54,7 +54,7 @@ def test_batched_ragged_prefill_equals_transformers(loaded):
 def test_greedy_generation_equals_transformers_token_for_token(loaded):
     family, model, want = loaded
     model.reset()
-    result = models.generate(model, want["prompts"], want["greedy"].shape[1], lengths=want["lengths"])
+    result = generation.generate(model, want["prompts"], want["greedy"].shape[1], lengths=want["lengths"])
     np.testing.assert_array_equal(np.asarray(result.tokens), want["greedy"], err_msg=family)
     assert np.asarray(result.counts).tolist() == [want["greedy"].shape[1]] * len(want["lengths"])
     assert np.asarray(model.pos).tolist() == (want["lengths"] + want["greedy"].shape[1]).tolist()
@@ -87,7 +87,7 @@ def test_stop_tokens_end_sequences_early():
     want = expected("llama")
     model = models.from_pretrained(FIXTURES / "llama", max_len=64, batch_size=3)
     stop = int(want["greedy"][1, 4])
-    result = models.generate(model, want["prompts"], 12, lengths=want["lengths"], stop_tokens=(stop,))
+    result = generation.generate(model, want["prompts"], 12, lengths=want["lengths"], stop_tokens=(stop,))
     for row in range(3):
         hits = np.flatnonzero(want["greedy"][row, :12] == stop)
         count = int(hits[0]) + 1 if hits.size else 12
@@ -100,12 +100,12 @@ def test_sampling_is_seeded_and_stays_in_the_top_k():
     want = expected("qwen2")
     model = models.from_pretrained(FIXTURES / "qwen2", max_len=64, batch_size=3)
     args = dict(lengths=want["lengths"], temperature=1.0, top_k=3, rng=jax.random.key(5))
-    first = models.generate(model, want["prompts"], 6, **args).tokens
+    first = generation.generate(model, want["prompts"], 6, **args).tokens
     model.reset()
-    again = models.generate(model, want["prompts"], 6, **args).tokens
+    again = generation.generate(model, want["prompts"], 6, **args).tokens
     np.testing.assert_array_equal(first, again)
     model.reset()
-    other = models.generate(model, want["prompts"], 6, **{**args, "rng": jax.random.key(6)}).tokens
+    other = generation.generate(model, want["prompts"], 6, **{**args, "rng": jax.random.key(6)}).tokens
     assert not np.array_equal(first, other)
     model.reset()
     logits = model.prefill(jnp.asarray(want["prompts"]), jnp.asarray(want["lengths"]))
@@ -160,7 +160,7 @@ def test_a_whole_model_cache_round_trips_through_one_snapshot(tmp_path):
 
     want = expected("qwen3")
     model = models.from_pretrained(FIXTURES / "qwen3", max_len=64, batch_size=3)
-    models.generate(model, want["prompts"], 5, lengths=want["lengths"])
+    generation.generate(model, want["prompts"], 5, lengths=want["lengths"])
     path = tmp_path / "model.safetensors"
     kvattn.save_cache(model, path)
     assert sorted(kvattn.snapshot_info(path).config["layers"]) == ["blocks/0/attention", "blocks/1/attention"]
@@ -201,14 +201,14 @@ def test_bfloat16_models_stay_as_close_to_float32_as_transformers_own_bfloat16(f
 def test_generate_compiles_once_per_batch_and_prompt_bucket():
     import sys
 
-    generate_module = sys.modules["kvattn.models.generate"]  # the module; `models.generate` is the function
+    generate_module = sys.modules["kvattn.generation.generate"]  # the module; `generation.generate` is the function
 
     want = expected("gpt2")
     model = models.from_pretrained(FIXTURES / "gpt2", max_len=64, batch_size=3)
-    models.generate(model, want["prompts"][:, :5], 4, lengths=np.minimum(want["lengths"], 5))
+    generation.generate(model, want["prompts"][:, :5], 4, lengths=np.minimum(want["lengths"], 5))
     compiled = generate_module._program._cache_size()
     for width in (6, 7, 8):  # other prompt widths and lengths in the same bucket of 8
         model.reset()
         prompts = want["prompts"][:, :width]
-        models.generate(model, prompts, 4, lengths=np.minimum(want["lengths"], width))
+        generation.generate(model, prompts, 4, lengths=np.minimum(want["lengths"], width))
     assert generate_module._program._cache_size() == compiled

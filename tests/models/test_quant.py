@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
-from kvattn import forward, models, native, norms, quant
+from kvattn import generation, forward, models, native, norms, quant
 from kvattn.config import AttentionConfig
 from kvattn.models import ModelConfig
 from kvattn.models.decoder import Linear, RMSNorm
@@ -260,7 +260,7 @@ def test_an_int8_model_decodes_through_its_caches_as_its_full_forward_computes()
     want, _, model = twins("qwen2")
     model.reset()
     lengths, rows = want["lengths"], np.arange(3)
-    generated = np.asarray(models.generate(model, want["prompts"], 3, lengths=lengths).tokens)
+    generated = np.asarray(generation.generate(model, want["prompts"], 3, lengths=lengths).tokens)
     assert np.asarray(model.pos).tolist() == (lengths + 3).tolist()
     # Each new token is the argmax of the full forward over the prompt and the tokens before it.
     tokens = np.zeros((3, want["prompts"].shape[1] + 2), np.int32)
@@ -404,7 +404,7 @@ def test_a_tied_table_in_panels_is_both_the_lookup_and_the_head(monkeypatch):
     np.testing.assert_array_equal(paneled.weight_value("embed"), floats["embed"])
     prompts = jnp.asarray(rng.integers(0, 64, (2, 6)), jnp.int32)
     np.testing.assert_allclose(full_forward(paneled, prompts), full_forward(plain, prompts), rtol=1e-5, atol=1e-5)
-    tokens = [models.generate(model, prompts, 4).tokens for model in (paneled, plain)]
+    tokens = [generation.generate(model, prompts, 4).tokens for model in (paneled, plain)]
     np.testing.assert_array_equal(*tokens)
 
 

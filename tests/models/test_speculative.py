@@ -21,11 +21,11 @@ import scipy.stats
 from flax import nnx
 from hypothesis import given, settings, strategies as st
 
-from kvattn import models
+from kvattn import generation, models
 from kvattn.errors import CacheOverflowError
-from kvattn.models import speculative, verification
+from kvattn.generation import speculation, speculative
+from kvattn.generation.sampling import RowSampling, sample_rows
 from kvattn.models.model_config import ModelConfig
-from kvattn.models.sampling import RowSampling, sample_rows
 from kvattn.rope import RoPE
 from tests.helpers import FIXTURES, expected
 
@@ -53,11 +53,11 @@ def with_stop(greedy, stop):
 
 # Each family is decoded by one drafter, a compiled program each (the suite's time is short).
 DRAFTERS = {
-    "gpt2": lambda family: models.PromptLookup(num_tokens=3),
-    "qwen2": lambda family: models.PromptLookup(num_tokens=2, max_ngram=1),
-    "qwen3": lambda family: models.PromptLookup(num_tokens=4, max_ngram=2),
+    "gpt2": lambda family: generation.PromptLookup(num_tokens=3),
+    "qwen2": lambda family: generation.PromptLookup(num_tokens=2, max_ngram=1),
+    "qwen3": lambda family: generation.PromptLookup(num_tokens=4, max_ngram=2),
     # The target in bfloat16: most drafts kept, at half the bytes, so rounds pay.
-    "llama": lambda family: models.DraftModel(load(family, dtype=jnp.bfloat16), num_tokens=4),
+    "llama": lambda family: generation.DraftModel(load(family, dtype=jnp.bfloat16), num_tokens=4),
 }
 
 
@@ -71,7 +71,7 @@ def decoded(request):
     family = request.param
     want = expected(family)
     model, drafter = load(family), DRAFTERS[family](family)
-    result = models.speculate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
+    result = generation.speculate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
                               stop_tokens=(stop_token(want),))
     return family, model, drafter, want, result
 
@@ -90,11 +90,11 @@ def test_greedy_output_is_plain_greedy_decoding_token_for_token(decoded):
 def test_generate_takes_the_same_option_and_returns_the_same_tokens(decoded):
     _, model, drafter, want, result = decoded
     model.reset()
-    if isinstance(drafter, models.DraftModel):
+    if isinstance(drafter, generation.DraftModel):
         drafter.draft.reset()
-    again = models.generate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
+    again = generation.generate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
                             stop_tokens=(stop_token(want),))
-    assert isinstance(again, models.Generated)
+    assert isinstance(again, generation.Generated)
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(result.tokens))
     np.testing.assert_array_equal(np.asarray(again.counts), np.asarray(result.counts))
 
@@ -105,7 +105,7 @@ def test_rejected_drafts_leave_no_trace_in_any_cache(decoded):
     tokens, counts, stopped = with_stop(want["greedy"], stop_token(want))
     held = want["lengths"] + counts - stopped
     caches = [(model, held)]
-    if isinstance(drafter, models.DraftModel):
+    if isinstance(drafter, generation.DraftModel):
         draft_held = np.asarray(drafter.draft.pos)
         assert (draft_held <= held).all() and (draft_held > want["lengths"]).all()
         caches.append((drafter.draft, draft_held))
@@ -156,10 +156,10 @@ def test_one_program_serves_a_prompt_bucket_whatever_is_accepted(decoded):
     for width in (10, 13, 16):  # other prompt widths in the fixture's bucket of 16, other tokens and acceptance
         model.reset()
         prompts = rng.integers(0, 97, (3, width))
-        models.speculate(model, prompts, NEW, speculative=drafter, stop_tokens=(stop_token(want),))
+        generation.speculate(model, prompts, NEW, speculative=drafter, stop_tokens=(stop_token(want),))
     repeating = np.tile(want["greedy"][:, :6], 2)  # copies for prompt lookup to find
     model.reset()
-    models.speculate(model, repeating, NEW, speculative=drafter, stop_tokens=(stop_token(want),))
+    generation.speculate(model, repeating, NEW, speculative=drafter, stop_tokens=(stop_token(want),))
     assert speculative._program._cache_size() == compiled
 
 
@@ -175,7 +175,7 @@ def test_lookup_copies_what_followed_the_longest_matching_suffix():
         [4, 5, 6, 7, 8, 9, 4, 1, 4, 0, 0, 0, 0, 0, 0],  # the latest 4, not the one a long run follows
     ])
     filled = jnp.array([12, 7, 3, 3, 8])
-    lookup = jax.jit(speculative.lookup, static_argnames=("num_tokens", "max_ngram"))
+    lookup = jax.jit(speculation.lookup, static_argnames=("num_tokens", "max_ngram"))
     drafts, widths = lookup(history, filled, num_tokens=4, max_ngram=3)
     assert widths.tolist() == [4, 4, 0, 4, 4]
     assert drafts.tolist() == [[4, 9, 2, 3], [6, 1, 2, 6], [0, 0, 0, 0], [3, 3, 3, 3], [1, 4, 1, 4]]
@@ -184,21 +184,49 @@ def test_lookup_copies_what_followed_the_longest_matching_suffix():
     assert drafts.tolist() == [[7, 8], [6, 1], [0, 0], [3, 3], [1, 4]] and widths.tolist() == [2, 2, 0, 2, 2]
 
 
+def reference_lookup(tokens: np.ndarray, num_tokens: int, max_ngram: int) -> list[int]:
+    """Prompt lookup written as its definition: try suffixes longest first, take the latest earlier occurrence."""
+    for size in range(min(max_ngram, tokens.size - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], size)  # each with a token after it
+        hits = np.flatnonzero((windows == tokens[-size:]).all(axis=1))
+        if hits.size:
+            start = hits[-1] + size
+            return tokens[start + np.arange(num_tokens) % (tokens.size - start)].tolist()
+    return []
+
+
 @settings(max_examples=30)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=16), st.integers(1, 4), st.integers(1, 3))
-def test_the_servers_host_lookup_drafts_what_lookup_drafts(tokens, num_tokens, max_ngram):
-    history = jnp.asarray(np.pad(tokens, (0, 16 - len(tokens)))[None])
-    lookup = jax.jit(speculative.lookup, static_argnames=("num_tokens", "max_ngram"))
-    drafts, widths = lookup(history, jnp.array([len(tokens) - 1]), num_tokens=num_tokens, max_ngram=max_ngram)
-    host = speculative.lookup_tokens(np.array(tokens), num_tokens, max_ngram)
-    assert host.tolist() == np.asarray(drafts)[0, : int(widths[0])].tolist()
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=16), min_size=1, max_size=3), st.integers(1, 4),
+       st.sampled_from([1, 2, 3, 40, 10**9]))
+def test_lookup_drafts_what_its_definition_drafts_for_any_max_ngram(rows, num_tokens, max_ngram):
+    """Every row of a batch, against `reference_lookup`; a `max_ngram` past the history is as good as its length."""
+    history = jnp.asarray(np.stack([np.pad(tokens, (0, 16 - len(tokens))) for tokens in rows]))
+    filled = jnp.array([len(tokens) - 1 for tokens in rows])
+    drafts, widths = LOOKUP(history, filled, num_tokens=num_tokens, max_ngram=max_ngram)
+    for row, tokens in enumerate(rows):
+        want = reference_lookup(np.array(tokens), num_tokens, max_ngram)
+        assert np.asarray(drafts)[row, : int(widths[row])].tolist() == want
+        assert int(widths[row]) in (0, num_tokens) and (int(widths[row]) == 0) == (not want)
+
+
+LOOKUP = jax.jit(speculation.lookup, static_argnames=("num_tokens", "max_ngram"))
+
+
+def test_lookup_traces_once_whatever_max_ngram():
+    """The suffix lengths are a loop, not an unrolled program: a huge `max_ngram` costs what the history allows."""
+    history, filled = jnp.zeros((2, 240), jnp.int32), jnp.array([239, 100])
+    jaxpr = str(jax.make_jaxpr(lambda h, f: speculation.lookup(h, f, 4, 3))(history, filled)).splitlines()
+    longer = str(jax.make_jaxpr(lambda h, f: speculation.lookup(h, f, 4, 200))(history, filled)).splitlines()
+    assert len(longer) == len(jaxpr)  # the same equations: the bound is a constant of one loop
+    drafts, widths = LOOKUP(history, filled, num_tokens=4, max_ngram=10**9)
+    assert widths.tolist() == [4, 4] and drafts.tolist() == [[0] * 4] * 2
 
 
 def test_verify_rows_without_drafts_samples_as_sample_rows():
     logits = jnp.asarray(np.random.default_rng(5).standard_normal((6, 3, VOCAB)).astype(np.float32))
-    settings = RowSampling.of([(models.Sampling(t, top_k=k), s, 1, 4) for t, k, s in
+    settings = RowSampling.of([(generation.Sampling(t, top_k=k), s, 1, 4) for t, k, s in
                                       [(0.0, None, 0), (1.0, None, 1), (0.7, 3, 2), (1.3, None, 3)]], 6)
-    kept, tokens, logprobs, top_ids, _ = speculative.verify_rows(logits, jnp.ones((6, 2), jnp.int32),
+    kept, tokens, logprobs, top_ids, _ = speculation.verify_rows(logits, jnp.ones((6, 2), jnp.int32),
                                                                  jnp.zeros(6, jnp.int32), settings)
     want = sample_rows(logits[:, 0], settings)
     assert kept.tolist() == [0] * 6 and tokens[:, 0].tolist() == want[0].tolist()
@@ -210,8 +238,7 @@ def test_greedy_verify_keeps_the_drafts_up_to_the_first_disagreement():
     best = jnp.array([[3, 1, 4, 1, 5], [3, 1, 4, 1, 5], [3, 1, 4, 1, 5]])  # the target's argmax per position
     logits = jax.nn.one_hot(best, 8) * 10.0
     drafts = jnp.array([[3, 1, 0, 1], [3, 1, 4, 1], [2, 1, 4, 1]])
-    verify = jax.jit(speculative.verify, static_argnames="sampling")
-    kept, token = verify(logits, drafts, jnp.array([4, 3, 4]), None, jax.random.key(0), sampling=models.Sampling())
+    kept, token, _ = jax.jit(speculation.verify)(logits, drafts, jnp.array([4, 3, 4]), None, None, None, None)
     # Row 0 disagrees at its third draft; row 1 keeps all 3 it drafted; row 2 none.
     assert kept.tolist() == [2, 3, 0] and token.tolist() == [4, 1, 3]
 
@@ -219,7 +246,7 @@ def test_greedy_verify_keeps_the_drafts_up_to_the_first_disagreement():
 # ------------------------------------------------------------------ sampling
 
 VOCAB, ROWS, SAMPLED = 8, 4096, 3
-SAMPLING = models.Sampling(temperature=1.0, top_k=6)
+SAMPLING = generation.Sampling(temperature=1.0, top_k=6)
 PROMPT = [1, 2, 3, 1, 2, 3]
 
 
@@ -280,13 +307,15 @@ def first_tokens() -> dict[str, np.ndarray]:
         out = {}
         for form, drafts, drafted_from, round_key in (("point mass", copied, None, point_key),
                                                        ("draft", drawn, q, draft_key)):
-            kept, token = speculative.verify(logits, drafts, widths, drafted_from, round_key, SAMPLING)
+            keys = jax.random.split(round_key, ROUND_ROWS * 3).reshape(ROUND_ROWS, 3)
+            settings = (jnp.full((ROUND_ROWS,), value) for value in (SAMPLING.temperature, SAMPLING.top_k, 1.0))
+            kept, token, _ = speculation.verify(logits, drafts, widths, *settings, keys, drafted_from)
             out[form] = jnp.where(kept > 0, drafts[:, 0], token)
         # The server's form: every row with its own settings and seed, drafts copied.
         rows = jnp.arange(ROUND_ROWS, dtype=jnp.uint32)
         settings = RowSampling(jnp.full(rows.shape, SAMPLING.temperature), jnp.full(rows.shape, SAMPLING.top_k),
                                       jnp.ones(rows.shape), rows, rows * 0, rows * 0 + 3)
-        out["rows"] = speculative.verify_rows(logits, copied, widths, settings)[1][:, 0]
+        out["rows"] = speculation.verify_rows(logits, copied, widths, settings)[1][:, 0]
         return out
 
     # A fresh function, so it is traced afresh (with `_accepts` as it is now); an rbg key compiles faster.
@@ -300,7 +329,7 @@ def test_a_round_draws_its_first_token_from_the_target_distribution():
 
 def test_the_chi_square_test_refuses_a_wrong_acceptance_rule(monkeypatch):
     """Keeping every draft gives q's distribution, not p's: the same test must see it, for both forms of q."""
-    monkeypatch.setattr(verification, "_accepts", lambda p, q, uniform: jnp.ones(uniform.shape, jnp.bool_))
+    monkeypatch.setattr(speculation, "_accepts", lambda p, q, uniform: jnp.ones(uniform.shape, jnp.bool_))
     for form, tokens in first_tokens().items():
         assert chi_square_p(tokens, reference_probabilities(P_LOGITS[0, 0])) < 1e-9, form
 
@@ -329,8 +358,8 @@ def test_sampled_generation_has_the_distribution_of_plain_sampling(tiny_target):
 
     # The key is arbitrary: p over keys 8-44 was spread evenly over (0, 1) (lowest 0.003); key 7 drew 8e-5 once
     # the float32 dots ran natively (other summation order, other samples), 0.14 on XLA's.
-    result = models.speculate(tiny_target, np.tile(PROMPT, (ROWS, 1)), SAMPLED, rng=jax.random.key(8, impl="rbg"),
-                              speculative=models.DraftModel(tiny(1), num_tokens=2), temperature=SAMPLING.temperature,
+    result = generation.speculate(tiny_target, np.tile(PROMPT, (ROWS, 1)), SAMPLED, rng=jax.random.key(8, impl="rbg"),
+                              speculative=generation.DraftModel(tiny(1), num_tokens=2), temperature=SAMPLING.temperature,
                               top_k=SAMPLING.top_k)
     assert np.asarray(result.counts).tolist() == [SAMPLED] * ROWS
     # Rounds ran and refused some drafts: the acceptance rule and the residual were reached.
@@ -352,17 +381,18 @@ def llama():
     ({"num_tokens": 2.0}, ValueError, "num_tokens must be a positive int, got 2.0"),
     ({"num_tokens": True}, ValueError, "num_tokens must be a positive int, got True"),
     ({"num_tokens": 2, "max_ngram": 0}, ValueError, "max_ngram must be a positive int, got 0"),
+    ({"num_tokens": 2**31 - 1}, ValueError, "num_tokens must be at most 64 drafts per round, got 2147483647"),
 ])
 def test_prompt_lookup_settings_are_checked(options, error, message):
     with pytest.raises(error, match=message):
-        models.PromptLookup(**options)
+        generation.PromptLookup(**options)
 
 
 def test_draft_model_settings_are_checked(llama):
     with pytest.raises(TypeError, match="draft must be a kvattn.models.CausalLM, got str"):
-        models.DraftModel("llama", num_tokens=2)
+        generation.DraftModel("llama", num_tokens=2)
     with pytest.raises(ValueError, match="num_tokens must be a positive int, got -1"):
-        models.DraftModel(llama, num_tokens=-1)
+        generation.DraftModel(llama, num_tokens=-1)
 
 
 def cache_bytes(model) -> list[bytes]:
@@ -372,43 +402,43 @@ def cache_bytes(model) -> list[bytes]:
 def refusal(model, match, error=ValueError, **options):
     """`speculate` refuses with `match`, and no cache, the target's or the draft's, has changed."""
     holders = [model] + ([options["speculative"].draft] if isinstance(options.get("speculative"),
-                                                                      models.DraftModel) else [])
+                                                                      generation.DraftModel) else [])
     before = [cache_bytes(holder) for holder in holders]
     with pytest.raises(error, match=match):
-        models.speculate(model, expected("llama")["prompts"], 4, **options)
+        generation.speculate(model, expected("llama")["prompts"], 4, **options)
     assert [cache_bytes(holder) for holder in holders] == before
 
 
 def test_drafts_that_cannot_serve_the_target_are_refused_before_anything_runs(llama):
     llama.reset()
     refusal(llama, "speculative must be a PromptLookup or a DraftModel, got int", TypeError, speculative=4)
-    refusal(llama, "must be another CausalLM than the target", speculative=models.DraftModel(llama, 2))
+    refusal(llama, "must be another CausalLM than the target", speculative=generation.DraftModel(llama, 2))
     other_vocab = tiny(0, rows=3)
     refusal(llama, "share the target's vocabulary: vocab_size 97 expected, got 8",
-            speculative=models.DraftModel(other_vocab, 2))
+            speculative=generation.DraftModel(other_vocab, 2))
     refusal(llama, "the target's batch size 3, got batch_size=2",
-            speculative=models.DraftModel(load("llama", batch_size=2), 2))
+            speculative=generation.DraftModel(load("llama", batch_size=2), 2))
     behind = load("llama")
     for block in behind.blocks:  # as if it had taken two tokens
         block.attention.pos[...] = jnp.full((3,), 2, jnp.int32)
     refusal(llama, r"hold what the target's hold: pos \[0, 0, 0\] expected, got \[2, 2, 2\]",
-            speculative=models.DraftModel(behind, 2))
+            speculative=generation.DraftModel(behind, 2))
     refusal(llama, "cache overflow for sequences", CacheOverflowError,
-            speculative=models.DraftModel(load("llama", max_len=8), 2))
+            speculative=generation.DraftModel(load("llama", max_len=8), 2))
     # generate's own checks, with generate's messages.
     with pytest.raises(ValueError, match=r"prompts must have shape \(3, T\), got \(1, 3\)"):
-        models.generate(llama, [[1, 2, 3]], 4, speculative=models.PromptLookup(2))
+        generation.generate(llama, [[1, 2, 3]], 4, speculative=generation.PromptLookup(2))
 
 
 def test_caches_that_cannot_be_rolled_back_are_refused():
     windowed = models.from_pretrained(FIXTURES / "mistral", max_len=64, batch_size=3)  # a ring past its window of 8
     refusal(windowed, "sliding-window ring of 8 slots cannot do .* build it with max_len <= 8",
-            speculative=models.PromptLookup(2))
+            speculative=generation.PromptLookup(2))
     paged = load("llama", num_pages=8, page_size=8)
-    refusal(paged, "needs contiguous caches; the model is paged", speculative=models.PromptLookup(2))
+    refusal(paged, "needs contiguous caches; the model is paged", speculative=generation.PromptLookup(2))
 
 
 def test_acceptance_is_nan_when_nothing_was_drafted():
     zeros = jnp.zeros((2,), jnp.int32)
-    result = models.Speculated(jnp.zeros((2, 1), jnp.int32), zeros, jnp.int32(0), jnp.int32(1), zeros, zeros)
+    result = generation.Speculated(jnp.zeros((2, 1), jnp.int32), zeros, jnp.int32(0), jnp.int32(1), zeros, zeros)
     assert math.isnan(result.acceptance)

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvattn import models, serving
+from kvattn import generation, models, serving
+from kvattn.generation import SamplingParams
 from kvattn.serving import server as serving_programs
 from tests.helpers import FIXTURES, default_compile_env, expected
 
@@ -23,12 +24,12 @@ def fixture_run(family: str):
     want = expected(family)
     prompts, lengths = want["prompts"], want["lengths"]
     reference = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=len(lengths))
-    generated = np.asarray(models.generate(reference, prompts, 12, lengths=lengths).tokens)
+    generated = np.asarray(generation.generate(reference, prompts, 12, lengths=lengths).tokens)
     model = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=3, num_pages=10, page_size=4)
     server = serving.Server(model, chunk=8)
     requests = [prompts[row, :length] for row, length in enumerate(lengths)] * 2  # the repeats hit the cache
     for prompt in requests:
-        server.submit(prompt, 12)
+        server.submit(prompt, SamplingParams(max_tokens=12))
     completions = server.run()
     server.manager.check()
     return generated, completions, server
@@ -59,7 +60,7 @@ def check_prefix_hit_is_bit_identical() -> None:
     runs = []
     for _ in range(2):  # the second run hits the pages the first registered
         for prompt in prompts:
-            server.submit(prompt, 12)
+            server.submit(prompt, SamplingParams(max_tokens=12))
         runs.append(server.run())
     server.manager.check()
     cold, hits = runs
@@ -85,8 +86,8 @@ def test_a_prefix_hit_is_bit_identical_to_a_cold_run():
 def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
     generated, _, server = fixture_run("llama")
     prompt = np.asarray(expected("llama")["prompts"][0, :5])
-    server.submit(prompt, 1)
-    server.submit(prompt, 8, stop_tokens=(int(generated[0, 0]),))
+    server.submit(prompt, SamplingParams(max_tokens=1))
+    server.submit(prompt, SamplingParams(max_tokens=8, stop_token_ids=(int(generated[0, 0]),)))
     for completion in server.run():
         assert completion.tokens == [int(generated[0, 0])]
     server.manager.check()
@@ -107,7 +108,7 @@ def test_a_failed_device_call_loses_no_request(monkeypatch):
 
     monkeypatch.setattr(serving_programs, "_decode_program", failing)
     for row, length in enumerate(want["lengths"]):
-        server.submit(want["prompts"][row, :length], 12)
+        server.submit(want["prompts"][row, :length], SamplingParams(max_tokens=12))
     with pytest.raises(RuntimeError, match="device lost"):
         server.run()
     assert server.manager.num_live == 0 and len(server._queue) == len(want["lengths"])
@@ -125,7 +126,8 @@ def test_serving_compiles_once_over_many_admissions():
     before = (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size())
     rng = np.random.default_rng(0)
     for _ in range(8):
-        server.submit(rng.integers(0, 64, rng.integers(1, 20)), int(rng.integers(1, 6)))
+        server.submit(rng.integers(0, 64, rng.integers(1, 20)),
+                      SamplingParams(max_tokens=int(rng.integers(1, 6))))
     assert len(server.run()) == 8
     server.manager.check()
     assert (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size()) == before
@@ -134,9 +136,9 @@ def test_serving_compiles_once_over_many_admissions():
 def test_server_refuses_what_can_never_fit():
     _, _, server = fixture_run("llama")
     with pytest.raises(ValueError, match="can never fit"):
-        server.submit([1] * 40, 20)
+        server.submit([1] * 40, SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="token ids"):
-        server.submit([], 3)
+        server.submit([], SamplingParams(max_tokens=3))
 
 
 def test_a_windowed_server_counts_the_pages_a_whole_chunk_needs():
@@ -144,15 +146,15 @@ def test_a_windowed_server_counts_the_pages_a_whole_chunk_needs():
     model = models.from_pretrained(FIXTURES / "mistral", max_len=48, batch_size=2, num_pages=10, page_size=4)
     server = serving.Server(model, chunk=32)  # window 8: a 32-token chunk spans up to 11 pages, the pool has 9
     with pytest.raises(ValueError, match="can never fit"):
-        server.submit(list(range(1, 41)), 1)
-    server.submit(list(range(1, 9)), 1)  # an 8-token chunk fits
+        server.submit(list(range(1, 41)), SamplingParams(max_tokens=1))
+    server.submit(list(range(1, 9)), SamplingParams(max_tokens=1))  # an 8-token chunk fits
 
 
 def test_n_choices_share_the_prompt_pages_and_each_samples_its_own_stream():
     _, _, server = fixture_run("llama")
     prompt = list(expected("llama")["prompts"][1, :7])  # one chunk: a full page of 4 and a partial one
     live = []
-    first = server.submit(prompt, 3, n=3, sampling=models.Sampling(1.0), seed=5,
+    first = server.submit(prompt, SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=5),
                           on_token=lambda index, token: live.append(server.manager.num_live))
     completions = server.run()
     # Admitted together, the prompt prefilled once and forked: the choices map the leader's two pages. Then each
@@ -161,7 +163,7 @@ def test_n_choices_share_the_prompt_pages_and_each_samples_its_own_stream():
     assert [c.request for c in completions] == [first, first + 1, first + 2]
     assert len({tuple(c.tokens) for c in completions}) > 1, "three streams of one seed differ"
     server.manager.check()
-    again = server.submit(prompt, 3, n=3, sampling=models.Sampling(1.0), seed=5)
+    again = server.submit(prompt, SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=5))
     assert [c.tokens for c in server.run()] == [c.tokens for c in completions], "a seed reproduces its choices"
     assert again == first + 3
 
@@ -169,8 +171,9 @@ def test_n_choices_share_the_prompt_pages_and_each_samples_its_own_stream():
 def test_abort_frees_pages_at_once_and_streams_every_token(monkeypatch):
     _, _, server = fixture_run("llama")
     seen = []
-    running = server.submit(list(range(1, 12)), 12, on_token=lambda i, token: seen.append((i, token.id)))
-    queued = [server.submit([1, 2, 3], 12) for _ in range(4)]  # three slots: the last two wait
+    running = server.submit(list(range(1, 12)), SamplingParams(max_tokens=12),
+                            on_token=lambda i, token: seen.append((i, token.id)))
+    queued = [server.submit([1, 2, 3], SamplingParams(max_tokens=12)) for _ in range(4)]  # three slots: the last two wait
     server.step()
     server.step()
     assert server.stats.running == 3 and server.stats.waiting == 2 and len(seen) == 2
@@ -188,16 +191,18 @@ def test_abort_frees_pages_at_once_and_streams_every_token(monkeypatch):
 def test_per_request_sampling_and_top_logprobs():
     _, _, server = fixture_run("llama")
     tokens = []
-    server.submit([5, 6, 7], 4, top_logprobs=3, on_token=lambda i, token: tokens.append(token))
-    server.submit([5, 6, 7], 4, sampling=models.Sampling(0.7, top_k=2), seed=1)
+    server.submit([5, 6, 7], SamplingParams(max_tokens=4, logprobs=3), on_token=lambda i, token: tokens.append(token))
+    server.submit([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.7, top_k=2, seed=1))
     greedy, _ = server.run()
     assert [t.id for t in tokens] == greedy.tokens
     for token in tokens:
         assert len(token.top) == 3 and token.top[0][0] == token.id and token.top[0][1] == token.logprob
     with pytest.raises(ValueError, match="seed"):
-        server.submit([1], 2, seed=-1)
+        SamplingParams(max_tokens=2, seed=-1)
     with pytest.raises(ValueError, match="n must be at most"):
-        server.submit([1], 2, n=4)
+        server.submit([1], SamplingParams(max_tokens=2, n=4))
+    with pytest.raises(TypeError, match="params must be a kvattn.generation.SamplingParams, got int"):
+        server.submit([1], 2)
 
 
 def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_failing(monkeypatch):
@@ -221,7 +226,7 @@ def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_fai
     engine = Engine(server, max_failures=3, on_error=errors.append)
 
     async def run(new_tokens):
-        handles = [await engine.submit(prompt, new_tokens) for prompt in prompts]
+        handles = [await engine.submit(prompt, SamplingParams(max_tokens=new_tokens)) for prompt in prompts]
         outcomes = []
         for handle in handles:
             while (event := await asyncio.wait_for(handle.events.get(), timeout=60))[0] == "token":
@@ -244,12 +249,32 @@ def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_fai
     server.manager.check()
 
 
+def test_a_run_that_fails_midway_loses_no_request_that_had_finished(monkeypatch):
+    """A request finished in an early step of a `run()` whose later device call raises comes out of the next run."""
+    _, _, server = fixture_run("llama")
+    decode, calls = serving_programs._decode_program, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(serving_programs, "_decode_program", failing)
+    indices = [server.submit([1, 2, 3 + i], SamplingParams(max_tokens=new)) for i, new in enumerate((1, 2, 8))]
+    with pytest.raises(RuntimeError, match="device lost"):
+        server.run()  # the first two finished before the third decode step failed
+    done = server.run()
+    assert [c.request for c in done] == indices and [len(c.tokens) for c in done] == [1, 2, 8]
+    server.manager.check()
+
+
 def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_oldest_first():
     _, _, server = fixture_run("llama")
     server.prefills_per_step = 1
     try:
         seen = []
-        a, b, c = (server.submit(prompt, 3, on_token=lambda index, token: seen.append(index))
+        a, b, c = (server.submit(prompt, SamplingParams(max_tokens=3), on_token=lambda index, token: seen.append(index))
                    for prompt in ([1, 2, 3], [4, 5, 6], [7, 8, 9]))
         server.step()
         assert set(seen) == {a}  # one prompt prefilled, then its first decode step
@@ -278,14 +303,15 @@ def speculative_run():
     prompts = rows + [row + greedy[i, :8].tolist() for i, row in enumerate(rows)]
     plain = np.concatenate([greedy[:, :NEW], greedy[:, 8 : 8 + NEW]])
     model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
-    server = serving.Server(model, chunk=8, speculative=models.PromptLookup(num_tokens=3))
+    server = serving.Server(model, chunk=8, speculative=generation.PromptLookup(num_tokens=3))
     server.warm_up()
     streamed = {}
     on_token = lambda index, token: streamed.setdefault(index, []).append(token)
     for prompt in prompts:
-        server.submit(prompt, NEW, on_token=on_token, top_logprobs=2)
+        server.submit(prompt, SamplingParams(max_tokens=NEW, logprobs=2), on_token=on_token)
     stop = int(plain[1, 9])
-    server.submit(rows[1], NEW, stop_tokens=(stop,), on_token=on_token, top_logprobs=2)
+    server.submit(rows[1], SamplingParams(max_tokens=NEW, stop_token_ids=(stop,), logprobs=2),
+                  on_token=on_token)
     completions = server.run()
     server.manager.check()
     return plain, stop, completions, streamed, server
@@ -314,7 +340,7 @@ def test_speculative_server_equals_plain_greedy_decoding_token_for_token():
 def test_speculative_rounds_give_back_the_pages_of_refused_drafts_and_compile_nothing_new():
     _, _, _, _, server = speculative_run()
     before = serving_programs._verify_program._cache_size()
-    server.submit([3, 4, 5, 3, 4, 5, 3, 4], 12)
+    server.submit([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=12))
     held = []
     while not server.idle:
         server.step()
@@ -327,11 +353,11 @@ def test_speculative_rounds_give_back_the_pages_of_refused_drafts_and_compile_no
 
 def test_a_seed_reproduces_under_speculative_sampling():
     _, _, _, _, server = speculative_run()
-    sampling = models.Sampling(1.0, top_k=8)
-    first = [server.submit([3, 4, 5, 3, 4, 5, 3], 10, sampling=sampling, seed=seed) for seed in (1, 2)]
+    params = [SamplingParams(max_tokens=10, temperature=1.0, top_k=8, seed=seed) for seed in (1, 2)]
+    first = [server.submit([3, 4, 5, 3, 4, 5, 3], p) for p in params]
     runs = [c.tokens for c in server.run()]
-    server.submit([9, 9, 9], 6)  # other traffic
-    second = [server.submit([3, 4, 5, 3, 4, 5, 3], 10, sampling=sampling, seed=seed) for seed in (1, 2)]
+    server.submit([9, 9, 9], SamplingParams(max_tokens=6))  # other traffic
+    second = [server.submit([3, 4, 5, 3, 4, 5, 3], p) for p in params]
     again = {c.request: c.tokens for c in server.run()}
     assert [again[i] for i in second] == runs and runs[0] != runs[1]
     assert second[0] > first[1]
@@ -339,11 +365,11 @@ def test_a_seed_reproduces_under_speculative_sampling():
 
 def test_speculative_server_settings_are_checked():
     model = models.from_pretrained(FIXTURES / "llama", max_len=16, batch_size=1, num_pages=5, page_size=4)
-    with pytest.raises(TypeError, match="a DraftModel drafts in kvattn.models.generate"):
-        serving.Server(model, speculative=models.DraftModel(models.from_pretrained(FIXTURES / "llama", max_len=16),
-                                                            num_tokens=2))
+    with pytest.raises(TypeError, match="a DraftModel drafts in kvattn.generation.generate"):
+        serving.Server(model, speculative=generation.DraftModel(
+            models.from_pretrained(FIXTURES / "llama", max_len=16), num_tokens=2))
     with pytest.raises(TypeError, match="PromptLookup or None, got int"):
         serving.Server(model, speculative=4)
     windowed = models.from_pretrained(FIXTURES / "mistral", max_len=16, batch_size=1, num_pages=5, page_size=4)
     with pytest.raises(ValueError, match="sliding window"):
-        serving.Server(windowed, chunk=8, speculative=models.PromptLookup(2))
+        serving.Server(windowed, chunk=8, speculative=generation.PromptLookup(2))

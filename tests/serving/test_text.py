@@ -18,7 +18,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvattn import models
+from kvattn import generation, models
 from kvattn.serving import text as text_module
 from kvattn.serving.text import StopStrings, Tokenizer
 from tests.helpers import FIXTURES
@@ -87,7 +87,7 @@ def test_greedy_generation_from_a_rendered_chat_equals_transformers():
                               add_special_tokens=False)
     assert prompt == want["prompt"]
     model = models.from_pretrained(CHAT, max_len=64)
-    result = models.generate(model, np.asarray([prompt], np.int32), len(want["new_tokens"]))
+    result = generation.generate(model, np.asarray([prompt], np.int32), len(want["new_tokens"]))
     assert np.asarray(result.tokens)[0].tolist() == want["new_tokens"]
     # The random model's tokens split characters: streamed, they still give transformers' text.
     detokenizer = TOKENIZER.detokenizer()

@@ -59,8 +59,13 @@ def token_ids(value, vocab_size: int, name: str, shape: tuple[int | None, ...]) 
 
 
 def stop_ids(stop_tokens, vocab_size: int) -> tuple[int, ...]:
-    """Stop tokens (any iterable of ids) as a sorted tuple of distinct ids in the vocabulary."""
-    stop_tokens = list(stop_tokens)
+    """Stop tokens (one id, or any iterable of ids) as a sorted tuple of distinct ids in the vocabulary."""
+    if isinstance(stop_tokens, (int, np.integer)) and not isinstance(stop_tokens, (bool, np.bool_)):
+        stop_tokens = [stop_tokens]
+    try:
+        stop_tokens = list(stop_tokens)
+    except TypeError:
+        raise TypeError(f"stop_tokens must be a token id or an iterable of them, got {stop_tokens!r}") from None
     if not stop_tokens:
         return ()
     return tuple(sorted(set(token_ids(stop_tokens, vocab_size, "stop_tokens", (None,)).tolist())))

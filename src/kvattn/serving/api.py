@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvattn.models.sampling import MAX_TOP_LOGPROBS
+from kvattn.generation.sampling import MAX_TOP_LOGPROBS
 
 __all__ = ["ChatRequest", "CompletionRequest", "Message"]
 

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvattn.generation.sampling import SamplingParams
 from kvattn.serving.requests import Stats, Token
 from kvattn.serving.server import Server
 
@@ -60,8 +61,9 @@ class Handle:
 
 @dataclasses.dataclass
 class _Submit:
-    args: tuple
-    kwargs: dict
+    prompt: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     future: asyncio.Future
@@ -97,10 +99,10 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    async def submit(self, *args, **kwargs) -> Handle:
-        """`Server.submit(*args, **kwargs)` on the engine thread (`on_token` is the engine's)."""
+    async def submit(self, prompt: list[int], params: SamplingParams, *, eos_token_ids=()) -> Handle:
+        """`Server.submit(prompt, params, eos_token_ids=...)` on the engine thread (`on_token` is the engine's)."""
         loop = asyncio.get_running_loop()
-        command = _Submit(args, kwargs, loop, asyncio.Queue(), loop.create_future())
+        command = _Submit(prompt, params, frozenset(eos_token_ids), loop, asyncio.Queue(), loop.create_future())
         self._commands.put(command)
         indices = await command.future
         return Handle(indices, command.events)
@@ -189,10 +191,11 @@ class Engine:
         if self.server.stats.waiting >= self.max_waiting:
             return None, Full(f"{self.server.stats.waiting} requests are waiting, the most this server queues")
         try:
-            first = self.server.submit(*command.args, on_token=self._on_token, **command.kwargs)
+            first = self.server.submit(command.prompt, command.params, eos_token_ids=command.eos_token_ids,
+                                       on_token=self._on_token)
         except (ValueError, TypeError) as error:
             return None, error
-        indices = list(range(first, first + command.kwargs.get("n", 1)))
+        indices = list(range(first, first + command.params.n))
         for index in indices:
             self._routes[index] = (command.loop, command.events)
         return indices, None

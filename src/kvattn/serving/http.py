@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
-from kvattn.models.sampling import Sampling
+from kvattn.generation.sampling import SamplingParams
 from kvattn.serving.api import ChatRequest, CompletionRequest
 from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.metrics import Metrics
@@ -70,14 +70,22 @@ class _Job:
     """One HTTP request's generation, after every check."""
 
     prompt: list[int]
-    max_tokens: int
-    n: int
-    stops: list[str]
+    params: SamplingParams
     stop_ids: frozenset
-    sampling: Sampling
-    seed: int | None
-    top_logprobs: int | None  # None: no logprobs
+    """The ids that end a choice: the request's, and the tokenizer's end-of-sequence ids unless `ignore_eos`."""
     token_ids: bool
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.params.stop)
+
+    @property
+    def top_logprobs(self) -> int | None:  # None: no logprobs
+        return self.params.logprobs
 
 
 @dataclasses.dataclass
@@ -137,10 +145,6 @@ class _App:
                           else self.tokenizer.encode(body.prompt, add_special_tokens=True))
                 max_tokens = body.max_tokens or 16
                 top_logprobs = body.logprobs
-            top_k = None if body.top_k in (None, 0, -1) else body.top_k
-            top_p = None if body.top_p in (None, 1) else body.top_p
-            temperature = 1.0 if body.temperature is None else body.temperature
-            sampling = Sampling(temperature, top_k, top_p).check_vocab(self.tokenizer.vocab_size)
         except (ValueError, TypeError) as error:
             raise ApiError(400, str(error)) from None
         if not prompt:
@@ -153,20 +157,24 @@ class _App:
         if len(prompt) + max_tokens > self.max_len:
             raise ApiError(400, f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed this server's context "
                                 f"of {self.max_len} tokens", param="max_tokens", code="context_length_exceeded")
-        stop_ids = set(body.stop_token_ids or ())
-        if not body.ignore_eos:
-            stop_ids |= self.tokenizer.eos_token_ids
-        return _Job(prompt, max_tokens, body.n, body.stops, frozenset(stop_ids), sampling, body.seed, top_logprobs,
-                    body.return_token_ids)
+        try:  # the request body becomes the engine's SamplingParams here, and only here
+            params = SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=None if body.top_k in (None, 0, -1) else body.top_k,
+                top_p=None if body.top_p in (None, 1) else body.top_p, seed=body.seed, n=body.n,
+                stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                logprobs=top_logprobs)
+            params.sampling.check_vocab(self.tokenizer.vocab_size)
+        except (ValueError, TypeError) as error:
+            raise ApiError(400, str(error)) from None
+        return _Job(prompt, params, params.stop_ids(self.tokenizer.eos_token_ids), body.return_token_ids)
 
     # ----------------------------------------------------------- generation
 
     async def generate(self, request: Request, job: _Job, arrived: float) -> AsyncIterator[_Delta | dict]:
         """Submits `job`; yields each choice's deltas, then a dict of usage. Aborts whatever is left on exit."""
         try:
-            handle = await self.engine.submit(
-                job.prompt, job.max_tokens, stop_tokens=sorted(job.stop_ids), n=job.n, sampling=job.sampling,
-                seed=job.seed, top_logprobs=job.top_logprobs or 0)
+            handle = await self.engine.submit(job.prompt, job.params, eos_token_ids=self.tokenizer.eos_token_ids)
         except Full as error:
             self.metrics.rejected.labels("429").inc()
             raise ApiError(429, str(error), "rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -346,7 +354,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
 
 async def _health_generation(engine: Engine) -> None:
     """Generates two tokens (a prefill and a decode step) through the engine."""
-    handle = await engine.submit([0], 2, sampling=Sampling())
+    handle = await engine.submit([0], SamplingParams(max_tokens=2))
     while True:
         event = await handle.events.get()
         if event[0] == "error":

@@ -8,8 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvattn.models.sampling import Sampling
-from kvattn.models.speculative import PROBE_EVERY
+from kvattn.generation.sampling import Sampling
 
 __all__ = ["Completion", "Request", "Stats", "Token"]
 
@@ -91,7 +90,7 @@ class Request:
     # Speculative decoding, per request: drafts kept per round lately, and when to try a round again.
     expected: float = 0.0
     waited: int = 0
-    patience: int = PROBE_EVERY
+    patience: int = 0
 
     @property
     def context(self) -> list[int]:

@@ -36,7 +36,6 @@ step to step); the model itself is never changed.
 from __future__ import annotations
 
 import functools
-import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,18 +46,11 @@ import numpy as np
 from flax import nnx
 
 from kvattn import validation as check
+from kvattn.generation.sampling import RowSampling, Sampling, SamplingParams, sample_rows
+from kvattn.generation.speculation import lookup, verify_rows
+from kvattn.generation.speculative import DraftModel, PromptLookup
 from kvattn.models.decoder import CausalLM
-from kvattn.models.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampling, sample_rows
-from kvattn.models.speculative import (
-    MAX_PATIENCE,
-    PROBE_EVERY,
-    SMOOTHING,
-    VERIFY_OVERHEAD,
-    DraftModel,
-    PromptLookup,
-)
 from kvattn.models.tokens import stop_ids, token_ids
-from kvattn.models.verification import lookup_tokens, verify_rows
 from kvattn.paging import OutOfPagesError, PageBatch, PageManager
 from kvattn.serving.requests import Completion, Request, Stats, Token
 
@@ -74,10 +66,8 @@ class Server:
       chunk: prefill chunk in tokens, a multiple of the page size.
       prefix_caching: share the pages of equal prompt prefixes (off with a
         sliding window, whose early pages are freed).
-      temperature, top_k, top_p: the sampling of a request that names none,
-        as in `kvattn.models.generate` (greedy by default).
-      rng: a `jax.random.key`, needed when `temperature > 0`; it draws the
-        seed of each request that brings none.
+      rng: a `jax.random.key` that draws the seed of each request that
+        brings none (default: fresh entropy).
       prefills_per_step: prefill chunks a step runs at most, oldest request
         first (default: one for every request still prefilling). A bound
         keeps each step, and so every running request's time between
@@ -88,12 +78,14 @@ class Server:
         what it agrees with (the tokens of plain decoding, or their
         distribution when sampling). A request drafts only while its rounds
         keep enough drafts to pay for the longer call, and tries again
-        after a while; a step without drafts is a plain decode step.
+        after a while (its `policy`); a step without drafts is a plain
+        decode step.
 
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from kvattn import RoPE
+      >>> from kvattn.generation import SamplingParams
       >>> from kvattn.models import CausalLM, ModelConfig
       >>> from kvattn.serving import Server
       >>> config = ModelConfig("llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -101,20 +93,19 @@ class Server:
       ...                      max_position_embeddings=64, rope=RoPE())
       >>> model = CausalLM(config, max_len=64, batch_size=2, num_pages=16, page_size=8, rngs=nnx.Rngs(0))
       >>> server = Server(model, chunk=16)
-      >>> [server.submit(list(range(1, n)), 4) for n in (5, 12, 20)]
+      >>> [server.submit(list(range(1, n)), SamplingParams(max_tokens=4)) for n in (5, 12, 20)]
       [0, 1, 2]
       >>> [len(c.tokens) for c in server.run()]
       [4, 4, 4]
     """
 
-    def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, rng=None, prefills_per_step: int | None = None,
-                 speculative: PromptLookup | None = None):
+    def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, rng=None,
+                 prefills_per_step: int | None = None, speculative: PromptLookup | None = None):
         config = model.blocks[0].attention.config
         if not config.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
         if speculative is not None and not isinstance(speculative, PromptLookup):
-            also = " (a DraftModel drafts in kvattn.models.generate)" if isinstance(speculative, DraftModel) else ""
+            also = " (a DraftModel drafts in kvattn.generation.generate)" if isinstance(speculative, DraftModel) else ""
             raise TypeError(f"speculative must be a PromptLookup or None, got {type(speculative).__name__}{also}")
         if speculative is not None and config.window is not None:
             raise ValueError(f"speculative decoding is not offered with a sliding window ({config.window}): "
@@ -125,8 +116,6 @@ class Server:
                                   else check.positive_int(prefills_per_step, "prefills_per_step"))
         if chunk % config.page_size:
             raise ValueError(f"chunk must be a multiple of page_size={config.page_size}, got {chunk}")
-        sampling = Sampling(temperature, top_k, top_p).check_vocab(model.config.vocab_size)
-        sampling.check_rng(rng)
         self.config = config
         self.chunk = int(chunk)
         self.prefix_caching = prefix_caching and config.window is None
@@ -137,53 +126,52 @@ class Server:
         self._graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each step may donate it
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
-        self._sampling = sampling
         seed = None if rng is None else np.asarray(jax.random.key_data(rng)).ravel().tolist()
         self._seeds = np.random.default_rng(seed)  # without rng: fresh entropy
         self._queue: deque[Request] = deque()
         self._slots: list[Request | None] = [None] * config.batch_size
         self._prefilled = np.zeros(config.batch_size, np.int64)  # context tokens already in the cache
         self._submitted = 0
+        self._retired: list[Completion] = []  # finished, not yet handed out by step()
+        self._ran: list[Completion] = []  # handed out by step() to a run() that has not returned yet
         self._totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, drafted_tokens=0,
                             accepted_tokens=0)
 
     # ------------------------------------------------------------------ public
 
-    def submit(self, prompt, max_new_tokens: int, *, stop_tokens=(), salt: bytes = b"", n: int = 1,
-               sampling: Sampling | None = None, seed: int | None = None, top_logprobs: int = 0,
+    def submit(self, prompt, params: SamplingParams, *, eos_token_ids=(), salt: bytes = b"",
                on_token: Callable[[int, Token], None] | None = None) -> int:
         """Queues a request; returns its index. Raises, taking no index, if it could never fit.
 
         Args:
           prompt: token ids, one or more.
-          max_new_tokens: tokens to produce at most.
-          stop_tokens: the request ends after producing one of these.
+          params: its `SamplingParams`: `max_tokens`, the sampling, `seed`
+            (default: drawn from the server's `rng`; the same seed gives the
+            same tokens, whatever else is running), `n` choices under indices
+            `index .. index + n - 1` that share the prompt's pages (prefilled
+            once, then forked), `stop_token_ids`, `ignore_eos`, `logprobs`
+            (alternatives per token passed to `on_token`). Stop strings are
+            text: the caller that detokenizes matches them and calls `abort`.
+          eos_token_ids: the model's end-of-sequence ids: a request stops
+            after producing one, unless `params.ignore_eos`.
           salt: prefix-cache namespace: only requests with the same salt share pages.
-          n: choices: `n` requests under indices `index .. index + n - 1`
-            that share the prompt's pages (prefilled once, then forked).
-          sampling: this request's `Sampling` (default: the server's).
-          seed: its random stream (default: drawn from the server's `rng`);
-            the same seed gives the same tokens, whatever else is running.
-          top_logprobs: alternatives per token passed to `on_token`, at most `MAX_TOP_LOGPROBS`.
           on_token: called as `on_token(index, Token)` by `step()` for every new token.
         """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a kvattn.generation.SamplingParams, got {type(params).__name__}")
         prompt = token_ids(prompt, self.vocab_size, "prompt", (None,)).tolist()
         if not prompt:
             raise ValueError("prompt must hold one or more token ids, got none")
-        max_new_tokens = check.positive_int(max_new_tokens, "max_new_tokens")
-        stops = frozenset(stop_ids(stop_tokens, self.vocab_size))
+        max_new_tokens = params.max_tokens
+        stops = frozenset(stop_ids(sorted(params.stop_ids(stop_ids(eos_token_ids, self.vocab_size))),
+                                   self.vocab_size))
         if not isinstance(salt, bytes):
             raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
-        n = check.positive_int(n, "n")
+        n = params.n
         if n > self.config.batch_size:
             raise ValueError(f"n must be at most the batch size {self.config.batch_size}, got {n}")
-        if sampling is None:
-            sampling = self._sampling
-        elif not isinstance(sampling, Sampling):
-            raise TypeError(f"sampling must be a kvattn.models.Sampling, got {type(sampling).__name__}")
-        sampling.check_vocab(self.vocab_size)
-        seed = _bounded_int(seed, "seed", 0, 2**32 - 1) if seed is not None else int(self._seeds.integers(2**32))
-        top_logprobs = _bounded_int(top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        sampling = params.sampling.check_vocab(self.vocab_size)
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be callable or None, got {type(on_token).__name__}")
         total = len(prompt) + int(max_new_tokens) - 1  # the last new token is never fed back
@@ -198,9 +186,10 @@ class Server:
             raise ValueError(f"{n} choices of a {len(prompt)}-token prompt can never start together: they need "
                              f"{self._group_pages(len(prompt), n)} pages, the pool has {self.config.num_pages - 1}")
         requests = [Request(self._submitted + i, prompt, max_new_tokens, stops, salt, sampling, seed, i,
-                             top_logprobs, on_token) for i in range(n)]
+                             params.logprobs or 0, on_token) for i in range(n)]
         for request in requests:
             request.expected = float(self.speculative.num_tokens) if self.speculative else 0.0
+            request.patience = self.speculative.policy.probe_every if self.speculative else 0
         leader = requests[0]
         for sibling in requests[1:]:
             sibling.leader = leader
@@ -245,20 +234,27 @@ class Server:
         for slot in prefilling[: self.prefills_per_step]:
             if self._prefilling(slot):  # an earlier chunk may have preempted it
                 self._prefill_chunk(slot)
-        finished = self._retire_finished()  # a first token may already end a request
+        self._retire_finished()  # a first token may already end a request
         decoding = [s for s, r in enumerate(self._slots) if r is not None and self._decoding(s)]
         offers = self._offers(decoding) if self.speculative else {}
         if offers:
             self._verify(decoding, offers)
         elif decoding:
             self._decode(decoding)
-        return finished + self._retire_finished()
+        self._retire_finished()
+        # Handed out only now: a step that raises keeps what had finished for the next one.
+        finished, self._retired = self._retired, []
+        return finished
 
     def run(self) -> list[Completion]:
-        """Steps until every submitted request has finished; the completions of this run in `submit` order."""
-        done = []
+        """Steps until every submitted request has finished; the completions in `submit` order.
+
+        A run that raises (a failed device call) keeps what had finished: the
+        next `run()` returns it with the rest.
+        """
         while not self.idle:
-            done += self.step()
+            self._ran += self.step()
+        done, self._ran = self._ran, []
         return sorted(done, key=lambda c: c.request)
 
     # ---------------------------------------------------------------- internal
@@ -403,19 +399,31 @@ class Server:
 
     def _offers(self, slots: list[int]) -> dict[int, np.ndarray]:
         """The drafts of each request of `slots` that drafts this step (by prompt lookup, within its budget)."""
-        offers = {}
+        policy, offers = self.speculative.policy, {}
+        trying = []
         for slot in slots:
             request = self._slots[slot]
             budget = request.max_new_tokens - len(request.generated) - 1
-            if budget <= 0 or (request.expected < VERIFY_OVERHEAD and request.waited < request.patience):
-                continue
-            drafts = lookup_tokens(np.asarray(request.prompt + request.generated, np.int64),
-                                   self.speculative.num_tokens, self.speculative.max_ngram)[:budget]
-            if drafts.size:
-                offers[slot] = drafts
-        for slot in slots:
-            if slot not in offers:
-                self._slots[slot].waited += 1
+            if budget > 0 and policy.wants_round(request.expected, request.waited, request.patience):
+                trying.append(slot)
+            else:
+                request.waited += 1
+        if trying:
+            history = np.zeros((self._bucket(len(trying)), self.config.max_len + 1), np.int32)
+            filled = np.zeros(len(history), np.int32)
+            for row, slot in enumerate(trying):
+                tokens = self._slots[slot].prompt + self._slots[slot].generated
+                history[row, : len(tokens)] = tokens
+                filled[row] = len(tokens) - 1
+            drafts, widths = map(np.asarray, _lookup(history, filled, self.speculative.num_tokens,
+                                                     self.speculative.max_ngram))
+            for row, slot in enumerate(trying):
+                request = self._slots[slot]
+                width = min(int(widths[row]), request.max_new_tokens - len(request.generated) - 1)
+                if width:
+                    offers[slot] = drafts[row, :width]
+                else:
+                    request.waited += 1
         return offers
 
     def _verify(self, slots: list[int], offers: dict[int, np.ndarray]):
@@ -448,10 +456,10 @@ class Server:
             if slot in offers:
                 self._totals["drafted_tokens"] += int(counts[slot] - 1)
                 self._totals["accepted_tokens"] += int(kept[row])
-                request.expected = (1 - SMOOTHING) * request.expected + SMOOTHING * int(kept[row])
+                policy = self.speculative.policy
+                request.expected = float(policy.estimate(request.expected, int(kept[row])))
                 request.waited = 0
-                request.patience = (PROBE_EVERY if request.expected >= VERIFY_OVERHEAD
-                                    else min(2 * request.patience, MAX_PATIENCE))
+                request.patience = int(policy.patience(request.expected, request.patience))
 
     def _bucket(self, count: int) -> int:
         """Rows of the decode call for `count` sequences: a power of two, at most the batch size."""
@@ -471,6 +479,8 @@ class Server:
         if self.speculative is not None:
             width = self.speculative.num_tokens + 1
             for size in buckets:
+                _lookup(np.zeros((size, self.config.max_len + 1), np.int32), np.zeros(size, np.int32),
+                        self.speculative.num_tokens, self.speculative.max_ngram)
                 self._run(_verify_program, np.zeros((size, width), np.int32), np.zeros(size, np.int32),
                           np.zeros((size, empty.table.shape[1]), np.int32), np.zeros(size, np.int32),
                           empty.copy_from, empty.copy_to, RowSampling.of([], size))
@@ -504,9 +514,9 @@ class Server:
         if any(array.is_deleted() for array in jax.tree.leaves(self._pools)):  # donated to the failed call
             self._pools = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._template)
 
-    def _retire_finished(self) -> list[Completion]:
-        return [self._retire(slot) for slot, request in enumerate(self._slots)
-                if request is not None and self._finished(request)]
+    def _retire_finished(self) -> None:
+        self._retired += [self._retire(slot) for slot, request in enumerate(self._slots)
+                          if request is not None and self._finished(request)]
 
     @staticmethod
     def _finished(request: Request) -> bool:
@@ -530,14 +540,7 @@ class Server:
         )
 
 
-def _bounded_int(value, name: str, low: int, high: int) -> int:
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-    return value
+_lookup = jax.jit(lookup, static_argnames=("num_tokens", "max_ngram"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))

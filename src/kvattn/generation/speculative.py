@@ -28,7 +28,7 @@ draft model its steps. The loop keeps a running estimate of the drafts
 accepted per round and runs rounds only while they pay for themselves
 (decoding is bandwidth bound, so a draft step costs the share of the
 target's weight bytes that the draft reads); otherwise it takes plain steps,
-as `generate` does, and tries a round again after `PROBE_EVERY` steps
+as `generate` does, and tries a round again after `Policy.probe_every` steps
 (twice as long after each try that did not pay). A draft model drafts one
 token more than rounds have lately kept.
 
@@ -40,8 +40,9 @@ branch per token would copy the carried caches each time on a CPU). A round
 never drafts past `max_new_tokens`, so the caches need no more room than
 plain `generate` needs.
 
-The pure pieces, drafting by lookup and verifying, are in
-`kvattn.models.verification`.
+The pure pieces, drafting by lookup, verifying and the policy deciding
+when rounds pay, are in `kvattn.generation.speculation`, which the serving
+engine runs too.
 
 Axis letters: B batch, K drafted tokens per round (`num_tokens`), V
 vocabulary, S history slots.
@@ -59,39 +60,15 @@ import numpy as np
 from flax import nnx
 
 from kvattn import validation as check
+from kvattn.generation.generate import checked_inputs
+from kvattn.generation.sampling import Sampling, sample
+from kvattn.generation.speculation import Policy, lookup, probabilities, verify
 from kvattn.models.decoder import CausalLM
-from kvattn.models.generate import checked_inputs
-from kvattn.models.sampling import Sampling, sample
-from kvattn.models.verification import (
-    lookup,
-    lookup_tokens,
-    probabilities,
-    verify,
-    verify_rows,
-)
 
-__all__ = [
-    "DraftModel", "PromptLookup", "Speculated", "lookup", "lookup_tokens", "speculate", "verify", "verify_rows",
-]
+__all__ = ["MAX_DRAFT_TOKENS", "DraftModel", "PromptLookup", "Speculated", "speculate"]
 
-PROBE_EVERY = 16
-"""Plain steps after which a round is tried again, however low the estimate; twice as many after each miss."""
-MAX_PATIENCE = 64
-"""The longest wait between such tries."""
-SMOOTHING = 0.25
-"""Weight of the latest round in the running estimate of drafts kept per round.
-
-Rounds tend to keep all their drafts or none, so the estimate averages over
-a few of them before it gives up on rounds.
-"""
-VERIFY_OVERHEAD = 1.0
-"""What a verify chunk costs beyond one step, in steps: the drafts a round must keep to pay for it.
-
-On a CPU a product of a few rows by a weight matrix reads it about half
-as fast as a step's matrix-vector product, so a chunk of a few tokens costs
-about two steps; on an accelerator it costs about one, and this is cautious.
-"""
-
+MAX_DRAFT_TOKENS = 64
+"""The most tokens a round drafts: past a few, a verify chunk costs like a prefill and rounds never pay."""
 
 # ---------------------------------------------------------------- the options
 
@@ -108,16 +85,21 @@ class PromptLookup:
     match drafts nothing that round.
 
     Args:
-      num_tokens: K, the most tokens drafted per round.
-      max_ngram: the longest suffix looked up.
+      num_tokens: K, the most tokens drafted per round, at most `MAX_DRAFT_TOKENS`.
+      max_ngram: the longest suffix looked up (any positive int: the
+        lookup's cost grows with the history, not with this).
+      policy: when rounds are tried (`kvattn.generation.speculation.Policy`).
     """
 
     num_tokens: int
     max_ngram: int = 3
+    policy: Policy = Policy()
 
     def __post_init__(self):
-        object.__setattr__(self, "num_tokens", check.positive_int(self.num_tokens, "num_tokens"))
+        object.__setattr__(self, "num_tokens", _draft_tokens(self.num_tokens))
         object.__setattr__(self, "max_ngram", check.positive_int(self.max_ngram, "max_ngram"))
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"policy must be a kvattn.generation.speculation.Policy, got {type(self.policy).__name__}")
 
     # The drafter's side of the loop; `_DraftSteps` is the other drafter's.
 
@@ -147,16 +129,27 @@ class DraftModel:
 
     Args:
       draft: a `CausalLM` with contiguous caches.
-      num_tokens: K, the most tokens drafted per round.
+      num_tokens: K, the most tokens drafted per round, at most `MAX_DRAFT_TOKENS`.
+      policy: when rounds are tried (`kvattn.generation.speculation.Policy`).
     """
 
     draft: CausalLM
     num_tokens: int
+    policy: Policy = Policy()
 
     def __post_init__(self):
         if not isinstance(self.draft, CausalLM):
             raise TypeError(f"draft must be a kvattn.models.CausalLM, got {type(self.draft).__name__}")
-        object.__setattr__(self, "num_tokens", check.positive_int(self.num_tokens, "num_tokens"))
+        object.__setattr__(self, "num_tokens", _draft_tokens(self.num_tokens))
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"policy must be a kvattn.generation.speculation.Policy, got {type(self.policy).__name__}")
+
+
+def _draft_tokens(value) -> int:
+    value = check.positive_int(value, "num_tokens")
+    if value > MAX_DRAFT_TOKENS:
+        raise ValueError(f"num_tokens must be at most {MAX_DRAFT_TOKENS} drafts per round, got {value}")
+    return value
 
 
 class Speculated(NamedTuple):
@@ -224,6 +217,7 @@ class _DraftSteps:
     graphdef: Any
     num_tokens: int
     vocab_size: int
+    policy: Policy
 
     def _start(self, params, state, prompts, lengths):
         draft = nnx.merge(self.graphdef, params, state)
@@ -264,11 +258,9 @@ class _DraftSteps:
         keys = _split(key, self.num_tokens, sampling)
 
         def pick(logits, index, drafts, q):
-            if greedy:
-                return drafts.at[:, index].set(jnp.argmax(logits, axis=-1).astype(jnp.int32)), q
-            probs = probabilities(logits, sampling)
-            token = jax.random.categorical(keys[index], jnp.log(probs), axis=-1).astype(jnp.int32)
-            return drafts.at[:, index].set(token), q.at[:, index].set(probs)
+            """The draft's token at `index`, drawn by the target's sampler, and the distribution it came from."""
+            token = sample(logits, keys[index], sampling)
+            return drafts.at[:, index].set(token), None if greedy else q.at[:, index].set(probabilities(logits, sampling))
 
         q = None if greedy else jnp.zeros((rows, self.num_tokens, self.vocab_size), jnp.float32)
         drafts, q = pick(first, 0, drafts, q)
@@ -302,6 +294,7 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
     drafter_state = drafter._start(drafter_params, drafter_state, prompts, lengths)
     batch, width = prompts.shape
     num_tokens = drafter.num_tokens
+    policy = drafter.policy
     everyone = jnp.ones((batch,), jnp.bool_)
     history = jnp.zeros((batch, width + max_new_tokens + num_tokens + 1), jnp.int32).at[:, :width].set(prompts)
     history = _put(history, lengths[:, None], sample(logits, first, sampling)[:, None], everyone)
@@ -309,7 +302,8 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
     zero = jnp.zeros((batch,), jnp.int32)
     loop = _Loop(
         nnx.state(model, nnx.Cache), drafter_state, origin, history, lengths, zero, jnp.zeros((batch,), jnp.bool_),
-        key, jnp.float32(num_tokens), jnp.int32(PROBE_EVERY), jnp.int32(PROBE_EVERY), jnp.int32(num_tokens), jnp.int32(0),
+        key, jnp.float32(num_tokens), jnp.int32(policy.probe_every), jnp.int32(policy.probe_every), jnp.int32(num_tokens),
+        jnp.int32(0),
         jnp.int32(0), zero, zero,
     )
 
@@ -347,7 +341,13 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
         model = nnx.merge(graphdef, params, loop.target)
         before = model.pos
         logits = model.prefill(chunk, jnp.where(active, widths + 1, 0))
-        kept, token = verify(logits, drafts, widths, q, verify_key, sampling)
+        if sampling.temperature == 0.0:
+            kept, token, _ = verify(logits, drafts, widths, None, None, None, None)
+        else:
+            settings = (jnp.full((batch,), value) for value in (
+                sampling.temperature, sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p))
+            keys = jax.random.split(verify_key, batch * (num_tokens + 1)).reshape(batch, num_tokens + 1)
+            kept, token, _ = verify(logits, drafts, widths, *settings, keys, q)
         # The run produced is the pending token and the kept drafts, up to a stop token.
         run = jnp.arange(num_tokens + 1)[None, :] <= kept[:, None]
         stopping = is_stop(chunk) & run if stop_tokens else jnp.zeros(chunk.shape, jnp.bool_)
@@ -361,9 +361,9 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
         history = _put(history, (loop.filled + produced)[:, None], token[:, None], active & ~stop)
         trying = active & (widths > 0)
         kept_mean = jnp.sum(jnp.where(trying, kept, 0)) / jnp.maximum(jnp.sum(trying), 1)
-        expected = ((1 - SMOOTHING) * loop.expected + SMOOTHING * kept_mean).astype(jnp.float32)
+        expected = policy.estimate(loop.expected, kept_mean).astype(jnp.float32)
         length = jnp.clip(jnp.round(expected).astype(jnp.int32) + 1, 1, num_tokens)
-        patience = jnp.where(pays(expected, length), PROBE_EVERY, jnp.minimum(2 * loop.patience, MAX_PATIENCE))
+        patience = policy.patience(expected, loop.patience, cost, length.astype(jnp.float32))
         return loop._replace(
             target=nnx.state(model, nnx.Cache), drafter=drafter_state, history=history,
             filled=loop.filled + produced, counts=loop.counts + produced, stopped=loop.stopped | stop, key=key,
@@ -372,15 +372,12 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
             accepted=loop.accepted + jnp.where(active, kept, 0),
         )
 
-    def pays(expected, length):
-        """Whether rounds keep enough drafts to cost less per token than steps (decoding is bandwidth bound)."""
-        return expected >= VERIFY_OVERHEAD + cost * length.astype(jnp.float32)
-
     def offer(loop):
         """What the drafter would draft now, and whether a round is wanted: drafts to verify, and rounds pay or are due."""
         budget = jnp.where(done(loop), 0, max_new_tokens - loop.counts - 1)
         drafts, widths = drafter._offer(loop, budget)
-        wanted = jnp.any(widths > 0) & (pays(loop.expected, loop.length) | (loop.waited >= loop.patience))
+        wanted = jnp.any(widths > 0) & policy.wants_round(loop.expected, loop.waited, loop.patience, cost,
+                                                          loop.length.astype(jnp.float32))
         return drafts, widths, wanted & ~jnp.all(done(loop))
 
     def rounds(loop):
@@ -406,7 +403,7 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
 def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: PromptLookup | DraftModel,
               lengths=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
               stop_tokens=(), rng=None) -> Speculated:
-    """`kvattn.models.generate` in speculative rounds, with how the rounds went.
+    """`kvattn.generation.generate` in speculative rounds, with how the rounds went.
 
     The same arguments, checks and result as `generate` (whose
     `speculative=` calls this), plus the counts of rounds, plain steps,
@@ -434,7 +431,7 @@ def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: Pro
     if isinstance(speculative, DraftModel):
         drafter_params, drafter_state, cost = _checked_draft(speculative.draft, model, inputs.lengths, max_new_tokens)
         drafter = _DraftSteps(nnx.graphdef(speculative.draft), speculative.num_tokens,
-                              speculative.draft.config.vocab_size)
+                              speculative.draft.config.vocab_size, speculative.policy)
     else:
         drafter = speculative
     graphdef, params, cache = nnx.split(model, nnx.Param, nnx.Cache)

@@ -1,4 +1,13 @@
-"""Sampling settings, checked once, and the sampler the generation loops and the server share."""
+"""What a request asks for (`SamplingParams`, `Sampling`), checked once, and the one sampler every face calls.
+
+`SamplingParams` is a whole request's settings, as vLLM names them: how many
+tokens, how to sample them, when to stop, which log-probabilities to report.
+The OpenAI server turns a request body into one, `kvattn.LLM` takes one, and
+the engine reads it. `Sampling` is the part that chooses a token
+(temperature, top-k, top-p); `RowSampling` lays it out per row, so one
+compiled program serves every mix of requests. Every token any face
+produces is drawn by `draw` from logits that `filter_rows` filtered.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "MAX_TOP_LOGPROBS", "RowSampling", "Sampling", "filtered", "row_keys", "sample", "sample_rows", "sample_with_logprob",
-    "scaled_rows",
+    "MAX_TOP_LOGPROBS", "RowSampling", "Sampling", "SamplingParams", "draw", "filter_rows", "filtered", "row_keys",
+    "sample", "sample_rows", "scaled_rows",
 ]
 
 MAX_TOP_LOGPROBS = 20
@@ -72,34 +81,114 @@ class Sampling:
             raise ValueError(f"sampling at temperature {self.temperature} needs rng (a jax.random.key)")
 
 
+def _count(value, name: str, low: int, high: int | None = None) -> int:
+    """`value` as an int in [low, high], refusing bools, floats and other types."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        wanted = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an int {wanted}, got {value!r}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's settings: how many tokens, how to choose them, when to stop, what to report.
+
+    The names are vLLM's (and the OpenAI API's), so code moves between them.
+    Unlike vLLM, the default is greedy decoding (`temperature=0`), as in
+    `kvattn.generation.generate`.
+
+    Args:
+      max_tokens: new tokens to produce at most.
+      temperature: 0 for greedy decoding, else the sampling temperature.
+      top_k: sample among the k most likely tokens (None: all).
+      top_p: sample among the smallest set holding probability p (None: all).
+      seed: the request's random stream; the same seed gives the same
+        tokens whatever else runs beside it (None: drawn by the engine).
+      n: independent completions of the same prompt.
+      stop: strings that end the text when they appear (not included).
+      stop_token_ids: ids that end a completion (included in its tokens).
+      ignore_eos: go on past the model's end-of-sequence ids.
+      logprobs: report each token's log-probability and this many most
+        likely alternatives (0: the chosen token's alone; None: none).
+      skip_special_tokens: leave special tokens out of the text.
+
+    Raises:
+      TypeError, ValueError: a setting of the wrong type or out of range,
+        named with its value.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        _count(self.max_tokens, "max_tokens", 1)
+        Sampling(self.temperature, self.top_k, self.top_p)  # checks them
+        if self.seed is not None:
+            _count(self.seed, "seed", 0, 2**32 - 1)
+        _count(self.n, "n", 1)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise TypeError(f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, (int, np.integer)) else self.stop_token_ids
+        try:
+            ids = tuple(_count(i, "stop_token_ids", 0) for i in ids)
+        except TypeError:
+            raise TypeError(f"stop_token_ids must be an int id or a sequence of them, got {self.stop_token_ids!r}"
+                            ) from None
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.logprobs is not None:
+            _count(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
+        for flag in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+
+    @property
+    def sampling(self) -> Sampling:
+        """The part that chooses each token."""
+        return Sampling(self.temperature, self.top_k, self.top_p)
+
+    def stop_ids(self, eos_token_ids=()) -> frozenset[int]:
+        """The ids that end a completion: `stop_token_ids`, and the model's `eos_token_ids` unless `ignore_eos`."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
 def filtered(logits: jax.Array, sampling: Sampling) -> jax.Array:
     """What `sample` draws from at a temperature above 0: `logits` `(B, V)` over the temperature, with what
-    lies outside the top-k, then outside the top-p, at -inf."""
+    lies outside the top-k, then outside the top-p, at -inf (`filter_rows` with every row alike)."""
     logits = logits / sampling.temperature
-    if sampling.top_k is not None:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p is not None:
-        order = jnp.argsort(-logits, axis=-1)
-        ranked = jnp.take_along_axis(logits, order, axis=-1)
-        before = jnp.cumsum(jax.nn.softmax(ranked, axis=-1), axis=-1) - jax.nn.softmax(ranked, axis=-1)
-        ranked = jnp.where(before < sampling.top_p, ranked, -jnp.inf)  # the most likely token always stays
-        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(ranked)
-    return logits
+    if sampling.top_k is None and sampling.top_p is None:
+        return logits
+    rows = logits.shape[0]
+    return filter_rows(logits, jnp.full((rows,), sampling.top_k or 0, jnp.int32),
+                       jnp.full((rows,), 1.0 if sampling.top_p is None else sampling.top_p, jnp.float32))
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
-    """One token per row of `logits` `(B, V)`: int32 `(B,)`."""
+    """One token per row of `logits` `(B, V)`: int32 `(B,)`; row b draws with `jax.random.split(key, B)[b]`.
+
+    The fixed-batch loops' face of `draw`: one static `Sampling` for every
+    row, so greedy decoding compiles to an argmax alone.
+    """
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, filtered(logits, sampling), axis=-1).astype(jnp.int32)
+    return draw(filtered(logits, sampling), jax.random.split(key, logits.shape[0]))
 
 
-def sample_with_logprob(logits: jax.Array, key: jax.Array, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
-    """`sample`, and each chosen token's log-probability under the model (after temperature)."""
-    token = sample(logits, key, sampling)
-    logprobs = jax.nn.log_softmax(logits / (sampling.temperature or 1.0), axis=-1)
-    return token, jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+def draw(candidates: jax.Array, keys: jax.Array) -> jax.Array:
+    """One token per row of `candidates` `(B, V)` (scaled, filtered logits), row b with `keys[b]`: int32 `(B,)`."""
+    return jax.vmap(jax.random.categorical)(keys, candidates).astype(jnp.int32)
 
 
 class RowSampling(NamedTuple):
@@ -130,8 +219,17 @@ class RowSampling(NamedTuple):
                    *(v.astype(np.uint32) for v in values[3:]))
 
 
-def _row_filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """`logits` `(B, V)` with what lies outside each row's top-k and then top-p set at -inf (ties at the edge stay)."""
+def filter_rows(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`logits` `(B, V)` with what lies outside each row's top-k (0: all) and then top-p (1: all) set at -inf.
+
+    The one filter: every sampler and the speculative verifier draw through
+    it. Ties at the edge stay; a batch where no row filters skips the sort.
+    """
+    filtering = jnp.any((top_k > 0) | (top_p < 1.0))
+    return jax.lax.cond(filtering, _filter, lambda x, *_: x, logits, top_k, top_p)
+
+
+def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     vocab = logits.shape[-1]
     ranked = -jnp.sort(-logits, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -148,8 +246,7 @@ def scaled_rows(logits: jax.Array, settings: RowSampling) -> tuple[jax.Array, ja
     top-p: `(scaled, filtered)`; a row samples from `filtered`, its log-probabilities are `scaled`'s."""
     temperature = settings.temperature
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    filtering = jnp.any((settings.top_k > 0) | (settings.top_p < 1.0))
-    return scaled, jax.lax.cond(filtering, _row_filter, lambda x, *_: x, scaled, settings.top_k, settings.top_p)
+    return scaled, filter_rows(scaled, settings.top_k, settings.top_p)
 
 
 def row_keys(settings: RowSampling) -> jax.Array:
@@ -168,7 +265,7 @@ def sample_rows(logits: jax.Array, settings: RowSampling) -> tuple[jax.Array, ja
       `(B, MAX_TOP_LOGPROBS)`.
     """
     scaled, candidates = scaled_rows(logits, settings)
-    sampled = jax.vmap(jax.random.categorical)(row_keys(settings), candidates)
+    sampled = draw(candidates, row_keys(settings))
     tokens = jnp.where(settings.temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, logits.shape[-1]))

@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 
 from kvattn import validation as check
+from kvattn.generation.sampling import Sampling, sample
 from kvattn.models.decoder import CausalLM
-from kvattn.models.sampling import Sampling, sample
 from kvattn.models.tokens import stop_ids, token_ids
 
 __all__ = ["Generated", "generate", "stream"]
@@ -57,13 +57,13 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
       rng: a `jax.random.key`, needed when `temperature > 0`.
       speculative: a `PromptLookup` or `DraftModel` to produce several
         tokens per call of the model, with the same output (see
-        `kvattn.models.speculate`).
+        `kvattn.generation.speculate`).
 
     Returns:
       `Generated(tokens, counts)`.
     """
     if speculative is not None:
-        from kvattn.models.speculative import speculate  # it imports this module
+        from kvattn.generation.speculative import speculate  # it imports this module
 
         return Generated(*speculate(
             model, prompts, max_new_tokens, speculative=speculative, lengths=lengths, temperature=temperature,
