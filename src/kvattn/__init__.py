@@ -1,17 +1,61 @@
-"""kvattn: multi-head attention with a KV cache for JAX and Flax NNX."""
+"""kvattn: multi-head attention with a KV cache for JAX and Flax NNX.
 
-from kvattn.attention import MultiHeadAttention
-from kvattn.errors import (
-    CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
-    SnapshotError, UnsupportedConfigError,
-)
-from kvattn.config import AttentionConfig
-from kvattn.rope import RoPE
-from kvattn.decoding import Decoder, Rollout, attend, decode, rollout
-from kvattn.sharding import make_mesh, shard
-from kvattn.paging import PageBatch, PageManager
-from kvattn.paging.snapshot import load_sequence, save_sequence
-from kvattn.snapshot import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
+The public names are imported on first use (PEP 562), so `import kvattn`
+(and `kvattn --help`, or `import kvattn.errors`) loads no JAX until a name
+that needs it is read: `kvattn.MultiHeadAttention` and
+`from kvattn import MultiHeadAttention` work as eager imports would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the API docs' static reader
+    from kvattn.attention import MultiHeadAttention
+    from kvattn.config import AttentionConfig
+    from kvattn.decoding import Decoder, Rollout, attend, decode, rollout
+    from kvattn.errors import (
+        CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
+        SnapshotError, UnsupportedConfigError,
+    )
+    from kvattn.paging import PageBatch, PageManager
+    from kvattn.paging.snapshot import load_sequence, save_sequence
+    from kvattn.rope import RoPE
+    from kvattn.sharding import make_mesh, shard
+    from kvattn.snapshot import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
+
+# Each public name and the module it is imported from on first use. A new public name is one line here,
+# one in `__all__`, and one in the TYPE_CHECKING imports above.
+_EXPORTS = {
+    "AttentionConfig": "kvattn.config",
+    "CacheOverflowError": "kvattn.errors",
+    "CheckpointError": "kvattn.errors",
+    "Decoder": "kvattn.decoding",
+    "InvalidStateError": "kvattn.errors",
+    "KvattnError": "kvattn.errors",
+    "MissingExtraError": "kvattn.errors",
+    "MultiHeadAttention": "kvattn.attention",
+    "OutOfPagesError": "kvattn.errors",
+    "PageBatch": "kvattn.paging",
+    "PageManager": "kvattn.paging",
+    "RoPE": "kvattn.rope",
+    "Rollout": "kvattn.decoding",
+    "SnapshotError": "kvattn.errors",
+    "SnapshotInfo": "kvattn.snapshot",
+    "UnsupportedConfigError": "kvattn.errors",
+    "attend": "kvattn.decoding",
+    "decode": "kvattn.decoding",
+    "load_cache": "kvattn.snapshot",
+    "load_sequence": "kvattn.paging.snapshot",
+    "make_mesh": "kvattn.sharding",
+    "rollout": "kvattn.decoding",
+    "save_cache": "kvattn.snapshot",
+    "save_sequence": "kvattn.paging.snapshot",
+    "shard": "kvattn.sharding",
+    "snapshot_info": "kvattn.snapshot",
+    "weights_fingerprint": "kvattn.snapshot",
+}
 
 __all__ = [
     "AttentionConfig",
@@ -42,3 +86,29 @@ __all__ = [
     "snapshot_info",
     "weights_fingerprint",
 ]
+
+
+def _installed_version() -> str:
+    """The installed distribution's version; "0+unknown" when kvattn runs from a source tree never installed."""
+    import importlib.metadata  # read on first use: the metadata scan costs more than the rest of `import kvattn`
+
+    try:
+        return importlib.metadata.version("kvattn")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def __getattr__(name: str):
+    """A public name, or `__version__`, imported on its first use and kept as a module global."""
+    if name == "__version__":
+        value = _installed_version()
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:  # an AttributeError, so `from kvattn import submodule` falls back to importing the submodule
+        raise AttributeError(f"module 'kvattn' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "__version__"})

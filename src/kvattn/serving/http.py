@@ -42,7 +42,7 @@ from kvattn.serving.api import ChatRequest, CompletionRequest
 from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.metrics import Metrics
 from kvattn.serving.requests import Token
-from kvattn.serving.text import StopStrings, Tokenizer
+from kvattn.serving.text import TextStream, Tokenizer
 
 __all__ = ["ApiError", "create_app", "run"]
 
@@ -90,11 +90,9 @@ class _Job:
 
 @dataclasses.dataclass
 class _Choice:
-    """The text of one choice as it is produced."""
+    """One choice as it is produced: its text stream, ids and logprobs."""
 
-    detokenizer: object
-    stops: StopStrings | None
-    text: list[str] = dataclasses.field(default_factory=list)
+    stream: TextStream
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[tuple[Token, str]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -185,8 +183,8 @@ class _App:
             self.metrics.rejected.labels("400").inc()
             raise ApiError(400, str(error)) from None
         first = handle.indices[0]
-        choices = [_Choice(self.tokenizer.detokenizer(context=job.prompt[-8:]),  # the first token's leading space
-                           StopStrings(job.stops) if job.stops else None) for _ in handle.indices]
+        choices = [_Choice(TextStream(self.tokenizer, prompt=job.prompt, stop=job.stops, stop_token_ids=job.stop_ids))
+                   for _ in handle.indices]
         open_ = set(handle.indices)
         cached = 0
         try:
@@ -203,11 +201,7 @@ class _App:
                 else:  # done
                     completion = event[2]
                     cached = max(cached, completion.cached_tokens)
-                    tail, stopped = choice.detokenizer.flush(), False  # a character cut short: U+FFFD
-                    if choice.stops is not None:
-                        tail, stopped = choice.stops.push(tail)
-                        tail += "" if stopped else choice.stops.flush()
-                    choice.text.append(tail)
+                    tail, stopped = choice.stream.finish()
                     reason = "stop" if stopped or completion.finish_reason == "stop" else "length"
                     delta = _Delta(index - first, tail, finish_reason=reason)
                 if delta.finish_reason is not None:
@@ -233,11 +227,7 @@ class _App:
             self.metrics.itl.observe(now - choice.last_token_at)
         choice.last_token_at = now
         choice.token_ids.append(token.id)
-        piece = "" if token.id in job.stop_ids else choice.detokenizer.push(token.id)
-        stopped = False
-        if choice.stops is not None:
-            piece, stopped = choice.stops.push(piece)
-        choice.text.append(piece)
+        piece, stopped = choice.stream.push(token.id)
         strings = [(token, self.tokenizer.decode([token.id], skip_special_tokens=False))] if job.top_logprobs \
             is not None else []
         choice.logprobs += strings

@@ -7,11 +7,16 @@
   transformers' `apply_chat_template` renders them: a sandboxed, immutable
   jinja2 environment with the same filters, globals and variables, so a
   template from the Hub gives the same text here as there.
-- `Detokenizer` turns generated ids into text one token at a time and never
-  emits half a UTF-8 character (the `tokenizers` library's `DecodeStream`).
+- `Detokenizer` turns generated ids into text one token at a time, never
+  emitting half a UTF-8 character, so that the pieces add up to the
+  `tokenizers` library's own `decode` of the ids, for byte-level BPE and for
+  SentencePiece-style tokenizers (`▁` for a space, byte-fallback pieces).
 - `StopStrings` cuts streamed text at the first stop string to complete,
   holding back any tail that could still become one, so a stop string split
   across tokens is matched and never emitted.
+- `TextStream` is one generated sequence's text, both of these in one: every
+  face that shows generated text (the HTTP server, the CLI, offline
+  generation) pushes ids into one and shows what it returns.
 
 Every refusal of a request's content (messages of the wrong shape, a
 template that raises) is a `ValueError`, which the HTTP layer answers with a
@@ -22,24 +27,29 @@ from __future__ import annotations
 
 import json
 import operator
+import os
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import jinja2.utils
 import tokenizers
-from tokenizers.decoders import DecodeStream
 
-__all__ = ["Detokenizer", "StopStrings", "Tokenizer"]
+__all__ = ["Detokenizer", "StopStrings", "TextDelta", "TextStream", "Tokenizer"]
 
 # Bounds on what is read from a checkpoint directory: the largest tokenizer.json files on the Hub are tens of MiB.
 MAX_TOKENIZER_BYTES = 128 << 20
 MAX_CONFIG_BYTES = 16 << 20
 # Token ids cross into the tokenizers library as unsigned 32-bit ints.
 _MAX_TOKEN_ID = (1 << 32) - 1
+# Prompt ids a TextStream decodes before the generated ones: enough that the first generated token decodes as it
+# does mid-text (a SentencePiece decoder strips the leading space of the text's first word only) and that a
+# character whose first bytes end the prompt is finished by the generated ones.
+_CONTEXT_TOKENS = 8
 
 
 def _read_text(path: Path, limit: int) -> str:
@@ -146,7 +156,7 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def _plain(value, where: str):
-    """A copy of JSON-shaped data (dicts with string keys, lists, strings, numbers, bools, None), refusing anything else.
+    """A copy of JSON-shaped data (string-keyed dicts, lists, strings, numbers, bools, None), refusing anything else.
 
     The template sees only these, so no object with methods of its own ever reaches the sandbox.
     """
@@ -210,6 +220,11 @@ class Tokenizer:
         self.eos_token_ids = frozenset(_token_id(i) for i in eos_token_ids or ())
         """The ids that end a generation (generation_config.json's `eos_token_id`, else `eos_token`'s id)."""
         self._template = None if chat_template is None else _compile(chat_template)
+        self._special_ids = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+        # A byte-fallback decoder turns a run of byte pieces that is not valid UTF-8 into one U+FFFD per byte, valid
+        # bytes included, so a run's text is known only when the run ends.
+        byte_piece_ids = (tokenizer.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
+        self._byte_piece_ids = frozenset(i for i in byte_piece_ids if i is not None)
 
     @classmethod
     def from_directory(cls, path, chat_template: str | None = None) -> Tokenizer:
@@ -299,47 +314,67 @@ class Tokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> Detokenizer:
         """A fresh `Detokenizer` over this tokenizer (see there)."""
-        return Detokenizer(self._tokenizer, skip_special_tokens=skip_special_tokens, context=context)
+        return Detokenizer(self, skip_special_tokens=skip_special_tokens, context=context)
 
 
 class Detokenizer:
     """Generated ids to text, one token at a time, never splitting a UTF-8 character.
 
-    For every id sequence, `"".join(map(push, ids)) + flush()` equals
-    `decode(ids)` (byte-level BPE and other prefix-stable decoders).
+    Each push decodes a short window of ids and returns what its text adds
+    to the window before the new ids; the window moves on only where the
+    text is final. Text is held back while it ends in U+FFFD (a character's
+    bytes still arriving) or in a byte-fallback piece (the run of byte pieces
+    decodes as one U+FFFD per byte if it turns out not to be UTF-8). So the
+    pushed pieces and the flush add up to `decode(context + ids)` past where
+    it first differs from `decode(context)`: `decode(ids)` with no context.
 
     Args:
-      tokenizer: the `tokenizers.Tokenizer`.
+      tokenizer: the `Tokenizer`.
       skip_special_tokens: leave special tokens out of the text.
       context: ids that precede the first pushed one (the prompt's tail),
         so the first new token decodes as it would mid-text (e.g. keeps the
         leading space a SentencePiece-style decoder strips at the start).
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, skip_special_tokens: bool = True,
-                 context: Sequence[int] = ()):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()):
+        self._decode = tokenizer._tokenizer.decode
         self._skip = skip_special_tokens
-        self._context = [_token_id(i) for i in context]
-        self._stream = DecodeStream(ids=self._context or None, skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._emitted = 0
+        self._silent_ids = tokenizer._special_ids if skip_special_tokens else frozenset()
+        self._byte_piece_ids = tokenizer._byte_piece_ids
+        self._ids = [_token_id(i) for i in context]
+        # The window is ids[_window_start:]; its text up to _read_end (_read_text) has been emitted or is context.
+        self._window_start, self._read_end = 0, len(self._ids)
+        self._read_text = self._decode(self._ids, skip_special_tokens=self._skip)
 
     def push(self, token_id: int) -> str:
         """Adds one generated id; returns the text now final ("" while a character is incomplete)."""
-        token_id = _token_id(token_id)
-        self._ids.append(token_id)
-        text = self._stream.step(self._tokenizer, token_id) or ""
-        self._emitted += len(text)
-        return text
+        self._ids.append(_token_id(token_id))
+        return self._advance(final=False)
 
     def flush(self) -> str:
         """At the end of a generation, the text still held back (e.g. a final incomplete character, as U+FFFD)."""
-        before = len(self._tokenizer.decode(self._context, skip_special_tokens=self._skip)) if self._context else 0
-        full = self._tokenizer.decode(self._context + self._ids, skip_special_tokens=self._skip)
-        rest = full[before + self._emitted:]
-        self._emitted += len(rest)
-        return rest
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        window = self._ids[self._window_start:]
+        text = self._decode(window, skip_special_tokens=self._skip)
+        if not final and (text.endswith("\ufffd") or self._last_decoded(window) in self._byte_piece_ids):
+            return ""
+        # The window's text starts with what was read but where the context ended mid-character (or in a byte run
+        # that the new bytes make invalid): then the new text starts where the two differ.
+        if text.startswith(self._read_text):
+            cut = len(self._read_text)
+        else:
+            cut = len(os.path.commonprefix([self._read_text, text]))
+        if len(text) <= cut:
+            return ""
+        self._window_start, self._read_end = self._read_end, len(self._ids)
+        self._read_text = self._decode(self._ids[self._window_start:self._read_end], skip_special_tokens=self._skip)
+        return text[cut:]
+
+    def _last_decoded(self, window: list[int]) -> int | None:
+        """The window's last id that shows in the text (skipped special tokens do not end a byte run)."""
+        return next((i for i in reversed(window) if i not in self._silent_ids), None)
 
 
 class StopStrings:
@@ -391,3 +426,87 @@ class StopStrings:
         """At the end of a generation, the text held back (none after a match)."""
         held, self._held = self._held, ""
         return held
+
+
+class TextDelta(NamedTuple):
+    """What one step adds to a sequence's text."""
+
+    text: str
+    """The text to show now ("" while it is held back)."""
+    stopped: bool
+    """Whether a stop string has completed: the text ends before it, and nothing follows."""
+
+
+class TextStream:
+    """One generated sequence's text: its ids detokenized as they come, cut at the first stop string.
+
+    Without stop strings, the deltas of a sequence (its pushes and its
+    `finish`) add up to the text the generated ids add after the prompt's,
+    `decode(ids)` for an empty prompt (see `Detokenizer`); no delta holds
+    half a character. With them, that text is cut where the first stop
+    string to complete begins; the stop string is never shown, whether it
+    comes in one token or across several, and text that could still become
+    one is held back until the next token shows whether it does.
+
+    >>> vocab = {"<unk>": 0, "▁have": 1, "▁w": 2, "121": 3, "▁but": 4}
+    >>> pieces = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>"))
+    >>> pieces.decoder = tokenizers.decoders.Metaspace()
+    >>> stream = TextStream(Tokenizer(pieces), stop=[" but"])
+    >>> [stream.push(token_id).text for token_id in (1, 2, 3)]
+    ['have', ' w', '121']
+    >>> stream.push(4), stream.finish()
+    (TextDelta(text='', stopped=True), TextDelta(text='', stopped=True))
+
+    Args:
+      tokenizer: the `Tokenizer`.
+      prompt: the prompt's ids; its last few decode before the generated
+        ones, so the first generated word keeps its leading space.
+      stop: stop strings, none empty.
+      stop_token_ids: ids that end a generation (e.g. `eos_token_ids`); their
+        own text is never shown, special or not.
+      skip_special_tokens: leave special tokens out of the text.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, prompt: Sequence[int] = (), stop: Sequence[str] = (),
+                 stop_token_ids: Iterable[int] = (), skip_special_tokens: bool = True):
+        self._detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens,
+                                                  context=list(prompt)[-_CONTEXT_TOKENS:])
+        self._stops = StopStrings(stop) if stop else None
+        self._stop_token_ids = frozenset(_token_id(i) for i in stop_token_ids)
+        self._finished = False
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has completed."""
+        return self._stops is not None and self._stops.matched
+
+    def push(self, token_id: int) -> TextDelta:
+        """Adds one generated id; returns the text to show now and whether a stop string completed.
+
+        Raises:
+          ValueError: `token_id` is not a token id, or the stream is finished.
+        """
+        if self._finished:
+            raise ValueError("this TextStream is finished; make a new one for the next sequence")
+        token_id = _token_id(token_id)
+        if self.stopped:
+            return TextDelta("", True)
+        text = "" if token_id in self._stop_token_ids else self._detokenizer.push(token_id)
+        return self._cut(text)
+
+    def finish(self) -> TextDelta:
+        """At the end of the sequence, the text still held back (a character cut short shows as U+FFFD)."""
+        if self._finished:
+            raise ValueError("this TextStream is finished already")
+        self._finished = True
+        if self.stopped:
+            return TextDelta("", True)
+        text, stopped = self._cut(self._detokenizer.flush())
+        if not stopped and self._stops is not None:
+            text += self._stops.flush()
+        return TextDelta(text, stopped)
+
+    def _cut(self, text: str) -> TextDelta:
+        if self._stops is None:
+            return TextDelta(text, False)
+        return TextDelta(*self._stops.push(text))
