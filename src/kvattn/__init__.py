@@ -19,9 +19,11 @@ if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the 
         CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
         SnapshotError, UnsupportedConfigError,
     )
+    from kvattn.generation.sampling import SamplingParams
     from kvattn.paging import PageBatch, PageManager
     from kvattn.paging.snapshot import load_sequence, save_sequence
     from kvattn.rope import RoPE
+    from kvattn.serving.llm import LLM
     from kvattn.sharding import make_mesh, shard
     from kvattn.snapshot import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
 
@@ -33,6 +35,7 @@ _EXPORTS = {
     "CheckpointError": "kvattn.errors",
     "Decoder": "kvattn.decoding",
     "InvalidStateError": "kvattn.errors",
+    "LLM": "kvattn.serving.llm",
     "KvattnError": "kvattn.errors",
     "MissingExtraError": "kvattn.errors",
     "MultiHeadAttention": "kvattn.attention",
@@ -41,6 +44,7 @@ _EXPORTS = {
     "PageManager": "kvattn.paging",
     "RoPE": "kvattn.rope",
     "Rollout": "kvattn.decoding",
+    "SamplingParams": "kvattn.generation.sampling",
     "SnapshotError": "kvattn.errors",
     "SnapshotInfo": "kvattn.snapshot",
     "UnsupportedConfigError": "kvattn.errors",
@@ -63,6 +67,7 @@ __all__ = [
     "CheckpointError",
     "Decoder",
     "InvalidStateError",
+    "LLM",
     "KvattnError",
     "MissingExtraError",
     "MultiHeadAttention",
@@ -71,6 +76,7 @@ __all__ = [
     "PageManager",
     "RoPE",
     "Rollout",
+    "SamplingParams",
     "SnapshotError",
     "SnapshotInfo",
     "UnsupportedConfigError",
