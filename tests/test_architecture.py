@@ -68,8 +68,8 @@ def test_attribute_access_to_private_names_of_kvattn_modules_is_absent():
 # Lower layers never import higher ones (see docs/design): the pure math, then the cache types,
 # then the step, the layer, the drivers, the models, generation, serving, and the CLI on top.
 FLOORS = [
-    ("kvattn.errors", "kvattn.extra", "kvattn.config", "kvattn.rope", "kvattn.ops", "kvattn.norms", "kvattn.kernels", "kvattn.quant",
-     "kvattn.native"),
+    ("kvattn.errors", "kvattn.extra", "kvattn.config", "kvattn.rope", "kvattn.ops", "kvattn.norms", "kvattn.kernels",
+     "kvattn.quant", "kvattn.native"),
     ("kvattn.validation",),
     ("kvattn.cache", "kvattn.paging"),
     ("kvattn.forward",),
