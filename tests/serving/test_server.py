@@ -12,7 +12,7 @@ import pytest
 
 from kvattn import generation, models, serving
 from kvattn.generation import SamplingParams
-from kvattn.serving import server as serving_programs
+from kvattn.serving import runner as serving_programs
 from tests.helpers import FIXTURES, default_compile_env, expected
 
 ROOT = Path(__file__).parents[2]
@@ -111,7 +111,7 @@ def test_a_failed_device_call_loses_no_request(monkeypatch):
         server.submit(want["prompts"][row, :length], SamplingParams(max_tokens=12))
     with pytest.raises(RuntimeError, match="device lost"):
         server.run()
-    assert server.manager.num_live == 0 and len(server._queue) == len(want["lengths"])
+    assert server.manager.num_live == 0 and len(server.scheduler.queue) == len(want["lengths"])
     completions = server.run()
     assert all(c.preemptions >= 1 for c in completions)
     for completion in completions:

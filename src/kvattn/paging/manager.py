@@ -113,26 +113,28 @@ class PageManager:
         """Pages referenced by at least one live slot."""
         return self.pool.num_live
 
-    def pages_for(self, num_tokens: int) -> int:
-        """The most pages a sequence holds at once while it grows to `num_tokens` tokens, one at a time.
+    def pages_for(self, num_tokens: int, *, chunk: int = 1) -> int:
+        """The most pages a sequence holds at once while it grows to `num_tokens` tokens, `chunk` at a time.
 
         With a window that is at most the blocks one query sees, plus one; a
         chunk of tokens appended at once holds, for that call, the pages of the
         whole chunk and of the window before it.
         """
-        return self.policy.most_pages_held(_size("num_tokens", num_tokens, minimum=0))
+        return self.policy.most_pages_held(_size("num_tokens", num_tokens, minimum=0), _size("chunk", chunk))
 
-    def admission(self, num_tokens: int) -> str:
-        """Whether a request that will grow to `num_tokens` tokens can start.
+    def admission(self, num_tokens: int, *, chunk: int = 1, sequences: int = 1) -> str:
+        """Whether a request of `sequences` choices of a `num_tokens`-long sequence, grown `chunk` tokens at a
+        time, can start: the choices share its full pages and hold a private copy of a partial last one.
 
         Returns:
-            `"never"` if it cannot fit even in an empty pool, `"now"` if a slot and
-            enough free or evictable pages are available right now, else `"later"`.
+            `"never"` if it cannot fit even in an empty pool, `"now"` if enough
+            slots and free or evictable pages are available right now, else `"later"`.
         """
-        pages = self.pages_for(num_tokens)
-        if num_tokens > self.capacity or pages > self.num_pages - 1:
+        sequences = _size("sequences", sequences)
+        pages = self.pages_for(num_tokens, chunk=chunk) + (sequences - 1) * bool(num_tokens % self.page_size)
+        if num_tokens > self.capacity or pages > self.num_pages - 1 or sequences > self.max_sequences:
             return "never"
-        if not self.live.all() and pages <= self.pool.num_free + self.pool.num_cached:
+        if np.count_nonzero(~self.live) >= sequences and pages <= self.pool.num_free + self.pool.num_cached:
             return "now"
         return "later"
 

@@ -36,8 +36,8 @@ class FullAttention:
         """The first block a query at `pos` sees; the blocks before it may be released."""
         return 0
 
-    def most_pages_held(self, num_tokens: int) -> int:
-        """The most pages a sequence holds at once while it grows to `num_tokens` tokens, one at a time."""
+    def most_pages_held(self, num_tokens: int, chunk: int = 1) -> int:
+        """The most pages a sequence holds at once while it grows to `num_tokens` tokens, `chunk` at a time."""
         return blocks_spanned(num_tokens, self.page_size)
 
 
@@ -56,7 +56,7 @@ class SlidingWindow(FullAttention):
     def first_block_seen(self, pos: int) -> int:
         return max(0, pos - self.window + 1) // self.page_size
 
-    def most_pages_held(self, num_tokens: int) -> int:
+    def most_pages_held(self, num_tokens: int, chunk: int = 1) -> int:
         """At most the blocks one query sees, plus one.
 
         A chunk of tokens appended at once holds, for that call, the pages of
@@ -65,6 +65,9 @@ class SlidingWindow(FullAttention):
         page_size, window = self.page_size, self.window
         if num_tokens <= window:
             return blocks_spanned(num_tokens, page_size)
+        if chunk > 1:
+            chunked = blocks_spanned(window - 1 + min(chunk, num_tokens), page_size) + 1
+            return min(blocks_spanned(num_tokens, page_size), max(self.most_pages_held(num_tokens), chunked))
 
         def held(length: int) -> int:  # once its last token, at `length - 1`, was appended alone
             return (length - 1) // page_size - (length - window) // page_size + 1

@@ -102,6 +102,25 @@ class Request:
         """It and the choices still waiting to be forked from it."""
         return [self, *self.siblings]
 
+    @property
+    def budget(self) -> int:
+        """Drafts a speculative round may propose: new tokens left, less the one the round always produces."""
+        return self.max_new_tokens - len(self.generated) - 1
+
+    @property
+    def stopped(self) -> bool:
+        """Whether its last token is a stop token."""
+        return bool(self.generated) and self.generated[-1] in self.stop_tokens
+
+    @property
+    def finished(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens or self.stopped
+
+    def completion(self, reason: str) -> Completion:
+        """What it produced, ended for `reason`."""
+        return Completion(self.index, self.generated[: self.max_new_tokens], self.logprobs[: self.max_new_tokens],
+                          self.cached_tokens, self.preemptions, self.first_token_seconds, reason)
+
     def settings(self) -> tuple[Sampling, int, int, int]:
         """Its row of `RowSampling` for the next token."""
         return self.sampling, self.seed, self.stream, len(self.generated)

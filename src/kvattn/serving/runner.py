@@ -1,0 +1,134 @@
+"""The device half of the engine: a paged model's weights, its page pools, and the programs a step runs.
+
+Four compiled programs with fixed shapes, so requests come and go without a
+recompilation: a prefill chunk `(1, chunk)` whose last logits every choice
+of a request samples from, a decode step over a bucket of rows, a
+speculative verify over a bucket of rows of K + 1 tokens, and prompt lookup
+over the same buckets. Each samples with `kvattn.generation.sampling` and
+verifies with `kvattn.generation.speculation`, as the fixed-batch loops do.
+
+The runner works on its own copy of the model's pools, donated from call to
+call; the model itself is never changed. A call that fails leaves pools
+that were donated to it replaced by zeros (the scheduler recomputes what
+they held).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvattn.generation.sampling import RowSampling, sample_rows
+from kvattn.generation.speculation import lookup, verify_rows
+from kvattn.models.decoder import CausalLM
+from kvattn.paging import PageBatch
+
+__all__ = ["Runner"]
+
+
+class Runner:
+    """Runs `model`'s programs on the runner's own pools.
+
+    Args:
+      model: a paged `CausalLM`; its weights are shared, its pools copied.
+    """
+
+    def __init__(self, model: CausalLM):
+        self._graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
+        self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each call may donate it
+        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
+
+    def prefill(self, tokens, length, batch: PageBatch, slot: int, rows: RowSampling):
+        """Chunk `tokens` `(1, chunk)` of slot `slot`, `length` of them real; each row of `rows` samples from its
+        last logits: `(tokens, logprobs, top_ids, top_logprobs)` per row."""
+        return self._run(_prefill_program, tokens, np.int32([length]), batch.table[slot : slot + 1],
+                         batch.pos[slot : slot + 1], batch.copy_from, batch.copy_to, rows)
+
+    def decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling):
+        """One token for each active row: `(tokens, logprobs, top_ids, top_logprobs)`."""
+        return self._run(_decode_program, tokens, active, table, pos, batch.copy_from, batch.copy_to, rows)
+
+    def verify(self, tokens, lengths, table, pos, batch: PageBatch, rows: RowSampling):
+        """Each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk and verified:
+        `(kept, tokens, logprobs, top_ids, top_logprobs)` (`kvattn.generation.speculation.verify_rows`)."""
+        return self._run(_verify_program, tokens, lengths, table, pos, batch.copy_from, batch.copy_to, rows)
+
+    @staticmethod
+    def lookup(history: np.ndarray, filled: np.ndarray, num_tokens: int, max_ngram: int):
+        """Prompt lookup's drafts for each row of `history`: `(drafts, widths)` on the host."""
+        return tuple(np.asarray(x) for x in _lookup(history, filled, num_tokens, max_ngram))
+
+    def warm_up(self, buckets: list[int], chunk: int, empty: PageBatch, speculative=None, max_len: int = 0,
+                on_program: Callable[[int, int], None] | None = None) -> None:
+        """Compiles every program a step may run, by calling each idle: nothing is written (every row is
+        inactive and maps only the null page of `empty`, a reservation of nothing).
+
+        Args:
+          buckets: the row counts decode and verify calls take.
+          chunk: the prefill chunk.
+          empty: a `PageBatch` reserving nothing.
+          speculative: the server's `PromptLookup`, if any (verify and lookup programs too).
+          max_len: the width of lookup's histories, less one.
+          on_program: called as `on_program(done, total)` after each program.
+        """
+        width = empty.table.shape[1]
+        calls = [functools.partial(self.decode, np.zeros(size, np.int32), np.zeros(size, bool),
+                                   np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty,
+                                   RowSampling.of([], size)) for size in buckets]
+        if speculative is not None:
+            for size in buckets:
+                calls.append(functools.partial(self.lookup, np.zeros((size, max_len + 1), np.int32),
+                                               np.zeros(size, np.int32), speculative.num_tokens, speculative.max_ngram))
+                calls.append(functools.partial(
+                    self.verify, np.zeros((size, speculative.num_tokens + 1), np.int32), np.zeros(size, np.int32),
+                    np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty, RowSampling.of([], size)))
+        calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0,
+                                       RowSampling.of([], max(buckets))))  # a prefill samples a row per slot
+        for done, call in enumerate(calls, start=1):
+            call()
+            if on_program is not None:
+                on_program(done, len(calls))
+
+    def _run(self, program, *args):
+        """One device call on the pools; on any failure, pools that were donated are replaced before re-raising."""
+        try:
+            *outputs, pools = program(self._graphdef, self._params, self._pools, *args)
+            outputs = [np.asarray(output) for output in outputs]  # waits for the call to finish
+        except BaseException:
+            if any(array.is_deleted() for array in jax.tree.leaves(self._pools)):  # donated to the failed call
+                self._pools = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._template)
+            raise
+        self._pools = pools
+        return outputs
+
+
+_lookup = jax.jit(lookup, static_argnames=("num_tokens", "max_ngram"))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, rows):
+    """A chunk of one sequence; every row of `rows` samples from its last logits (the choices of a request)."""
+    model = nnx.merge(graphdef, params, pools)
+    logits = model.prefill(tokens, length, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
+    logits = jnp.broadcast_to(logits, (rows.seed.shape[0], logits.shape[-1]))
+    return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, rows):
+    model = nnx.merge(graphdef, params, pools)
+    logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
+    return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _verify_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows):
+    """A speculative round: each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk."""
+    model = nnx.merge(graphdef, params, pools)
+    logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to))
+    return *verify_rows(logits, tokens[:, 1:], jnp.maximum(lengths - 1, 0), rows), nnx.state(model, nnx.Cache)
