@@ -168,7 +168,8 @@ def test_help_and_version_import_no_jax():
         print(sorted({name.split(".")[0] for name in sys.modules} & {"jax", "jaxlib", "flax", "numpy"}),
               file=sys.stderr)
     """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          check=False)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "[]\n"
     assert "(default: 64)" in done.stdout  # generate's --max-new-tokens: defaults are shown
@@ -192,7 +193,7 @@ def test_serve_reports_a_port_in_use_at_once_in_one_line():
         port = taken.getsockname()[1]
         start = time.monotonic()
         done = subprocess.run([str(KVATTN), "serve", str(CHAT), "--port", str(port)], capture_output=True, text=True,
-                              timeout=60)
+                              timeout=60, check=False)
         elapsed = time.monotonic() - start
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(f"kvattn serve: port {port} on 127.0.0.1 is in use"), done.stderr
@@ -250,6 +251,15 @@ def test_generate_reports_a_malformed_tokenizer_json_in_one_line(tmp_path, capsy
     (checkpoint / "tokenizer.json").write_text("{}")
     status, err = run(["generate", str(checkpoint), "--prompt", "Hello"], capsys)
     refused_in_one_line(status, err, 1, str(checkpoint / "tokenizer.json"))
+
+
+def test_generate_chat_refuses_a_checkpoint_without_a_chat_template_in_one_line(tmp_path, capsys):
+    checkpoint = tmp_path / "chat"
+    shutil.copytree(CHAT, checkpoint)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    status, err = run(["generate", str(checkpoint), "--chat", "--prompt", "Hello"], capsys)
+    refused_in_one_line(status, err, 2, "--chat needs a chat template", str(checkpoint))
 
 
 GREEDY = json.loads((CHAT / "expected.json").read_text())["greedy"]  # transformers' greedy tokens after a chat prompt

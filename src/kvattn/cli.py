@@ -225,8 +225,8 @@ def _generated_tokens(model, prompt: list[int], args: argparse.Namespace, stop_t
 
     from kvattn import models
 
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed),
-                    stop_tokens=stop_tokens)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "rng": jax.random.key(args.seed), "stop_tokens": stop_tokens}
     if args.speculative is None:
         yield from models.stream(model, prompt, args.max_new_tokens, **sampling)
         return
@@ -256,6 +256,9 @@ def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
         from kvattn.serving.text import Tokenizer
 
         tokenizer = Tokenizer.from_directory(checkpoint)
+        if args.chat and not tokenizer.has_chat_template:
+            usage.error(f"--chat needs a chat template, and {checkpoint} has none (chat_template.jinja, or "
+                        "chat_template in tokenizer_config.json); drop --chat to send --prompt as it is")
         if args.chat:  # the template writes the special tokens itself, as the chat endpoint encodes it
             ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": args.prompt}]),
                                    add_special_tokens=False)
