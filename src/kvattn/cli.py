@@ -3,16 +3,24 @@
 Bad input never ends in a traceback: one line on stderr, `kvattn <command>:
 <what was expected, what was got>`, and exit status 2 for arguments refused
 before anything runs, 1 when the library refuses the checkpoint or the run.
+Parsing (and so `--help` and `--version`) imports no JAX: each command
+imports what it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
+import json
 import math
+import socket
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import kvattn
 from kvattn.errors import KvattnError, MissingExtraError
 
 
@@ -21,6 +29,26 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {' '.join(message.split())}\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends each option with its default, except where there is none or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Version(argparse.Action):
+    """`--version`: prints kvattn's version, read from the installed metadata only when asked, and exits."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {kvattn.__version__}")
+        parser.exit()
 
 
 def _number(kind, condition: str, accept):
@@ -47,73 +75,165 @@ _PORT = _number("int", "in [0, 65535]", lambda v: 0 <= v <= 65535)
 _SECONDS = _number("float", ">= 0 and finite", lambda v: math.isfinite(v) and v >= 0)
 _SPECULATIVE_HELP = ("ngram:K[:N]: draft up to K tokens per step by prompt lookup (suffixes of up to N tokens, "
                      "default 3), verified in one call; the output is unchanged")
+# K + 1 is the width of the verify program, compiled for every batch bucket: a bound turns a typo such as
+# ngram:99999999999 into a usage error rather than an allocation failure deep in compilation.
+_SPECULATIVE_MAX = 64
+_LONG_CONTEXT_HELP = "allow a context past the checkpoint's max_position_embeddings (outputs there may degrade)"
 
 
 def _speculative(text: str):
     """`--speculative ngram:K[:N]`: a `PromptLookup`."""
     kind, *numbers = text.split(":")
-    if kind != "ngram" or len(numbers) not in (1, 2) or not all(n.isdigit() and int(n) >= 1 for n in numbers):
-        raise argparse.ArgumentTypeError(f"expected ngram:K or ngram:K:N with K, N >= 1, got {text!r}")
+    if kind != "ngram" or len(numbers) not in (1, 2) or not all(
+            n.isdigit() and 1 <= int(n) <= _SPECULATIVE_MAX for n in numbers):
+        raise argparse.ArgumentTypeError(f"expected ngram:K or ngram:K:N with K and N integers in "
+                                         f"[1, {_SPECULATIVE_MAX}], got {text!r}")
     from kvattn.models.speculative import PromptLookup
 
     return PromptLookup(*map(int, numbers))
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvattn", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="kvattn", description=__doc__.split("\n")[0], formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
+    command = functools.partial(commands.add_parser, formatter_class=_HelpFormatter)
 
-    demo = commands.add_parser("demo", help="decode a random stream, check it against full attention, time it")
+    demo = command("demo", help="decode a random stream, check it against full attention, time it")
     demo.add_argument("--in-features", type=int, default=512, help="model width D")
-    demo.add_argument("--num-heads", type=int, default=8)
+    demo.add_argument("--num-heads", type=int, default=8, help="query heads")
     demo.add_argument("--num-kv-heads", type=int, default=None, help="grouped-query attention (default: num-heads)")
-    demo.add_argument("--max-len", type=int, default=2048)
+    demo.add_argument("--max-len", type=int, default=2048, help="cache capacity")
     demo.add_argument("--tokens", type=int, default=512, help="length of the decoded stream")
     demo.add_argument("--batch-size", type=int, default=None, help="decode this many sequences at once")
-    demo.add_argument("--cache-layout", choices=("slots_major", "heads_major"), default="slots_major")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--cache-layout", choices=("slots_major", "heads_major"), default="slots_major",
+                      help="the cache's axis order")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random weights and stream")
     demo.add_argument("--tolerance", type=float, default=1e-4, help="max abs error allowed against full attention")
     demo.set_defaults(run=_demo)
 
-    generate = commands.add_parser("generate", help="generate text from a Hugging Face checkpoint directory")
+    generate = command("generate", help="generate text from a Hugging Face checkpoint directory")
     generate.add_argument("checkpoint", help="directory with config.json and model.safetensors (and tokenizer.json)")
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="text, encoded with the checkpoint's tokenizer.json")
     prompt.add_argument("--prompt-ids", type=_TOKEN_ID, nargs="+", help="token ids, when there is no tokenizer.json")
-    generate.add_argument("--max-new-tokens", type=_POSITIVE, default=64)
+    generate.add_argument("--chat", action="store_true",
+                          help="send --prompt as one user message through the checkpoint's chat template")
+    generate.add_argument("--max-new-tokens", type=_POSITIVE, default=64,
+                          help="tokens to generate at most; generation also ends at the checkpoint's end-of-sequence "
+                          "ids")
     generate.add_argument("--max-len", type=_POSITIVE, help="cache capacity (default: prompt + new tokens)")
+    generate.add_argument("--allow-long-context", action="store_true", help=_LONG_CONTEXT_HELP)
     generate.add_argument("--temperature", type=_TEMPERATURE, default=0.0, help="0: greedy")
-    generate.add_argument("--top-k", type=_POSITIVE, default=None)
-    generate.add_argument("--top-p", type=_TOP_P, default=None)
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    generate.add_argument("--top-k", type=_POSITIVE, default=None, help="sample among the k likeliest tokens")
+    generate.add_argument("--top-p", type=_TOP_P, default=None, help="sample within this probability mass")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    generate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
+    generate.add_argument("--weights", choices=("int8",), help="compact weights: int8 with per-output scales "
+                          "(default: float weights in --dtype)")
     generate.add_argument("--speculative", type=_speculative, help=_SPECULATIVE_HELP)
     generate.set_defaults(run=functools.partial(_generate, usage=generate))
 
-    serve = commands.add_parser("serve", help="serve a checkpoint over the OpenAI HTTP API (continuous batching)")
+    serve = command("serve", help="serve a checkpoint over the OpenAI HTTP API (continuous batching)")
     serve.add_argument("checkpoint", help="directory with config.json, model.safetensors and tokenizer.json")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=_PORT, default=8000)
+    serve.add_argument("--port", type=_PORT, default=8000, help="port to bind; 0: any free port")
     serve.add_argument("--model-name", help="the `model` requests name (default: the directory's name)")
     serve.add_argument("--max-len", type=_POSITIVE, help="context per sequence (default: the checkpoint's, at most "
                        "4096)")
+    serve.add_argument("--allow-long-context", action="store_true", help=_LONG_CONTEXT_HELP)
     serve.add_argument("--max-batch", type=_POSITIVE, default=8, help="sequences decoded together")
-    serve.add_argument("--page-size", type=_POSITIVE, default=16)
+    serve.add_argument("--page-size", type=_POSITIVE, default=16, help="cache slots per page")
     serve.add_argument("--num-pages", type=_POSITIVE, help="pages in the pool (default: every sequence at full "
                        "length, plus one)")
     serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 4 pages)")
     serve.add_argument("--prefills-per-step", type=_POSITIVE, default=2,
                        help="prefill chunks an engine step runs at most (bounds the time between tokens)")
-    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       help="recompute every prompt rather than reuse the cached pages of a shared prefix")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
     serve.add_argument("--chat-template", help="a jinja2 file replacing the checkpoint's chat_template")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/")
     serve.add_argument("--shutdown-timeout", type=_SECONDS, default=30.0,
                        help="on SIGTERM, seconds running requests get to finish")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
     serve.add_argument("--speculative", type=_speculative, help=_SPECULATIVE_HELP)
     serve.set_defaults(run=functools.partial(_serve, usage=serve))
     return parser
+
+
+def _checkpoint(text: str, usage: argparse.ArgumentParser) -> Path:
+    """The checkpoint directory named by `text`; a usage error when there is none."""
+    checkpoint = Path(text)
+    if not checkpoint.is_dir():
+        got = "which does not exist" if not checkpoint.exists() else "a file"
+        usage.error(f"expected a checkpoint directory, got {text!r}, {got}")
+    return checkpoint
+
+
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON file as a dict; a ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):  # a file's content, not an argument's type
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")  # noqa: TRY004
+    return value
+
+
+def _trained_context(checkpoint: Path) -> int:
+    """The positions the checkpoint was trained on: its config's `max_position_embeddings` as kvattn reads it."""
+    from kvattn.models import from_hf_config
+
+    path = checkpoint / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{checkpoint} has no config.json: pass a Hugging Face checkpoint directory")
+    return from_hf_config(_read_json(path)).max_position_embeddings
+
+
+def _check_context(length: int, what: str, context: int, args: argparse.Namespace,
+                   usage: argparse.ArgumentParser) -> None:
+    """Refuses `length` positions past the trained `context` unless --allow-long-context; says so when allowed."""
+    if length <= context:
+        return
+    if not args.allow_long_context:
+        usage.error(f"{what} is past the checkpoint's trained context of {context} positions "
+                    "(max_position_embeddings); use fewer, or pass --allow-long-context to run past it anyway")
+    print(f"{usage.prog}: {what} is past the checkpoint's trained context of {context} positions; "
+          "--allow-long-context: outputs past it may degrade", file=sys.stderr, flush=True)
+
+
+def _eos_token_ids(checkpoint: Path) -> list[int]:
+    """The checkpoint's end-of-sequence ids without its tokenizer: generation_config.json's, else config.json's."""
+    for name in ("generation_config.json", "config.json"):
+        path = checkpoint / name
+        value = _read_json(path).get("eos_token_id") if path.is_file() else None
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else value
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids):
+            raise ValueError(f"{path}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
+        return ids
+    return []
+
+
+def _generated_tokens(model, prompt: list[int], args: argparse.Namespace, stop_tokens: list[int]) -> Iterator[int]:
+    """The new tokens of `prompt`, in order, as the library produces them: the one place they come from."""
+    import jax
+
+    from kvattn import models
+
+    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                "rng": jax.random.key(args.seed), "stop_tokens": stop_tokens}
+    if args.speculative is None:
+        yield from models.stream(model, prompt, args.max_new_tokens, **sampling)
+        return
+    result = models.speculate(model, [prompt], args.max_new_tokens, speculative=args.speculative, **sampling)
+    yield from result.tokens[0, : int(result.counts[0])].tolist()  # rounds give several tokens at once: all at the end
+    print(f"\n{int(result.rounds)} speculative rounds kept {result.acceptance:.0%} of their drafts, "
+          f"{int(result.steps)} plain steps", end="", file=sys.stderr)
 
 
 def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
@@ -121,61 +241,99 @@ def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
 
     `usage.error` refuses arguments that cannot work before anything is loaded.
     """
-    import time
-
-    import jax
-
-    from kvattn import extra, models
-
-    checkpoint = Path(args.checkpoint)
-    if not checkpoint.is_dir():
-        got = "which does not exist" if not checkpoint.exists() else "a file"
-        usage.error(f"expected a checkpoint directory, got {args.checkpoint!r}, {got}")
+    checkpoint = _checkpoint(args.checkpoint, usage)
+    if args.chat and args.prompt is None:
+        usage.error("--chat needs --prompt (text to send as the user's message), got --prompt-ids")
     tokenizer = None
     if args.prompt is not None:
+        from kvattn import extra
+
         path = checkpoint / "tokenizer.json"
         if not path.exists():
             usage.error(f"--prompt needs {path}, which does not exist; pass --prompt-ids instead")
-        tokenizer = extra.require("tokenizers", extra_name="generate").Tokenizer.from_file(str(path))
-        ids = tokenizer.encode(args.prompt).ids
+        for module in ("tokenizers", "jinja2"):
+            extra.require(module, extra_name="generate")
+        from kvattn.serving.text import Tokenizer
+
+        tokenizer = Tokenizer.from_directory(checkpoint)
+        if args.chat and not tokenizer.has_chat_template:
+            usage.error(f"--chat needs a chat template, and {checkpoint} has none (chat_template.jinja, or "
+                        "chat_template in tokenizer_config.json); drop --chat to send --prompt as it is")
+        if args.chat:  # the template writes the special tokens itself, as the chat endpoint encodes it
+            ids = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": args.prompt}]),
+                                   add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(args.prompt)
+        stop_tokens = sorted(tokenizer.eos_token_ids)
     else:
         ids = args.prompt_ids
+        stop_tokens = _eos_token_ids(checkpoint)
     needed = len(ids) + args.max_new_tokens
     if args.max_len is not None and args.max_len < needed:
         usage.error(f"expected --max-len >= {needed} ({len(ids)} prompt tokens + --max-new-tokens "
                      f"{args.max_new_tokens}), got {args.max_len}")
-    model = models.from_pretrained(checkpoint, max_len=args.max_len or needed, dtype=args.dtype)
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed))
+    _check_context(needed, f"{len(ids)} prompt tokens + --max-new-tokens {args.max_new_tokens} = {needed}",
+                   _trained_context(checkpoint), args, usage)
+    from kvattn import models
 
-    def show(token: int):
-        print(tokenizer.decode([token]) if tokenizer else token, end="" if tokenizer else " ", flush=True)
+    model = models.from_pretrained(checkpoint, max_len=args.max_len or needed, dtype=args.dtype, weights=args.weights)
+    if tokenizer is not None:
+        from kvattn.serving.text import TextStream
 
-    if args.speculative is not None:  # rounds produce several tokens at once: the whole output, then its text
-        start = time.perf_counter()
-        result = models.speculate(model, [ids], args.max_new_tokens, speculative=args.speculative, **sampling)
-        tokens = result.tokens[0, : int(result.counts[0])].tolist()
-        elapsed = time.perf_counter() - start
-        if tokenizer:
-            print(tokenizer.decode(tokens), end="")
-        else:
-            print(*tokens, end=" ")
-        print(f"\n{len(tokens)} tokens in {elapsed:.2f} s, compilation included; {int(result.rounds)} speculative "
-              f"rounds kept {result.acceptance:.0%} of their drafts, {int(result.steps)} plain steps", file=sys.stderr)
-        return 0
-    start, count = time.perf_counter(), 0
-    for count, token in enumerate(models.stream(model, ids, args.max_new_tokens, **sampling), start=1):
+        text = TextStream(tokenizer, prompt=ids, stop_token_ids=stop_tokens)  # an end-of-sequence id shows no text
+    started = first = time.perf_counter()
+    count = 0
+    for count, token in enumerate(_generated_tokens(model, ids, args, stop_tokens), start=1):
         if count == 1:
-            start = time.perf_counter()  # the first token carries the compilation and the prefill
-        show(token)
-    elapsed = time.perf_counter() - start
-    rate = (count - 1) / elapsed if count > 1 and elapsed > 0 else float("nan")
-    print(f"\n{count} tokens; {rate:.1f} tokens/s after the first", file=sys.stderr)
+            first = time.perf_counter()  # the first token carries the compilation and the prefill
+        print(text.push(token).text if tokenizer else token, end="" if tokenizer else " ", flush=True)
+    if tokenizer is not None:
+        print(text.finish().text, end="")
+    now = time.perf_counter()
+    rate = (count - 1) / (now - first) if count > 1 and now > first else float("nan")
+    steady = f"; {rate:.1f} tokens/s after the first" if args.speculative is None else ""  # speculation: all at once
+    print(f"\n{count} tokens in {now - started:.2f} s, compilation included{steady}", file=sys.stderr)
     return 0
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port` and listening, before anything is loaded: a port in use fails in a moment."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn binds: a port left in TIME_WAIT by a previous server is reusable at once.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()  # listening holds the port: with SO_REUSEADDR, a socket only bound would not
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is in use ({error.strerror}): stop what holds it, "
+                          "or pass another --port") from None
+        raise OSError(f"cannot listen on {host} port {port}: {error.strerror}") from None
+    return sock
+
+
 def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
-    """Loads everything and checks it before the port opens; serves until SIGTERM; exits 0 after a graceful stop."""
-    import json
+    """Takes the port, loads and compiles everything, then serves until SIGTERM; exits 0 after a graceful stop."""
+    checkpoint = _checkpoint(args.checkpoint, usage)
+    template = None
+    if args.chat_template is not None:
+        path = Path(args.chat_template)
+        if not path.is_file():
+            usage.error(f"expected --chat-template to name a file, got {args.chat_template!r}")
+        template = path.read_text()
+    chunk = args.chunk or 4 * args.page_size
+    if chunk % args.page_size:
+        usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")
+    with _listen(args.host, args.port) as sock:
+        return _load_and_serve(args, usage, checkpoint, template, chunk, sock)
+
+
+def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, checkpoint: Path, template: str | None,
+                    chunk: int, sock: socket.socket) -> int:
+    """`_serve` once the port is held: every phase logged on stderr, each with the seconds it took."""
+    import logging
 
     from kvattn import extra
 
@@ -188,24 +346,18 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
     from kvattn.serving.metrics import Metrics
     from kvattn.serving.text import Tokenizer
 
-    checkpoint = Path(args.checkpoint)
-    if not checkpoint.is_dir():
-        usage.error(f"expected a checkpoint directory, got {args.checkpoint!r}")
-    template = None
-    if args.chat_template is not None:
-        path = Path(args.chat_template)
-        if not path.is_file():
-            usage.error(f"expected --chat-template to name a file, got {args.chat_template!r}")
-        template = path.read_text()
     tokenizer = Tokenizer.from_directory(checkpoint, chat_template=template)
-    config = json.loads((checkpoint / "config.json").read_text())
-    max_len = args.max_len or min(int(config.get("max_position_embeddings") or config.get("n_positions") or 4096),
-                                  4096)
-    chunk = args.chunk or 4 * args.page_size
-    if chunk % args.page_size:
-        usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")
+    context = _trained_context(checkpoint)
+    max_len = args.max_len or min(context, 4096)
+    _check_context(max_len, f"--max-len {max_len}", context, args, usage)
     pages_per_sequence = -(-max_len // args.page_size)
     num_pages = args.num_pages or args.max_batch * pages_per_sequence + 1
+
+    def say(message: str) -> None:
+        print(f"kvattn serve: {message}", file=sys.stderr, flush=True)
+
+    say(f"loading {checkpoint} (max_len {max_len}, batch {args.max_batch}, {num_pages} pages of {args.page_size})")
+    start = time.perf_counter()
     model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=args.max_batch, dtype=args.dtype,
                                    num_pages=num_pages, page_size=args.page_size)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -213,15 +365,23 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
                          f"{model.config.vocab_size}")
     server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching, prefills_per_step=args.prefills_per_step,
                     speculative=args.speculative)
-    server.warm_up()  # every program compiled before the port opens: no request waits for a compilation
+    say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the decode and prefill programs")
+    start = time.perf_counter()
+    server.warm_up()  # every program compiled before requests are answered: no request waits for a compilation
+    say(f"compiled in {time.perf_counter() - start:.1f} s")
     metrics = Metrics()
     engine = Engine(server, max_waiting=args.max_waiting,
                     on_step=metrics.on_step, on_error=lambda _: metrics.engine_errors.inc())
     app = create_app(engine, tokenizer, metrics, model_name=args.model_name or checkpoint.resolve().name,
                      max_len=max_len, api_key=args.api_key)
-    print(f"kvattn serve: {checkpoint} on http://{args.host}:{args.port} (max_len {max_len}, batch {args.max_batch}, "
-          f"{num_pages} pages of {args.page_size})", file=sys.stderr, flush=True)
-    run(app, engine, host=args.host, port=args.port, shutdown_seconds=args.shutdown_timeout)
+    log = logging.getLogger("kvattn.serve")  # the ready line, one line per request, the engine's errors
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("kvattn serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    run(app, engine, sock=sock, shutdown_seconds=args.shutdown_timeout)
     return 0
 
 

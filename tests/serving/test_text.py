@@ -1,15 +1,19 @@
-"""kvattn.serving.text against transformers, on the chat fixture tools/make_serve_fixture.py made.
+"""kvattn.serving.text against transformers, on the fixtures tools/make_serve_fixture.py made.
 
-tests/fixtures/hf/chat/expected.json holds what transformers' tokenizer and
-model made of the fixture (rendered chats and their ids, encode/decode round
-trips, a greedy continuation), so this suite needs neither torch nor
-transformers. The detokenizer and the stop strings are checked as
-properties over random ids and texts.
+`chat` has a byte-level BPE tokenizer, `sentencepiece` a Llama-2-style one
+(`▁` for a space, byte-fallback pieces). Each fixture's expected.json holds
+what transformers' tokenizer and model made of it (rendered chats and their
+ids, encode/decode round trips, a greedy continuation), so this suite needs
+neither torch nor transformers. The detokenizer, the stop strings and the
+text stream are checked as properties over random ids and texts, against
+the tokenizers library's own `decode`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 
 import numpy as np
@@ -20,12 +24,17 @@ from hypothesis import strategies as st
 
 from kvattn import generation, models
 from kvattn.serving import text as text_module
-from kvattn.serving.text import StopStrings, Tokenizer
+from kvattn.serving.text import StopStrings, TextDelta, TextStream, Tokenizer
 from tests.helpers import FIXTURES
 
 CHAT = FIXTURES / "chat"
 EXPECTED = json.loads((CHAT / "expected.json").read_text(encoding="utf-8"))
 TOKENIZER = Tokenizer.from_directory(CHAT)
+SENTENCEPIECE = FIXTURES / "sentencepiece"
+SENTENCEPIECE_EXPECTED = json.loads((SENTENCEPIECE / "expected.json").read_text(encoding="utf-8"))
+SENTENCEPIECE_TOKENIZER = Tokenizer.from_directory(SENTENCEPIECE)
+BOTH = {"chat": (CHAT, TOKENIZER, EXPECTED),
+        "sentencepiece": (SENTENCEPIECE, SENTENCEPIECE_TOKENIZER, SENTENCEPIECE_EXPECTED)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -42,23 +51,30 @@ def edit_config(directory, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def cases(key):
+    """(tokenizer, case) for each of both fixtures' expected `key` entries, with readable ids."""
+    return [pytest.param(tokenizer, case, id=f"{name}-{index}") for name, (_, tokenizer, expected) in BOTH.items()
+            for index, case in enumerate(expected[key])]
+
+
 # Against transformers
 
 
-@pytest.mark.parametrize("case", EXPECTED["chats"], ids=range(len(EXPECTED["chats"])))
-def test_render_chat_equals_transformers(case):
-    rendered = TOKENIZER.render_chat(case["messages"], add_generation_prompt=case["add_generation_prompt"])
+@pytest.mark.parametrize(("tokenizer", "case"), cases("chats"))
+def test_render_chat_equals_transformers(tokenizer, case):
+    rendered = tokenizer.render_chat(case["messages"], add_generation_prompt=case["add_generation_prompt"])
     assert rendered == case["text"]
     # transformers tokenizes a rendered chat without adding special tokens: the template holds them.
-    assert TOKENIZER.encode(rendered, add_special_tokens=False) == case["ids"]
+    assert tokenizer.encode(rendered, add_special_tokens=False) == case["ids"]
 
 
-@pytest.mark.parametrize("case", EXPECTED["texts"], ids=range(len(EXPECTED["texts"])))
-def test_encode_and_decode_equal_transformers(case):
-    assert TOKENIZER.encode(case["text"]) == case["ids"]
-    assert TOKENIZER.encode(case["text"], add_special_tokens=False) == case["ids_without_special"]
-    assert TOKENIZER.decode(case["ids"]) == case["decoded"]
-    assert TOKENIZER.decode(np.asarray(case["ids"], np.int32), skip_special_tokens=False) == case["decoded_with_special"]
+@pytest.mark.parametrize(("tokenizer", "case"), cases("texts"))
+def test_encode_and_decode_equal_transformers(tokenizer, case):
+    assert tokenizer.encode(case["text"]) == case["ids"]
+    assert tokenizer.encode(case["text"], add_special_tokens=False) == case["ids_without_special"]
+    assert tokenizer.decode(case["ids"]) == case["decoded"]
+    with_special = tokenizer.decode(np.asarray(case["ids"], np.int32), skip_special_tokens=False)
+    assert with_special == case["decoded_with_special"]
 
 
 def test_special_tokens_and_end_of_sequence_ids():
@@ -68,6 +84,11 @@ def test_special_tokens_and_end_of_sequence_ids():
     # generation_config.json's list wins over tokenizer_config.json's eos_token.
     assert TOKENIZER.eos_token_ids == {specials["<|eos|>"], specials["<|end|>"]}
     assert TOKENIZER.has_chat_template
+    sentencepiece = SENTENCEPIECE_TOKENIZER
+    assert sentencepiece.vocab_size == SENTENCEPIECE_EXPECTED["vocab_size"] == 512
+    assert (sentencepiece.bos_token, sentencepiece.eos_token) == ("<s>", "</s>")
+    assert sentencepiece.eos_token_ids == {SENTENCEPIECE_EXPECTED["special_tokens"]["</s>"]}
+    assert sentencepiece.encode("have")[0] == SENTENCEPIECE_EXPECTED["special_tokens"]["<s>"]
 
 
 def test_end_of_sequence_ids_fall_back_to_the_eos_token(directory):
@@ -81,18 +102,24 @@ def test_end_of_sequence_ids_fall_back_to_the_eos_token(directory):
         Tokenizer.from_directory(directory)
 
 
-def test_greedy_generation_from_a_rendered_chat_equals_transformers():
-    want = EXPECTED["greedy"]
-    prompt = TOKENIZER.encode(TOKENIZER.render_chat(EXPECTED["chats"][want["chat"]]["messages"]),
+@pytest.mark.parametrize("name", BOTH)
+def test_greedy_generation_from_a_rendered_chat_equals_transformers(name):
+    directory, tokenizer, expected = BOTH[name]
+    want = expected["greedy"]
+    prompt = tokenizer.encode(tokenizer.render_chat(expected["chats"][want["chat"]]["messages"]),
                               add_special_tokens=False)
     assert prompt == want["prompt"]
-    model = models.from_pretrained(CHAT, max_len=64)
+    model = models.from_pretrained(directory, max_len=64)
     result = generation.generate(model, np.asarray([prompt], np.int32), len(want["new_tokens"]))
-    assert np.asarray(result.tokens)[0].tolist() == want["new_tokens"]
+    new_tokens = np.asarray(result.tokens)[0].tolist()
+    assert new_tokens == want["new_tokens"]
     # The random model's tokens split characters: streamed, they still give transformers' text.
-    detokenizer = TOKENIZER.detokenizer()
-    pieces = [detokenizer.push(token) for token in result.tokens[0]]
-    assert "".join(pieces) + detokenizer.flush() == want["text"]
+    stream = TextStream(tokenizer)
+    assert "".join([stream.push(token).text for token in result.tokens[0]] + [stream.finish().text]) == want["text"]
+    # After the prompt, the first word keeps its leading space: the text is what the tokens add to the prompt's.
+    stream = TextStream(tokenizer, prompt=prompt)
+    streamed = "".join([stream.push(token).text for token in new_tokens] + [stream.finish().text])
+    assert tokenizer.decode(prompt) + streamed == tokenizer.decode(prompt + new_tokens)
 
 
 # Detokenizer
@@ -201,6 +228,158 @@ def test_stop_strings_hold_back_only_what_could_start_one():
 def test_stop_strings_must_be_non_empty_strings(bad):
     with pytest.raises(ValueError, match="stop strings must be a list of non-empty strings"):
         StopStrings(bad)
+
+
+# Text streams: both tokenizers, against the tokenizers library's decode
+
+RAW = {name: tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+       for name, (directory, _, _) in BOTH.items()}
+
+
+def piece_ids(name: str, pieces) -> list[int]:
+    ids = [RAW[name].token_to_id(piece) for piece in pieces]
+    assert None not in ids, (pieces, ids)
+    return ids
+
+
+def id_sequences(name: str):
+    """Ids as a model might make them and as it might not: encoded text, special tokens, lone bytes, any id."""
+    _, tokenizer, expected = BOTH[name]
+    byte_ids = [i for i in (RAW[name].token_to_id(f"<0x{byte:02X}>") for byte in range(256)) if i is not None]
+    single = st.integers(0, expected["vocab_size"] - 1) | st.sampled_from(sorted(expected["special_tokens"].values()))
+    if byte_ids:
+        single |= st.sampled_from(byte_ids)
+    encoded = UNICODE_TEXT.map(lambda text: tokenizer.encode(text, add_special_tokens=False))
+    return st.lists(single.map(lambda token: [token]) | encoded, max_size=6).map(lambda parts: list(itertools.chain(*parts)))
+
+
+def stream_all(stream: TextStream, ids) -> list[TextDelta]:
+    return [stream.push(token) for token in ids] + [stream.finish()]
+
+
+def text_after(tokenizer, prompt, ids, skip_special_tokens=True) -> str:
+    """What `ids` add to the text of `prompt`: decode(prompt + ids) past where it first differs from decode(prompt)."""
+    before = tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens)
+    whole = tokenizer.decode(list(prompt) + list(ids), skip_special_tokens=skip_special_tokens)
+    return whole[len(os.path.commonprefix([before, whole])):]
+
+
+@pytest.mark.parametrize("name", BOTH)
+@settings(max_examples=60)
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_streamed_text_adds_up_to_decode_after_any_prompt(name, data, skip_special_tokens):
+    tokenizer = BOTH[name][1]
+    prompt = data.draw(st.just([]) | UNICODE_TEXT.map(tokenizer.encode) | id_sequences(name), label="prompt")
+    ids = data.draw(id_sequences(name), label="ids")
+    deltas = stream_all(TextStream(tokenizer, prompt=prompt, skip_special_tokens=skip_special_tokens), ids)
+    streamed = "".join(delta.text for delta in deltas)
+    if prompt:
+        assert streamed == text_after(tokenizer, prompt, ids, skip_special_tokens)
+    else:
+        assert streamed == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert not any(delta.stopped for delta in deltas)
+    if "\ufffd" not in tokenizer.decode(list(prompt) + ids, skip_special_tokens=skip_special_tokens):
+        assert not any("\ufffd" in delta.text for delta in deltas)  # never half a character
+
+
+def test_sentencepiece_words_keep_their_spaces_streamed_and_whole():
+    ids = piece_ids("sentencepiece", ["▁have", "▁w", "121", "▁but"])
+    tokenizer = SENTENCEPIECE_TOKENIZER
+    assert tokenizer.encode("have w121 but", add_special_tokens=False) == ids
+    assert tokenizer.decode(ids) == "have w121 but"
+    assert [delta.text for delta in stream_all(TextStream(tokenizer), ids)] == ["have", " w", "121", " but", ""]
+    # Decoded one token at a time, as `kvattn generate` printed them, every space is lost: a SentencePiece decoder
+    # strips the space before a text's first word.
+    assert "".join(tokenizer.decode([token]) for token in ids) == "havew121but"
+    after_prompt = TextStream(tokenizer, prompt=tokenizer.encode("We"))
+    assert [delta.text for delta in stream_all(after_prompt, ids)] == [" have", " w", "121", " but", ""]
+
+
+def test_a_run_of_byte_pieces_shows_when_it_ends_since_a_later_byte_can_void_it():
+    tokenizer = SENTENCEPIECE_TOKENIZER
+    comma, continuation, but = piece_ids("sentencepiece", ["<0x2C>", "<0xA6>", "▁but"])
+    # A run that is not UTF-8 decodes as one U+FFFD per byte, the comma's included: it cannot be shown early.
+    assert tokenizer.decode([comma, continuation, but]) == "\ufffd\ufffd but"
+    assert [delta.text for delta in stream_all(TextStream(tokenizer), [comma, continuation, but])] == \
+        ["", "", "\ufffd\ufffd but", ""]
+    ids = tokenizer.encode("日 but", add_special_tokens=False)
+    assert ids[1:4] == piece_ids("sentencepiece", ["<0xE6>", "<0x97>", "<0xA5>"])
+    assert [delta.text for delta in stream_all(TextStream(tokenizer), ids)] == ["", "", "", "", "日 but", ""]
+    stream = TextStream(tokenizer)
+    assert [stream.push(token).text for token in ids[:3]] == ["", "", ""]
+    assert stream.finish() == TextDelta("\ufffd\ufffd", False)  # cut short, as decode shows it
+
+
+def test_a_prompt_ending_in_a_long_byte_run_is_decoded_back_to_its_start():
+    tokenizer = SENTENCEPIECE_TOKENIZER
+    prompt = tokenizer.encode("so 日本語", add_special_tokens=False)
+    assert len(prompt) > 9  # nine byte pieces end it, more than the few ids of context a stream starts from
+    voiding = piece_ids("sentencepiece", ["<0x80>", "▁but"])
+    want = text_after(tokenizer, prompt, voiding)
+    assert want == "\ufffd" * 10 + " but"  # the stray byte voids the whole run, the prompt's characters with it
+    assert "".join(delta.text for delta in stream_all(TextStream(tokenizer, prompt=prompt), voiding)) == want
+
+
+@pytest.mark.parametrize("name", BOTH)
+def test_a_stop_string_split_across_tokens_is_cut_and_never_shown(name):
+    tokenizer = BOTH[name][1]
+    ids = tokenizer.encode("have w121 but at the end", add_special_tokens=False)
+    stream = TextStream(tokenizer, stop=["121 but", "never"])
+    deltas = [stream.push(token) for token in ids]
+    completes = next(k for k in range(len(ids)) if "121 but" in tokenizer.decode(ids[: k + 1]))
+    assert "1" not in tokenizer.decode(ids[completes:completes + 1])  # the stop string spans tokens
+    assert [delta.stopped for delta in deltas] == [k >= completes for k in range(len(ids))]
+    assert "".join(delta.text for delta in deltas) == "have w"
+    assert deltas[completes:] == [TextDelta("", True)] * (len(ids) - completes)
+    assert stream.stopped and stream.finish() == TextDelta("", True)
+
+
+@pytest.mark.parametrize("name", BOTH)
+@settings(max_examples=40)
+@given(data=st.data())
+def test_stop_strings_cut_streamed_text_where_they_cut_the_whole_text(name, data):
+    tokenizer = BOTH[name][1]
+    ids = data.draw(id_sequences(name), label="ids")
+    text = tokenizer.decode(ids)
+    stops = data.draw(st.lists(st.text(min_size=1, max_size=3), max_size=1), label="stops")
+    if text:  # mostly, stop strings that occur
+        start = data.draw(st.integers(0, len(text) - 1), label="start")
+        stops.append(text[start : start + data.draw(st.integers(1, 4), label="length")])
+    stream = TextStream(tokenizer, stop=stops)
+    deltas = []
+    for token in ids:
+        deltas.append(stream.push(token))
+        if deltas[-1].stopped:
+            break
+    else:
+        deltas.append(stream.finish())
+    cut = first_stop(text, stops)
+    assert "".join(delta.text for delta in deltas) == (text if cut is None else text[:cut])
+    assert deltas[-1].stopped == (cut is not None) == stream.stopped
+
+
+def test_stop_token_ids_are_never_shown_and_held_text_still_is():
+    tokenizer = SENTENCEPIECE_TOKENIZER
+    eos = SENTENCEPIECE_EXPECTED["special_tokens"]["</s>"]
+    ids = tokenizer.encode("日", add_special_tokens=False) + [eos]
+    deltas = stream_all(TextStream(tokenizer, stop_token_ids=[eos], skip_special_tokens=False), ids)
+    assert [delta.text for delta in deltas] == ["", "", "", "", "", "日"]
+    shown = stream_all(TextStream(tokenizer, skip_special_tokens=False), ids)
+    assert "".join(delta.text for delta in shown) == "日</s>" == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_a_finished_stream_takes_no_more():
+    stream = TextStream(TOKENIZER, stop=["x"])
+    stream.push(7)
+    stream.finish()
+    with pytest.raises(ValueError, match="this TextStream is finished; make a new one"):
+        stream.push(7)
+    with pytest.raises(ValueError, match="finished already"):
+        stream.finish()
+    with pytest.raises(ValueError, match="token id must be an integer"):
+        TextStream(TOKENIZER).push(-1)
+    with pytest.raises(ValueError, match="stop strings must be a list of non-empty strings"):
+        TextStream(TOKENIZER, stop=[""])
 
 
 # Chat templates: errors, the sandbox, overrides

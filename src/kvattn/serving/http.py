@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -216,8 +217,11 @@ class _App:
             if open_:
                 self.engine.abort(sorted(open_))
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        yield {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
-               "total_tokens": len(job.prompt) + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
+                 "total_tokens": len(job.prompt) + completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        request.state.usage = usage  # for the request's log line (_RequestLog)
+        yield usage
 
     def _token(self, row: int, choice: _Choice, token: Token, job: _Job, arrived: float) -> _Delta:
         now = time.perf_counter()
@@ -339,7 +343,39 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
     async def chat_completions(body: ChatRequest, request: Request):
         return await _respond(state, request, body, chat=True)
 
+    app.add_middleware(_RequestLog)  # added last, so outermost: its time includes the other middleware's
     return app
+
+
+class _RequestLog:
+    """ASGI middleware: one INFO line per HTTP request once its answer is sent (a stream's last event included).
+
+    The line holds the method, path, status and seconds, and the token counts
+    where the request generated (`request.state.usage`).
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), None
+
+        async def send_noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            usage = scope.get("state", {}).get("usage")
+            tokens = (f", {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens"
+                      if usage else "")
+            log.info("%s %s %s %.3f s%s", scope["method"], scope["path"], status or "no answer",
+                     time.perf_counter() - start, tokens)
 
 
 async def _health_generation(engine: Engine) -> None:
@@ -444,6 +480,12 @@ class _Uvicorn(uvicorn.Server):
         super().__init__(config)
         self.engine, self.deadline = engine, deadline
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and sockets:  # after the lifespan's first generation: requests are answered from now on
+            host, port = sockets[0].getsockname()[:2]
+            log.info("ready on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+
     def handle_exit(self, sig, frame):
         if self.should_exit and sig == signal.SIGINT:
             self.force_exit = True
@@ -452,8 +494,14 @@ class _Uvicorn(uvicorn.Server):
         self.engine.shutdown(self.deadline)
 
 
-def run(app: FastAPI, engine: Engine, *, host: str, port: int, shutdown_seconds: float) -> None:
-    """Serves `app` until SIGTERM/SIGINT; running requests get `shutdown_seconds` to finish."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=shutdown_seconds + 5, timeout_keep_alive=5)
-    _Uvicorn(config, engine, shutdown_seconds).run()
+def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: float) -> None:
+    """Serves `app` on `sock` until SIGTERM/SIGINT; running requests get `shutdown_seconds` to finish.
+
+    Args:
+      sock: a bound, listening TCP socket; the caller takes the port before
+        loading anything, so a port in use is reported at once, not after
+        the model loads. uvicorn closes it when it stops.
+    """
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=shutdown_seconds + 5,
+                            timeout_keep_alive=5)
+    _Uvicorn(config, engine, shutdown_seconds).run(sockets=[sock])

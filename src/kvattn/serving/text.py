@@ -46,9 +46,9 @@ MAX_TOKENIZER_BYTES = 128 << 20
 MAX_CONFIG_BYTES = 16 << 20
 # Token ids cross into the tokenizers library as unsigned 32-bit ints.
 _MAX_TOKEN_ID = (1 << 32) - 1
-# Prompt ids a TextStream decodes before the generated ones: enough that the first generated token decodes as it
-# does mid-text (a SentencePiece decoder strips the leading space of the text's first word only) and that a
-# character whose first bytes end the prompt is finished by the generated ones.
+# Context ids a Detokenizer decodes before the generated ones, at least: enough that the first generated token
+# decodes as it does mid-text (a SentencePiece decoder strips the leading space of the text's first word only) and
+# that a character whose first bytes end the prompt is finished by the generated ones.
 _CONTEXT_TOKENS = 8
 
 
@@ -331,9 +331,11 @@ class Detokenizer:
     Args:
       tokenizer: the `Tokenizer`.
       skip_special_tokens: leave special tokens out of the text.
-      context: ids that precede the first pushed one (the prompt's tail),
-        so the first new token decodes as it would mid-text (e.g. keeps the
-        leading space a SentencePiece-style decoder strips at the start).
+      context: ids that precede the first pushed one (the prompt), so the
+        first new token decodes as it would mid-text (e.g. keeps the leading
+        space a SentencePiece-style decoder strips at the start). Only its
+        tail is decoded: the last few ids, and back to where the run of byte
+        pieces they may end in starts.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()):
@@ -341,7 +343,11 @@ class Detokenizer:
         self._skip = skip_special_tokens
         self._silent_ids = tokenizer._special_ids if skip_special_tokens else frozenset()
         self._byte_piece_ids = tokenizer._byte_piece_ids
-        self._ids = [_token_id(i) for i in context]
+        start = max(0, len(context) - _CONTEXT_TOKENS)
+        # New bytes that make a run invalid turn all of it into U+FFFD, so the context holds the whole run.
+        while start > 0 and (context[start] in self._byte_piece_ids or context[start] in self._silent_ids):
+            start -= 1
+        self._ids = [_token_id(i) for i in context[start:]]
         # The window is ids[_window_start:]; its text up to _read_end (_read_text) has been emitted or is context.
         self._window_start, self._read_end = 0, len(self._ids)
         self._read_text = self._decode(self._ids, skip_special_tokens=self._skip)
@@ -459,8 +465,8 @@ class TextStream:
 
     Args:
       tokenizer: the `Tokenizer`.
-      prompt: the prompt's ids; its last few decode before the generated
-        ones, so the first generated word keeps its leading space.
+      prompt: the prompt's ids; its tail decodes before the generated ids,
+        so the first generated word keeps its leading space.
       stop: stop strings, none empty.
       stop_token_ids: ids that end a generation (e.g. `eos_token_ids`); their
         own text is never shown, special or not.
@@ -469,8 +475,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, *, prompt: Sequence[int] = (), stop: Sequence[str] = (),
                  stop_token_ids: Iterable[int] = (), skip_special_tokens: bool = True):
-        self._detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens,
-                                                  context=list(prompt)[-_CONTEXT_TOKENS:])
+        self._detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens, context=prompt)
         self._stops = StopStrings(stop) if stop else None
         self._stop_token_ids = frozenset(_token_id(i) for i in stop_token_ids)
         self._finished = False
