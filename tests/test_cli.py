@@ -17,6 +17,7 @@ import pytest
 
 import kvattn
 from kvattn import cli, models
+from kvattn.serving import llm as llm_module
 from tests.helpers import FIXTURES
 
 FIXTURE = FIXTURES / "gpt2"  # vocab_size 97
@@ -239,7 +240,7 @@ def test_generate_refuses_a_context_past_the_trained_one_unless_told(monkeypatch
         loaded.update(kwargs)
         raise ValueError("stopped at loading")
 
-    monkeypatch.setattr(models, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(llm_module, "from_pretrained", from_pretrained)  # generate loads through kvattn.LLM
     status, err = run([*argv, "--allow-long-context"], capsys)
     assert status == 1 and err.endswith("kvattn generate: stopped at loading\n"), err
     assert loaded["max_len"] == 513
@@ -298,7 +299,7 @@ def test_generate_from_ids_stops_at_config_jsons_end_of_sequence_id(tmp_path, mo
         return load(path, **kwargs)
 
     load = models.from_pretrained
-    monkeypatch.setattr(models, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(llm_module, "from_pretrained", from_pretrained)
     checkpoint = with_eos(tmp_path, GREEDY["new_tokens"][3], "config.json", tokenizer=False)
     argv = ["generate", str(checkpoint), "--prompt-ids", *map(str, GREEDY["prompt"]), "--max-new-tokens", "12"]
     assert cli.main([*argv, *(["--weights", weights] if weights else [])]) == 0

@@ -12,12 +12,10 @@ from __future__ import annotations
 import argparse
 import errno
 import functools
-import json
 import math
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import kvattn
@@ -88,7 +86,7 @@ def _speculative(text: str):
             n.isdigit() and 1 <= int(n) <= _SPECULATIVE_MAX for n in numbers):
         raise argparse.ArgumentTypeError(f"expected ngram:K or ngram:K:N with K and N integers in "
                                          f"[1, {_SPECULATIVE_MAX}], got {text!r}")
-    from kvattn.models.speculative import PromptLookup
+    from kvattn.generation import PromptLookup
 
     return PromptLookup(*map(int, numbers))
 
@@ -171,25 +169,11 @@ def _checkpoint(text: str, usage: argparse.ArgumentParser) -> Path:
     return checkpoint
 
 
-def _read_json(path: Path) -> dict:
-    """A checkpoint's JSON file as a dict; a ValueError naming the file when it is not one."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(value, dict):  # a file's content, not an argument's type
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")  # noqa: TRY004
-    return value
-
-
 def _trained_context(checkpoint: Path) -> int:
     """The positions the checkpoint was trained on: its config's `max_position_embeddings` as kvattn reads it."""
-    from kvattn.models import from_hf_config
+    from kvattn.models import checkpoint_config
 
-    path = checkpoint / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{checkpoint} has no config.json: pass a Hugging Face checkpoint directory")
-    return from_hf_config(_read_json(path)).max_position_embeddings
+    return checkpoint_config(checkpoint).max_position_embeddings
 
 
 def _check_context(length: int, what: str, context: int, args: argparse.Namespace,
@@ -204,40 +188,8 @@ def _check_context(length: int, what: str, context: int, args: argparse.Namespac
           "--allow-long-context: outputs past it may degrade", file=sys.stderr, flush=True)
 
 
-def _eos_token_ids(checkpoint: Path) -> list[int]:
-    """The checkpoint's end-of-sequence ids without its tokenizer: generation_config.json's, else config.json's."""
-    for name in ("generation_config.json", "config.json"):
-        path = checkpoint / name
-        value = _read_json(path).get("eos_token_id") if path.is_file() else None
-        if value is None:
-            continue
-        ids = [value] if isinstance(value, int) else value
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                for i in ids):
-            raise ValueError(f"{path}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
-        return ids
-    return []
-
-
-def _generated_tokens(model, prompt: list[int], args: argparse.Namespace, stop_tokens: list[int]) -> Iterator[int]:
-    """The new tokens of `prompt`, in order, as the library produces them: the one place they come from."""
-    import jax
-
-    from kvattn import models
-
-    sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                "rng": jax.random.key(args.seed), "stop_tokens": stop_tokens}
-    if args.speculative is None:
-        yield from models.stream(model, prompt, args.max_new_tokens, **sampling)
-        return
-    result = models.speculate(model, [prompt], args.max_new_tokens, speculative=args.speculative, **sampling)
-    yield from result.tokens[0, : int(result.counts[0])].tolist()  # rounds give several tokens at once: all at the end
-    print(f"\n{int(result.rounds)} speculative rounds kept {result.acceptance:.0%} of their drafts, "
-          f"{int(result.steps)} plain steps", end="", file=sys.stderr)
-
-
 def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
-    """Streams tokens as they are produced, then prints tokens per second (stderr).
+    """Streams the text (or, without a tokenizer, the ids) as `kvattn.LLM` produces it, then the rate (stderr).
 
     `usage.error` refuses arguments that cannot work before anything is loaded.
     """
@@ -264,35 +216,39 @@ def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
                                    add_special_tokens=False)
         else:
             ids = tokenizer.encode(args.prompt)
-        stop_tokens = sorted(tokenizer.eos_token_ids)
     else:
         ids = args.prompt_ids
-        stop_tokens = _eos_token_ids(checkpoint)
     needed = len(ids) + args.max_new_tokens
     if args.max_len is not None and args.max_len < needed:
         usage.error(f"expected --max-len >= {needed} ({len(ids)} prompt tokens + --max-new-tokens "
                      f"{args.max_new_tokens}), got {args.max_len}")
     _check_context(needed, f"{len(ids)} prompt tokens + --max-new-tokens {args.max_new_tokens} = {needed}",
                    _trained_context(checkpoint), args, usage)
-    from kvattn import models
+    from kvattn.generation import SamplingParams
+    from kvattn.serving.llm import LLM
 
-    model = models.from_pretrained(checkpoint, max_len=args.max_len or needed, dtype=args.dtype, weights=args.weights)
-    if tokenizer is not None:
-        from kvattn.serving.text import TextStream
-
-        text = TextStream(tokenizer, prompt=ids, stop_token_ids=stop_tokens)  # an end-of-sequence id shows no text
+    llm = LLM(checkpoint, weights=args.weights, dtype=args.dtype, max_len=args.max_len or needed,
+              allow_long_context=args.allow_long_context, max_batch=1, speculative=args.speculative, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
     started = first = time.perf_counter()
-    count = 0
-    for count, token in enumerate(_generated_tokens(model, ids, args, stop_tokens), start=1):
-        if count == 1:
-            first = time.perf_counter()  # the first token carries the compilation and the prefill
-        print(text.push(token).text if tokenizer else token, end="" if tokenizer else " ", flush=True)
-    if tokenizer is not None:
-        print(text.finish().text, end="")
-    now = time.perf_counter()
-    rate = (count - 1) / (now - first) if count > 1 and now > first else float("nan")
-    steady = f"; {rate:.1f} tokens/s after the first" if args.speculative is None else ""  # speculation: all at once
+    if llm.tokenizer is not None:
+        for count, delta in enumerate(llm.stream(ids, params), start=1):
+            if count == 1:
+                first = time.perf_counter()  # the first text carries the compilation and the prefill
+            print(delta, end="", flush=True)
+    else:  # ids only: printed as they all arrive
+        [output] = llm.generate([ids], params, progress=False)
+        print(*output.outputs[0].token_ids, end="")
+    now, stats = time.perf_counter(), llm.engine.stats
+    count = stats.generated_tokens
+    rate = (count - 1) / (now - first) if count > 1 and now > first and llm.tokenizer is not None else None
+    steady = f"; {rate:.1f} tokens/s after the first" if rate else ""
     print(f"\n{count} tokens in {now - started:.2f} s, compilation included{steady}", file=sys.stderr)
+    if args.speculative is not None:
+        kept = f"kept {stats.accepted_tokens} of {stats.drafted_tokens} drafts" if stats.drafted_tokens else \
+            "drafted nothing (no earlier occurrence of the latest tokens)"
+        print(f"speculative decoding {kept}", file=sys.stderr)
     return 0
 
 
@@ -365,10 +321,13 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
                          f"{model.config.vocab_size}")
     server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching, prefills_per_step=args.prefills_per_step,
                     speculative=args.speculative)
-    say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the decode and prefill programs")
+    say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
     start = time.perf_counter()
-    server.warm_up()  # every program compiled before requests are answered: no request waits for a compilation
-    say(f"compiled in {time.perf_counter() - start:.1f} s")
+
+    def compiled(done: int, total: int) -> None:
+        say(f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)")
+
+    server.warm_up(on_program=compiled)  # every program compiled before requests are answered
     metrics = Metrics()
     engine = Engine(server, max_waiting=args.max_waiting,
                     on_step=metrics.on_step, on_error=lambda _: metrics.engine_errors.inc())

@@ -6,7 +6,7 @@ Generating text with them is `kvattn.generation` (fixed batches) and
 
 from kvattn.errors import CheckpointError, UnsupportedConfigError
 from kvattn.models.decoder import CausalLM
-from kvattn.models.hf import from_pretrained, load_safetensors
+from kvattn.models.hf import checkpoint_config, eos_token_ids, from_pretrained, load_safetensors
 from kvattn.models.model_config import ModelConfig, from_hf_config
 
 __all__ = [
@@ -14,6 +14,8 @@ __all__ = [
     "CheckpointError",
     "ModelConfig",
     "UnsupportedConfigError",
+    "checkpoint_config",
+    "eos_token_ids",
     "from_hf_config",
     "from_pretrained",
     "load_safetensors",

@@ -367,6 +367,39 @@ def _read(header: _Header) -> np.ndarray:
         raise CheckpointError(f"{header.file}: tensor {header.name} cannot be read: {error}") from None
 
 
+def checkpoint_config(path: str | os.PathLike) -> ModelConfig:
+    """A checkpoint directory's `config.json` as a checked `ModelConfig` (its trained context included).
+
+    Raises:
+      FileNotFoundError: no `config.json`.
+      CheckpointError, UnsupportedConfigError: as `from_pretrained`.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass a Hugging Face checkpoint directory")
+    return from_hf_config(_read_json(path / "config.json"))
+
+
+def eos_token_ids(path: str | os.PathLike) -> frozenset[int]:
+    """A checkpoint's end-of-sequence ids from its configs: `generation_config.json`'s, else `config.json`'s.
+
+    Raises:
+      CheckpointError: a file that is not JSON, or an `eos_token_id` that is not an id or a list of them.
+    """
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        config = _read_json(file) if file.is_file() else {}
+        value = config.get("eos_token_id") if isinstance(config, dict) else None
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else value
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                for i in ids):
+            raise CheckpointError(f"{file}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
+        return frozenset(ids)
+    return frozenset()
+
+
 def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None, weights=None,
                     cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> CausalLM:
     """A `CausalLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
@@ -399,9 +432,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     """
     dtype, weights = _storage(dtype, weights)
     path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{path} has no config.json: pass a Hugging Face checkpoint directory")
-    config = from_hf_config(_read_json(path / "config.json"))
+    config = checkpoint_config(path)
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))
     model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, weights=weights,
                      cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size)

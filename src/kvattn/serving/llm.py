@@ -14,7 +14,6 @@ saves work) outlives one. The names are vLLM's (`LLM`, `SamplingParams`,
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -24,8 +23,7 @@ import numpy as np
 from kvattn.extra import require
 from kvattn.generation.sampling import SamplingParams
 from kvattn.generation.speculative import PromptLookup
-from kvattn.models.hf import from_pretrained
-from kvattn.models.model_config import from_hf_config
+from kvattn.models.hf import checkpoint_config, eos_token_ids, from_pretrained
 from kvattn.serving.requests import Completion, Token
 from kvattn.serving.server import Server
 
@@ -130,8 +128,7 @@ class LLM:
                  num_pages: int | None = None, chunk: int | None = None, prefix_caching: bool = True,
                  speculative: PromptLookup | None = None, seed: int | None = None):
         path = Path(checkpoint)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"expected a checkpoint directory with a config.json, got {str(checkpoint)!r}")
+        context = checkpoint_config(path).max_position_embeddings
         self.tokenizer, self.text_module = None, None
         if (path / "tokenizer.json").is_file():
             require("tokenizers", extra_name="generate")
@@ -141,9 +138,8 @@ class LLM:
             self.text_module = text
             self.tokenizer = text.Tokenizer.from_directory(path)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None and
-                              self.tokenizer.eos_token_ids else _eos_token_ids(path))
+                              self.tokenizer.eos_token_ids else eos_token_ids(path))
         """The ids that end a completion unless `ignore_eos` (`generation_config.json`, else `config.json`)."""
-        context = _trained_context(path)
         self.max_len = context if max_len is None else int(max_len)
         if self.max_len > context and not allow_long_context:
             raise ValueError(f"max_len {self.max_len} is past the model's trained context of {context} tokens "
@@ -327,23 +323,3 @@ def _progress_bar(total: int):
     return tqdm(total=total, desc="completions", unit="req", leave=False)
 
 
-def _json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    value = json.loads(path.read_text())
-    return value if isinstance(value, dict) else {}
-
-
-def _eos_token_ids(path: Path) -> frozenset[int]:
-    """A checkpoint's end-of-sequence ids without a tokenizer: `generation_config.json`'s, else `config.json`'s."""
-    for name in ("generation_config.json", "config.json"):
-        value = _json(path / name).get("eos_token_id")
-        ids = [value] if isinstance(value, int) else value
-        if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            return frozenset(ids)
-    return frozenset()
-
-
-def _trained_context(path: Path) -> int:
-    """The positions a checkpoint was trained on (`max_position_embeddings`, GPT-2's `n_positions`)."""
-    return from_hf_config(_json(path / "config.json")).max_position_embeddings
