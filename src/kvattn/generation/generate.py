@@ -179,19 +179,11 @@ def stream(model: CausalLM, prompt, max_new_tokens: int, *, temperature: float =
     batch = model.blocks[0].attention.config.batch_size
     if batch != 1:
         raise ValueError(f"stream needs a model built with batch_size=1, got batch_size={batch}")
-    prompt = token_ids(prompt, model.config.vocab_size, "prompt", (None,))[None, :]
-    if prompt.shape[1] < 1:
-        raise ValueError("stream needs a non-empty prompt")
-    check.positive_int(max_new_tokens, "max_new_tokens")
-    sampling = _sampling(model, temperature, top_k, top_p, rng)
-    stop_tokens = stop_ids(stop_tokens, model.config.vocab_size)
-    attention = model.blocks[0].attention
-    pos = check.state(attention.config, attention.pos[...])
-    check.capacity(attention.config, pos, prompt.shape[1] + max_new_tokens)
-    padded = np.zeros((1, _bucket(prompt.shape[1])), np.int32)
-    padded[:, : prompt.shape[1]] = prompt
+    prompt = token_ids(prompt, model.config.vocab_size, "prompt", (None,))
+    padded, lengths, sampling, stop_tokens = checked_inputs(
+        model, prompt[None, :], max_new_tokens, None, temperature, top_k, top_p, stop_tokens, rng)
     # Checked above, eagerly; the tokens come from a generator, which runs only when iterated.
-    return _stream(model, padded, prompt.shape[1], max_new_tokens, sampling, stop_tokens,
+    return _stream(model, padded, int(lengths[0]), max_new_tokens, sampling, stop_tokens,
                    jax.random.key(0) if rng is None else rng)
 
 
