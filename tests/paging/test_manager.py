@@ -561,6 +561,24 @@ def test_admission():
     assert windowed.admission(32) == "now", "a window of 4 holds at most 2 pages"
 
 
+def test_admission_of_a_request_of_n_choices_grown_a_chunk_at_a_time():
+    """The choices share the full pages and each holds a copy of a partial last one; a chunk holds its pages and
+    the window's before it, all at once."""
+    manager = PageManager(num_pages=6, page_size=4, max_sequences=3, max_pages_per_sequence=8)
+    assert manager.admission(8, sequences=3) == "now", "two full pages, shared"
+    assert manager.admission(9, sequences=3) == "now", "3 pages + 2 private copies of the partial one: 5"
+    assert (manager.admission(13), manager.admission(13, sequences=3)) == ("now", "never"), "4 + 2 > 5 pages"
+    assert manager.admission(5, sequences=3) == "now" and manager.admission(4, sequences=4) == "never"
+    manager.add()
+    manager.add()
+    assert manager.admission(4, sequences=2) == "later", "one free slot"
+    windowed = PageManager(num_pages=9, page_size=4, max_sequences=1, max_pages_per_sequence=8, window=4)
+    assert windowed.pages_for(32) == 2 and windowed.pages_for(32, chunk=8) == 4  # 8 tokens beside the 3 before
+    assert windowed.pages_for(6, chunk=8) == 2, "never more than the whole sequence's pages"
+    with pytest.raises(ValueError, match="chunk must be an integer from 1"):
+        windowed.pages_for(8, chunk=0)
+
+
 @pytest.mark.parametrize("window", [1, 3, 4, 5, 9])
 def test_a_windowed_sequence_keeps_only_the_pages_its_window_sees(window):
     page_size = 4
