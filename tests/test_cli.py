@@ -279,7 +279,7 @@ def with_eos(tmp_path, eos_token_id, file: str, tokenizer: bool = True) -> Path:
 
 
 def test_generate_chat_stops_at_the_end_of_sequence_id(tmp_path, capsys):
-    from kvattn.serving.text import Tokenizer
+    from kvattn.serving.tokenizer import Tokenizer
 
     stop = GREEDY["new_tokens"][3]
     checkpoint = with_eos(tmp_path, [7, stop], "generation_config.json")

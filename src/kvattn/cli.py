@@ -205,7 +205,7 @@ def _generate(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
             usage.error(f"--prompt needs {path}, which does not exist; pass --prompt-ids instead")
         for module in ("tokenizers", "jinja2"):
             extra.require(module, extra_name="generate")
-        from kvattn.serving.text import Tokenizer
+        from kvattn.serving.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_directory(checkpoint)
         if args.chat and not tokenizer.has_chat_template:
@@ -298,9 +298,10 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
     from kvattn import models
     from kvattn.serving import Server
     from kvattn.serving.engine import Engine
-    from kvattn.serving.http import create_app, run
-    from kvattn.serving.metrics import Metrics
-    from kvattn.serving.text import Tokenizer
+    from kvattn.serving.openai.app import create_app
+    from kvattn.serving.openai.launch import run
+    from kvattn.serving.openai.metrics import Metrics
+    from kvattn.serving.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_directory(checkpoint, chat_template=template)
     context = _trained_context(checkpoint)

@@ -10,7 +10,7 @@ import pytest
 import kvattn
 from kvattn import generation, models
 from kvattn.generation import PromptLookup, SamplingParams
-from kvattn.serving.text import Tokenizer
+from kvattn.serving.tokenizer import Tokenizer
 from tests.helpers import FIXTURES, expected
 
 

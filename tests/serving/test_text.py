@@ -23,8 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvattn import generation, models
-from kvattn.serving import text as text_module
-from kvattn.serving.text import StopStrings, TextDelta, TextStream, Tokenizer
+from kvattn.serving import tokenizer as tokenizer_module
+from kvattn.serving.text import StopStrings, TextDelta, TextStream
+from kvattn.serving.tokenizer import Tokenizer
 from tests.helpers import FIXTURES
 
 CHAT = FIXTURES / "chat"
@@ -489,6 +490,6 @@ def test_malformed_files_are_named(directory, name, content, message):
 
 
 def test_oversized_files_are_refused_before_parsing(directory, monkeypatch):
-    monkeypatch.setattr(text_module, "MAX_CONFIG_BYTES", 64)
+    monkeypatch.setattr(tokenizer_module, "MAX_CONFIG_BYTES", 64)
     with pytest.raises(ValueError, match="tokenizer_config.json is larger than 64 bytes"):
         Tokenizer.from_directory(directory)

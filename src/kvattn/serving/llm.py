@@ -53,6 +53,7 @@ class RequestOutput:
     prompt: str | None
     """The prompt's text (None when it was given as ids)."""
     prompt_token_ids: list[int]
+    """The prompt's token ids (a text prompt as the tokenizer encodes it, special tokens included)."""
     outputs: list[CompletionOutput]
     """Its `n` completions, in order."""
 
@@ -63,9 +64,13 @@ class _Choice:
     def __init__(self, llm: LLM, prompt: list[int], params: SamplingParams):
         self.tokens: list[Token] = []
         self.text: list[str] = []
-        self.stream = None if llm.tokenizer is None else llm.text_module.TextStream(
-            llm.tokenizer, prompt=prompt, stop=params.stop, stop_token_ids=params.stop_ids(llm.eos_token_ids),
-            skip_special_tokens=params.skip_special_tokens)
+        self.stream = None
+        if llm.tokenizer is not None:
+            from kvattn.serving.text import TextStream  # with the tokenizer's extra
+
+            self.stream = TextStream(llm.tokenizer, prompt=prompt, stop=params.stop,
+                                     stop_token_ids=params.stop_ids(llm.eos_token_ids),
+                                     skip_special_tokens=params.skip_special_tokens)
         self.stopped = False  # by a stop string
 
     def add(self, token: Token) -> str:
@@ -107,8 +112,9 @@ class LLM:
       allow_long_context: accept a `max_len` past the trained context (a
         model degrades or fails there; refused otherwise).
       max_batch: sequences decoded together.
-      page_size, num_pages: the page pool (default: room for `max_batch`
-        sequences at `max_len`).
+      page_size: cache slots per page.
+      num_pages: pages in the pool (default: room for `max_batch` sequences
+        at `max_len`, plus one).
       chunk: prefill chunk in tokens (default: four pages).
       prefix_caching: share the pages of equal prompt prefixes between requests.
       speculative: a `kvattn.generation.PromptLookup`: draft by lookup,
@@ -129,18 +135,19 @@ class LLM:
                  speculative: PromptLookup | None = None, seed: int | None = None):
         path = Path(checkpoint)
         context = checkpoint_config(path).max_position_embeddings
-        self.tokenizer, self.text_module = None, None
+        self.tokenizer = None
+        """The checkpoint's `kvattn.serving.tokenizer.Tokenizer`, or None without a `tokenizer.json` (ids only)."""
         if (path / "tokenizer.json").is_file():
             require("tokenizers", extra_name="generate")
             require("jinja2", extra_name="generate")
-            from kvattn.serving import text  # tokenizers and jinja2: only for a checkpoint with text
+            from kvattn.serving.tokenizer import Tokenizer  # tokenizers and jinja2: only for a checkpoint with text
 
-            self.text_module = text
-            self.tokenizer = text.Tokenizer.from_directory(path)
+            self.tokenizer = Tokenizer.from_directory(path)
         self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None and
                               self.tokenizer.eos_token_ids else eos_token_ids(path))
         """The ids that end a completion unless `ignore_eos` (`generation_config.json`, else `config.json`)."""
         self.max_len = context if max_len is None else int(max_len)
+        """Tokens per sequence, prompt and completion."""
         if self.max_len > context and not allow_long_context:
             raise ValueError(f"max_len {self.max_len} is past the model's trained context of {context} tokens "
                              "(max_position_embeddings); pass allow_long_context=True to use it anyway")

@@ -34,7 +34,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from flax import nnx
 
 from kvattn import validation as check
 from kvattn.generation.sampling import RowSampling, Sampling, SamplingParams

@@ -23,70 +23,31 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
-import signal
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.responses import Response
+from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from kvattn.generation.sampling import SamplingParams
-from kvattn.serving.api import ChatRequest, CompletionRequest
 from kvattn.serving.engine import Engine, Full, ShuttingDown
-from kvattn.serving.metrics import Metrics
+from kvattn.serving.openai import protocol, responses
+from kvattn.serving.openai.metrics import Metrics
+from kvattn.serving.openai.protocol import ApiError, ChatRequest, CompletionRequest, Job
+from kvattn.serving.openai.responses import ClientGone
 from kvattn.serving.requests import Token
-from kvattn.serving.text import TextStream, Tokenizer
+from kvattn.serving.text import TextStream
+from kvattn.serving.tokenizer import Tokenizer
 
-__all__ = ["ApiError", "create_app", "run"]
+__all__ = ["create_app"]
 
 log = logging.getLogger("kvattn.serve")
 MAX_BODY_BYTES = 4 * 2**20
-
-
-class ApiError(Exception):
-    """A refusal with its HTTP status, shaped as OpenAI's errors."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-@dataclasses.dataclass
-class _Job:
-    """One HTTP request's generation, after every check."""
-
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: frozenset
-    """The ids that end a choice: the request's, and the tokenizer's end-of-sequence ids unless `ignore_eos`."""
-    token_ids: bool
-
-    @property
-    def n(self) -> int:
-        return self.params.n
-
-    @property
-    def stops(self) -> list[str]:
-        return list(self.params.stop)
-
-    @property
-    def top_logprobs(self) -> int | None:  # None: no logprobs
-        return self.params.logprobs
 
 
 @dataclasses.dataclass
@@ -129,48 +90,9 @@ class _App:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise ApiError(401, "Incorrect API key provided", "authentication_error", code="invalid_api_key")
 
-    def job(self, body: CompletionRequest | ChatRequest) -> _Job:
-        if body.model != self.model_name:
-            raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
-                           "not_found_error", param="model", code="model_not_found")
-        try:
-            if isinstance(body, ChatRequest):
-                text = self.tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
-                prompt = self.tokenizer.encode(text, add_special_tokens=False)
-                max_tokens = body.max_completion_tokens or body.max_tokens
-                top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            else:
-                prompt = (list(body.prompt) if isinstance(body.prompt, list)
-                          else self.tokenizer.encode(body.prompt, add_special_tokens=True))
-                max_tokens = body.max_tokens or 16
-                top_logprobs = body.logprobs
-        except (ValueError, TypeError) as error:
-            raise ApiError(400, str(error)) from None
-        if not prompt:
-            raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-        if len(prompt) >= self.max_len:
-            raise ApiError(400, f"the prompt holds {len(prompt)} tokens; this server's context is {self.max_len}",
-                           param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            max_tokens = self.max_len - len(prompt)
-        if len(prompt) + max_tokens > self.max_len:
-            raise ApiError(400, f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed this server's context "
-                                f"of {self.max_len} tokens", param="max_tokens", code="context_length_exceeded")
-        try:  # the request body becomes the engine's SamplingParams here, and only here
-            params = SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                top_k=None if body.top_k in (None, 0, -1) else body.top_k,
-                top_p=None if body.top_p in (None, 1) else body.top_p, seed=body.seed, n=body.n,
-                stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                logprobs=top_logprobs)
-            params.sampling.check_vocab(self.tokenizer.vocab_size)
-        except (ValueError, TypeError) as error:
-            raise ApiError(400, str(error)) from None
-        return _Job(prompt, params, params.stop_ids(self.tokenizer.eos_token_ids), body.return_token_ids)
-
     # ----------------------------------------------------------- generation
 
-    async def generate(self, request: Request, job: _Job, arrived: float) -> AsyncIterator[_Delta | dict]:
+    async def generate(self, request: Request, job: Job, arrived: float) -> AsyncIterator[_Delta | dict]:
         """Submits `job`; yields each choice's deltas, then a dict of usage. Aborts whatever is left on exit."""
         try:
             handle = await self.engine.submit(job.prompt, job.params, eos_token_ids=self.tokenizer.eos_token_ids)
@@ -223,7 +145,7 @@ class _App:
         request.state.usage = usage  # for the request's log line (_RequestLog)
         yield usage
 
-    def _token(self, row: int, choice: _Choice, token: Token, job: _Job, arrived: float) -> _Delta:
+    def _token(self, row: int, choice: _Choice, token: Token, job: Job, arrived: float) -> _Delta:
         now = time.perf_counter()
         if choice.last_token_at is None:
             self.metrics.ttft.observe(now - arrived)
@@ -236,29 +158,6 @@ class _App:
             is not None else []
         choice.logprobs += strings
         return _Delta(row, piece, [token.id], strings, "stop" if stopped else None)
-
-    def token_logprobs(self, tokens: list[tuple[Token, str]], chat: bool, offset: int = 0) -> dict:
-        """OpenAI's logprobs object: `{"content": [...]}` for chat, the legacy four lists for completions."""
-        decode = self.tokenizer.decode
-        if chat:
-            return {"content": [
-                {"token": text, "logprob": token.logprob, "bytes": list(text.encode()),
-                 "top_logprobs": [{"token": (alt := decode([i], skip_special_tokens=False)), "logprob": lp,
-                                   "bytes": list(alt.encode())} for i, lp in token.top]}
-                for token, text in tokens]}
-        offsets, position = [], offset
-        for _, text in tokens:
-            offsets.append(position)
-            position += len(text)
-        return {"tokens": [text for _, text in tokens], "token_logprobs": [token.logprob for token, _ in tokens],
-                "top_logprobs": [{decode([i], skip_special_tokens=False): lp for i, lp in token.top}
-                                 for token, _ in tokens],
-                "text_offset": offsets}
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its answer was complete."""
-
 
 async def _next_event(events: asyncio.Queue, request: Request):
     """The next engine event; raises `ClientGone` if the client has gone meanwhile."""
@@ -391,7 +290,7 @@ async def _health_generation(engine: Engine) -> None:
 
 async def _respond(state: _App, request: Request, body, chat: bool):
     arrived = time.perf_counter()
-    job = state.job(body)
+    job = protocol.job(body, state.tokenizer, model_name=state.model_name, max_len=state.max_len)
     created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name}
@@ -399,73 +298,13 @@ async def _respond(state: _App, request: Request, body, chat: bool):
     first = await anext(events)  # errors before the first token (refusals) become plain JSON errors
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_sse(state, events, first, head, job, chat, usage))
+        return EventSourceResponse(responses.sse(state.tokenizer, events, first, head, job, chat, usage))
     try:
-        return await _whole(state, events, first, head, job, chat)
+        return await responses.whole(state.tokenizer, events, first, head, job, chat)
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; the request was aborted
     finally:
         await events.aclose()
-
-
-async def _whole(state: _App, events, first, head: dict, job: _Job, chat: bool) -> dict:
-    choices = [{"text": [], "ids": [], "tokens": [], "finish_reason": None} for _ in range(job.n)]
-    item = first
-    while not isinstance(item, dict):
-        choice = choices[item.index]
-        choice["text"].append(item.text)
-        choice["ids"] += item.ids
-        choice["tokens"] += item.tokens
-        choice["finish_reason"] = item.finish_reason or choice["finish_reason"]
-        item = await anext(events)
-    out = []
-    for index, choice in enumerate(choices):
-        text = "".join(choice["text"])
-        entry = {"index": index, "finish_reason": choice["finish_reason"],
-                 "logprobs": state.token_logprobs(choice["tokens"], chat) if job.top_logprobs is not None else None}
-        entry |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        if job.token_ids:
-            entry["token_ids"] = choice["ids"]
-        out.append(entry)
-    return {**head, "choices": out, "usage": item}
-
-
-async def _sse(state: _App, events, first, head: dict, job: _Job, chat: bool, usage: bool):
-    chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    offsets = [0] * job.n
-    if chat:
-        for index in range(job.n):
-            yield _event({**chunk_head, "choices": [
-                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]})
-    item = first
-    try:
-        while not isinstance(item, dict):
-            if item.text or item.ids or item.finish_reason:
-                logprobs = (state.token_logprobs(item.tokens, chat, offsets[item.index])
-                            if job.top_logprobs is not None and item.tokens else None)
-                offsets[item.index] += len(item.text)
-                entry = {"index": item.index, "logprobs": logprobs, "finish_reason": item.finish_reason}
-                entry |= {"delta": {"content": item.text} if item.text else {}} if chat else {"text": item.text}
-                if job.token_ids:
-                    entry["token_ids"] = item.ids
-                yield _event({**chunk_head, "choices": [entry]})
-            item = await anext(events)
-    except ApiError as error:
-        yield _event(error.body())
-        yield format_sse_event(data_str="[DONE]")
-        return
-    except ClientGone:
-        return
-    finally:
-        await events.aclose()  # aborts what is left, whether the stream ended or was cancelled
-    if usage:
-        yield _event({**chunk_head, "choices": [], "usage": item})
-    yield format_sse_event(data_str="[DONE]")
-
-
-def _event(data: dict) -> bytes:
-    return format_sse_event(data_str=json.dumps(data, separators=(",", ":")))
 
 
 def _describe(error: dict) -> str:
@@ -473,35 +312,3 @@ def _describe(error: dict) -> str:
     return f"{where or 'body'}: {error.get('msg', 'invalid')}"
 
 
-class _Uvicorn(uvicorn.Server):
-    """uvicorn, with SIGTERM/SIGINT also starting the engine's deadline; a graceful stop exits 0."""
-
-    def __init__(self, config: uvicorn.Config, engine: Engine, deadline: float):
-        super().__init__(config)
-        self.engine, self.deadline = engine, deadline
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and sockets:  # after the lifespan's first generation: requests are answered from now on
-            host, port = sockets[0].getsockname()[:2]
-            log.info("ready on http://%s:%d", f"[{host}]" if ":" in host else host, port)
-
-    def handle_exit(self, sig, frame):
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
-            return
-        self.should_exit = True  # uvicorn's own handler would re-raise the signal after the stop: exit status 0
-        self.engine.shutdown(self.deadline)
-
-
-def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: float) -> None:
-    """Serves `app` on `sock` until SIGTERM/SIGINT; running requests get `shutdown_seconds` to finish.
-
-    Args:
-      sock: a bound, listening TCP socket; the caller takes the port before
-        loading anything, so a port in use is reported at once, not after
-        the model loads. uvicorn closes it when it stops.
-    """
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=shutdown_seconds + 5,
-                            timeout_keep_alive=5)
-    _Uvicorn(config, engine, shutdown_seconds).run(sockets=[sock])

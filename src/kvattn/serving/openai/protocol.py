@@ -1,4 +1,4 @@
-"""The OpenAI request bodies `kvattn serve` accepts, as strict pydantic models.
+"""The OpenAI request bodies `kvattn serve` accepts, as strict pydantic models, and what the engine makes of them.
 
 Types are strict (`"2"` is not 2, `true` is not 1), every range is checked
 here, so a request that gets past parsing can only be refused for what the
@@ -24,9 +24,14 @@ from pydantic import (
     model_validator,
 )
 
-from kvattn.generation.sampling import MAX_TOP_LOGPROBS
+import dataclasses
 
-__all__ = ["ChatRequest", "CompletionRequest", "Message"]
+from fastapi.responses import JSONResponse
+
+from kvattn.generation.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvattn.serving.tokenizer import Tokenizer
+
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Job", "Message", "job"]
 
 Number = StrictFloat | StrictInt
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -139,3 +144,88 @@ class ChatRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+
+class ApiError(Exception):
+    """A refusal with its HTTP status, shaped as OpenAI's errors."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclasses.dataclass
+class Job:
+    """One HTTP request's generation, after every check."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset
+    """The ids that end a choice: the request's, and the tokenizer's end-of-sequence ids unless `ignore_eos`."""
+    token_ids: bool
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def stops(self) -> list[str]:
+        return list(self.params.stop)
+
+    @property
+    def top_logprobs(self) -> int | None:  # None: no logprobs
+        return self.params.logprobs
+
+
+def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> Job:
+    """A request body checked against the served model and made the engine's `SamplingParams`: the one place
+    where an HTTP field becomes what the engine reads.
+
+    Raises:
+      ApiError: 404 for another model, 400 for a prompt the template or tokenizer refuses, one past the context,
+        or settings the model cannot sample with.
+    """
+    if body.model != model_name:
+        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`",
+                       "not_found_error", param="model", code="model_not_found")
+    try:
+        if isinstance(body, ChatRequest):
+            text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
+            prompt = tokenizer.encode(text, add_special_tokens=False)
+            max_tokens = body.max_completion_tokens or body.max_tokens
+            top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            prompt = (list(body.prompt) if isinstance(body.prompt, list)
+                      else tokenizer.encode(body.prompt, add_special_tokens=True))
+            max_tokens = body.max_tokens or 16
+            top_logprobs = body.logprobs
+    except (ValueError, TypeError) as error:
+        raise ApiError(400, str(error)) from None
+    if not prompt:
+        raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
+    if len(prompt) >= max_len:
+        raise ApiError(400, f"the prompt holds {len(prompt)} tokens; this server's context is {max_len}",
+                       param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_len - len(prompt)
+    if len(prompt) + max_tokens > max_len:
+        raise ApiError(400, f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed this server's context "
+                            f"of {max_len} tokens", param="max_tokens", code="context_length_exceeded")
+    try:  # the request body becomes the engine's SamplingParams here, and only here
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_k=None if body.top_k in (None, 0, -1) else body.top_k,
+            top_p=None if body.top_p in (None, 1) else body.top_p, seed=body.seed, n=body.n,
+            stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            logprobs=top_logprobs)
+        params.sampling.check_vocab(tokenizer.vocab_size)
+    except (ValueError, TypeError) as error:
+        raise ApiError(400, str(error)) from None
+    return Job(prompt, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids)

@@ -1,0 +1,101 @@
+"""OpenAI's response bodies, whole or streamed as server-sent events, from the deltas the app produces.
+
+A completion's choices, text or chat message, log-probabilities in OpenAI's
+two shapes (chat's `content` list, completions' four legacy lists), usage,
+and `token_ids` when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.sse import format_sse_event
+
+from kvattn.serving.openai.protocol import ApiError, Job
+from kvattn.serving.requests import Token
+from kvattn.serving.tokenizer import Tokenizer
+
+__all__ = ["ClientGone", "event", "sse", "token_logprobs", "whole"]
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+
+def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: bool, offset: int = 0) -> dict:
+    """OpenAI's logprobs object: `{"content": [...]}` for chat, the legacy four lists for completions."""
+    decode = tokenizer.decode
+    if chat:
+        return {"content": [
+            {"token": text, "logprob": token.logprob, "bytes": list(text.encode()),
+             "top_logprobs": [{"token": (alt := decode([i], skip_special_tokens=False)), "logprob": lp,
+                               "bytes": list(alt.encode())} for i, lp in token.top]}
+            for token, text in tokens]}
+    offsets, position = [], offset
+    for _, text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": [text for _, text in tokens], "token_logprobs": [token.logprob for token, _ in tokens],
+            "top_logprobs": [{decode([i], skip_special_tokens=False): lp for i, lp in token.top}
+                             for token, _ in tokens],
+            "text_offset": offsets}
+
+
+async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool) -> dict:
+    choices = [{"text": [], "ids": [], "tokens": [], "finish_reason": None} for _ in range(job.n)]
+    item = first
+    while not isinstance(item, dict):
+        choice = choices[item.index]
+        choice["text"].append(item.text)
+        choice["ids"] += item.ids
+        choice["tokens"] += item.tokens
+        choice["finish_reason"] = item.finish_reason or choice["finish_reason"]
+        item = await anext(events)
+    out = []
+    for index, choice in enumerate(choices):
+        text = "".join(choice["text"])
+        entry = {"index": index, "finish_reason": choice["finish_reason"],
+                 "logprobs": token_logprobs(tokenizer, choice["tokens"], chat) if job.top_logprobs is not None else None}
+        entry |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        if job.token_ids:
+            entry["token_ids"] = choice["ids"]
+        out.append(entry)
+    return {**head, "choices": out, "usage": item}
+
+
+async def sse(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool, usage: bool):
+    chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    offsets = [0] * job.n
+    if chat:
+        for index in range(job.n):
+            yield event({**chunk_head, "choices": [
+                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None}]})
+    item = first
+    try:
+        while not isinstance(item, dict):
+            if item.text or item.ids or item.finish_reason:
+                logprobs = (token_logprobs(tokenizer, item.tokens, chat, offsets[item.index])
+                            if job.top_logprobs is not None and item.tokens else None)
+                offsets[item.index] += len(item.text)
+                entry = {"index": item.index, "logprobs": logprobs, "finish_reason": item.finish_reason}
+                entry |= {"delta": {"content": item.text} if item.text else {}} if chat else {"text": item.text}
+                if job.token_ids:
+                    entry["token_ids"] = item.ids
+                yield event({**chunk_head, "choices": [entry]})
+            item = await anext(events)
+    except ApiError as error:
+        yield event(error.body())
+        yield format_sse_event(data_str="[DONE]")
+        return
+    except ClientGone:
+        return
+    finally:
+        await events.aclose()  # aborts what is left, whether the stream ended or was cancelled
+    if usage:
+        yield event({**chunk_head, "choices": [], "usage": item})
+    yield format_sse_event(data_str="[DONE]")
+
+
+def event(data: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(data, separators=(",", ":")))
