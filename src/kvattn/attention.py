@@ -67,7 +67,12 @@ class MultiHeadAttention(nnx.Module):
       kernel_init, bias_init: initializers of the projections, as in Flax.
       out_kernel_init, out_bias_init: those of `out`, if they differ.
       rngs: random streams for the initializers.
-      **options: the `AttentionConfig` fields.
+      **options: the fields of `AttentionConfig`, with its defaults:
+        `max_len` or `window` (exactly one), `head_dim`, `qkv_features`,
+        `out_features`, `num_kv_heads`, `batch_size`, `use_bias`, `rope`,
+        `normalize_qk`, `qk_norm_eps`, `logit_softcap`, `cache_dtype`,
+        `cache_layout`, `length_buckets`, `dtype`, `param_dtype`,
+        `data_axis`/`model_axis`, `num_pages`/`page_size`, `decode_kernel`.
 
     Example:
       >>> import jax.numpy as jnp
