@@ -87,12 +87,13 @@ def test_stop_strings_cut_the_text_and_end_the_completion(text_llm):
 def test_many_prompts_each_equal_their_single_run_and_n_choices_with_logprobs():
     engine = llm("chat")
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, 300, int(rng.integers(1, 12))).tolist() for _ in range(24)]
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
-    batch = engine.generate(prompts, params)
-    for prompt in prompts[:4]:
-        [single] = engine.generate([prompt], params)
-        assert single.outputs[0].token_ids == batch[prompts.index(prompt)].outputs[0].token_ids
+    prompts = [rng.integers(2, 300, int(rng.integers(1, 12))).tolist() for _ in range(1000)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    batch = engine.generate(prompts, params, progress=False)
+    assert [o.prompt_token_ids for o in batch] == prompts and all(len(o.outputs[0].token_ids) == 3 for o in batch)
+    for row in range(0, 1000, 40):
+        [single] = engine.generate([prompts[row]], params)
+        assert single.outputs[0].token_ids == batch[row].outputs[0].token_ids
     [choices] = engine.generate("Hello", SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=1, logprobs=2))
     assert [c.index for c in choices.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in choices.outputs}) > 1
