@@ -105,6 +105,23 @@ def test_chat_streaming_equals_whole_equals_transformers(client):
     assert chunks[-1].usage.completion_tokens == len(GREEDY["new_tokens"])
 
 
+def test_llm_and_serve_are_one_engine(client):
+    """The offline face and the HTTP face, on the same settings: the same tokens and text, greedy and seeded."""
+    import kvattn
+    from kvattn.generation import PromptLookup, SamplingParams
+
+    llm = kvattn.LLM(CHECKPOINT, max_len=MAX_LEN, max_batch=BATCH, page_size=PAGE, num_pages=64,
+                     speculative=PromptLookup(3))
+    prompts = ["The cache holds", "have w121 but at", "Hello"]
+    for settings in (dict(temperature=0.0), dict(temperature=0.9, top_p=0.9, seed=11)):
+        offline = llm.generate(prompts, SamplingParams(max_tokens=10, stop=["\n\n"], **settings), progress=False)
+        for prompt, output in zip(prompts, offline):
+            served = client.completions.create(model="chat", prompt=prompt, max_tokens=10, stop=["\n\n"],
+                                               extra_body={"return_token_ids": True}, **settings).choices[0]
+            assert served.token_ids == output.outputs[0].token_ids, (prompt, settings)
+            assert served.text == output.outputs[0].text and served.finish_reason == output.outputs[0].finish_reason
+
+
 def test_completions_of_token_ids_and_text(client):
     by_ids = client.completions.create(model="chat", prompt=GREEDY["prompt"], **GREEDY_ARGS)
     assert by_ids.choices[0].token_ids == GREEDY["new_tokens"]

@@ -20,7 +20,10 @@ def llm(name: str, **options) -> kvattn.LLM:
     return kvattn.LLM(FIXTURES / name, max_len=48, max_batch=3, page_size=4, **options)
 
 
-@pytest.mark.parametrize("family, speculative", [("llama", None), ("qwen2", PromptLookup(num_tokens=3))])
+@pytest.mark.parametrize("family, speculative", [
+    ("gpt2", None), ("llama", None), ("mistral", None), ("qwen2", None), ("qwen3", None),
+    ("gpt2", PromptLookup(num_tokens=3)), ("qwen2", PromptLookup(num_tokens=3, max_ngram=2)),
+])
 def test_greedy_llm_equals_fixed_batch_generate_token_for_token(family, speculative):
     want = expected(family)
     prompts = [list(want["prompts"][row, :length]) for row, length in enumerate(want["lengths"])]
@@ -34,6 +37,17 @@ def test_greedy_llm_equals_fixed_batch_generate_token_for_token(family, speculat
     again = engine.generate(prompts[::-1], SamplingParams(max_tokens=12, ignore_eos=True), progress=False)
     assert [o.outputs[0].token_ids for o in again] == generated.tolist()[::-1], "calls are independent"
     assert engine.engine.idle
+
+
+def test_a_seed_reproduces_whatever_else_runs():
+    engine = llm("chat")
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    [alone] = engine.generate("Hello", params)
+    crowd = engine.generate(["The cache", "Hello", "x y z"], [SamplingParams(max_tokens=6, temperature=1.0,
+                                                                            ignore_eos=True), params, params])
+    assert crowd[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    unseeded = engine.generate(["Hello", "Hello"], SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids, "each request draws its own seed"
 
 
 def test_end_of_sequence_stops_every_completion_unless_ignored():
@@ -117,7 +131,7 @@ def test_chat_renders_the_template_and_stops_at_end_of_sequence():
 
 def test_bad_calls_are_refused_before_anything_runs():
     engine = llm("chat")
-    with pytest.raises(ValueError, match="past max_len=48"):
+    with pytest.raises(ValueError, match="prompt 1 .* can never fit: a sequence holds at most max_len=48"):
         engine.generate(["Hello", "x" * 200], SamplingParams(max_tokens=4))
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.generate("Hello", {"max_tokens": 4})

@@ -134,7 +134,8 @@ class LLM:
                  num_pages: int | None = None, chunk: int | None = None, prefix_caching: bool = True,
                  speculative: PromptLookup | None = None, seed: int | None = None):
         path = Path(checkpoint)
-        context = checkpoint_config(path).max_position_embeddings
+        model_config = checkpoint_config(path)
+        context = model_config.max_position_embeddings
         self.tokenizer = None
         """The checkpoint's `kvattn.serving.tokenizer.Tokenizer`, or None without a `tokenizer.json` (ids only)."""
         if (path / "tokenizer.json").is_file():
@@ -143,8 +144,9 @@ class LLM:
             from kvattn.serving.tokenizer import Tokenizer  # tokenizers and jinja2: only for a checkpoint with text
 
             self.tokenizer = Tokenizer.from_directory(path)
-        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None and
-                              self.tokenizer.eos_token_ids else eos_token_ids(path))
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None and self.tokenizer.eos_token_ids else \
+            eos_token_ids(path)
+        self.eos_token_ids = frozenset(i for i in eos if i < model_config.vocab_size)  # an id past the vocabulary never comes
         """The ids that end a completion unless `ignore_eos` (`generation_config.json`, else `config.json`)."""
         self.max_len = context if max_len is None else int(max_len)
         """Tokens per sequence, prompt and completion."""
@@ -190,12 +192,10 @@ class LLM:
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError(f"params must be a SamplingParams or a list of {len(prompts)} (one per prompt)")
         for number, ((_, ids), request) in enumerate(zip(prompts, params)):
-            if not ids:
-                raise ValueError(f"prompt {number} holds no tokens")
-            if len(ids) + request.max_tokens > self.max_len:
-                raise ValueError(f"prompt {number} holds {len(ids)} tokens; with max_tokens {request.max_tokens} "
-                                 f"that is past max_len={self.max_len}")
-            request.sampling.check_vocab(self.config.vocab_size)
+            try:  # the engine's own checks, all of them before anything is submitted
+                self.engine.check(ids, request, eos_token_ids=self.eos_token_ids)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"prompt {number} ({len(ids)} tokens): {error}") from None
         return [(text, ids, request) for (text, ids), request in zip(prompts, params)]
 
     # ------------------------------------------------------------ generation

@@ -157,20 +157,12 @@ class Server:
           salt: prefix-cache namespace: only requests with the same salt share pages.
           on_token: called as `on_token(index, Token)` by `step()` for every new token.
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a kvattn.generation.SamplingParams, got {type(params).__name__}")
-        prompt = token_ids(prompt, self.vocab_size, "prompt", (None,)).tolist()
-        if not prompt:
-            raise ValueError("prompt must hold one or more token ids, got none")
-        stops = frozenset(stop_ids(sorted(params.stop_ids(stop_ids(eos_token_ids, self.vocab_size))),
-                                   self.vocab_size))
+        prompt, stops = self.check(prompt, params, eos_token_ids=eos_token_ids)
         if not isinstance(salt, bytes):
             raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
-        sampling = params.sampling.check_vocab(self.vocab_size)
         if on_token is not None and not callable(on_token):
             raise TypeError(f"on_token must be callable or None, got {type(on_token).__name__}")
-        if (refusal := self.scheduler.refusal(len(prompt), params.max_tokens, params.n)) is not None:
-            raise ValueError(refusal)
+        sampling = params.sampling
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         requests = [Request(self._submitted + i, prompt, params.max_tokens, stops, salt, sampling, seed, i,
                             params.logprobs or 0, on_token) for i in range(params.n)]
@@ -185,6 +177,25 @@ class Server:
         self.scheduler.add(leader)
         self._submitted += params.n  # only now: a refused request takes no index
         return leader.index
+
+    def check(self, prompt, params: SamplingParams, *, eos_token_ids=()) -> tuple[list[int], frozenset[int]]:
+        """`submit`'s checks of a request, without queuing it: its prompt ids and the ids that stop it.
+
+        Raises:
+          TypeError, ValueError: what `submit` refuses (ids out of the vocabulary, settings the model cannot
+            sample with, a request that could never fit), named with its value.
+        """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a kvattn.generation.SamplingParams, got {type(params).__name__}")
+        prompt = token_ids(prompt, self.vocab_size, "prompt", (None,)).tolist()
+        if not prompt:
+            raise ValueError("prompt must hold one or more token ids, got none")
+        eos_token_ids = () if params.ignore_eos else stop_ids(eos_token_ids, self.vocab_size)
+        stops = frozenset(stop_ids(sorted(params.stop_ids(eos_token_ids)), self.vocab_size))
+        params.sampling.check_vocab(self.vocab_size)
+        if (refusal := self.scheduler.refusal(len(prompt), params.max_tokens, params.n)) is not None:
+            raise ValueError(refusal)
+        return prompt, stops
 
     def abort(self, index: int) -> Completion | None:
         """Ends request `index` now, freeing its slot and pages; None if it is not queued or running.
