@@ -165,10 +165,12 @@ def attention(
         scores.insert(0, _read_scores(q, k_cache, k_scale, layout, block_diagonal))
     scores, visible = jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1)
     weights = masked_softmax(scores, visible, real, logit_softcap)
+    seen = visible & real[:, :, None]
 
-    ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
+    ctx = _seen_mix(_new_values, weights[..., -num_new:], seen[..., -num_new:], v_new)
     if k_cache is not None:
-        ctx = ctx + _read_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
+        ctx = ctx + _read_values(weights[..., :-num_new], seen[..., :-num_new], v_cache, v_scale, layout,
+                                 block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -227,7 +229,7 @@ def cached_attention(
     num_slots = k_cache.shape[layout.index("S")]
     visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window, slot_positions)
     weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
-    ctx = _read_values(weights, v_cache, v_scale, layout, block_diagonal)
+    ctx = _read_values(weights, visible & real[:, :, None], v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -302,7 +304,8 @@ def chunked_cached_attention(
         weights = jnp.exp(scores - shift[..., None])
         rescale = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - shift), 0.0)
         total = total * rescale + jnp.sum(weights, axis=-1)
-        values = values * rescale[..., None] + _read_values(weights, v, v_scale, layout, block_diagonal)
+        seen = visible & real[:, :, None]
+        values = values * rescale[..., None] + _read_values(weights, seen, v, v_scale, layout, block_diagonal)
         return new_max, total, values
 
     carry = (
@@ -321,11 +324,52 @@ def _read_scores(q, k_cache, k_scale, layout, block_diagonal):
     return scores if k_scale is None else scores * _scale_per_score(k_scale, layout)
 
 
-def _read_values(weights, v_cache, v_scale, layout, block_diagonal):
-    """Cached values mixed by `weights` `(B, T, K, G, S)`; int8 scales fold into the weights."""
+def _read_values(weights, seen, v_cache, v_scale, layout, block_diagonal):
+    """Cached values mixed by `weights` `(B, T, K, G, S)`, each query taking only the slots it sees `(B, T, S)`.
+
+    int8 scales fold into the weights, selected to zero where unseen (an
+    unfilled slot's scale may be anything, NaN included).
+    """
     if v_scale is not None:
-        weights = weights * _scale_per_score(v_scale, layout)
-    return _cache_values(weights, v_cache.astype(weights.dtype), layout, block_diagonal)
+        scaled = jnp.where(seen[:, :, None, None, :], weights * _scale_per_score(v_scale, layout), 0.0)
+        block_diagonal = block_diagonal and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS
+        return _cache_values(scaled, v_cache.astype(weights.dtype), layout, block_diagonal)
+    block_diagonal = block_diagonal and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS
+    mix = lambda weights, values: _cache_values(weights, values, layout, block_diagonal)  # noqa: E731
+    return _seen_mix(mix, weights, seen, v_cache.astype(weights.dtype))
+
+
+def _new_values(weights, v_new):
+    """The chunk's own values `(B, U, K, H)` mixed by `weights` `(B, T, K, G, U)`."""
+    return jnp.einsum("BTKGU,BUKH->BTKGH", weights, v_new)
+
+
+def _seen_mix(mix, weights, seen, values):
+    """`mix(weights, values)` `(B, T, K, G, H)` in which a query takes only the values it sees `(B, T, S)`.
+
+    An unseen value has weight 0, but 0 * NaN or inf is NaN: a NaN in an
+    unfilled slot, or in a later token of the chunk, would reach queries
+    that never see it. The dot therefore takes one more row of weights, all
+    ones: when its sums are finite, so is every value, and the dot's rows
+    stand. Otherwise non-finite values are selected to zero and put back
+    where a query sees them, as a float64 sum would have them: NaN where it
+    sees a NaN or both infinities, else the infinity it sees.
+    """
+    mixed = mix(jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1), values)
+
+    def exact(mixed, weights, values):
+        finite = jnp.isfinite(values)
+        out = mix(weights, jnp.where(finite, values, 0.0))
+        rising, falling = ~finite & (values != -jnp.inf), ~finite & (values != jnp.inf)  # NaN is in both
+        batch, num_new, num_kv_heads = weights.shape[:3]
+        sees = jnp.broadcast_to(seen[:, :, None, None, :], (batch, num_new, num_kv_heads, 1, seen.shape[-1]))
+        kinds = jnp.concatenate([rising, falling], axis=-1).astype(values.dtype)
+        up, down = jnp.split(mix(sees.astype(values.dtype), kinds) > 0, 2, axis=-1)
+        spread = jnp.where(up & down, jnp.nan, jnp.where(up, jnp.inf, jnp.where(down, -jnp.inf, out)))
+        return jnp.where(jnp.isnan(out), out, spread)
+
+    all_finite = jnp.all(jnp.isfinite(mixed[:, -1]))
+    return jax.lax.cond(all_finite, lambda mixed, *_: mixed[:, :-1], exact, mixed, weights, values)
 
 
 def _grouped_queries(q, num_kv_heads):
@@ -391,7 +435,7 @@ def _cache_values(weights, v_cache, layout, block_diagonal):
         mixed = jnp.einsum("BKRS,BKSH->BKRH", rows, v_cache)
         mixed = mixed.reshape(batch, num_kv_heads, num_new, group, head_dim)
         return mixed.transpose(0, 2, 1, 3, 4)
-    if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
+    if block_diagonal:  # the caller checked the chunk's length
         v_flat = v_cache.reshape(batch, num_slots, num_kv_heads * head_dim)
         rows = weights.reshape(batch, num_new * num_kv_heads * group, num_slots)
         mixed = jnp.einsum("BRS,BSE->BRE", rows, v_flat)
