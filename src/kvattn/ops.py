@@ -30,18 +30,8 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 from kvattn.config import LAYOUTS
 
 __all__ = [
-    "HEADS_MAJOR",
-    "LAYOUTS",
-    "SLOTS_MAJOR",
-    "attention",
-    "bucket_index",
-    "bucketed",
-    "cached_attention",
-    "chunked_cached_attention",
-    "masked_scores",
-    "masked_softmax",
-    "project",
-    "project_out",
+    "HEADS_MAJOR", "LAYOUTS", "SLOTS_MAJOR", "attention", "bucket_index", "bucketed", "cached_attention",
+    "chunked_cached_attention", "masked_scores", "masked_softmax", "project", "project_out",
 ]
 
 SLOTS_MAJOR = LAYOUTS["slots_major"]
@@ -88,19 +78,11 @@ def project_out(
 
 
 def attention(
-    q: Float[Array, "B T N H"],
-    k_new: Float[Array, "B T K H"],
-    v_new: Float[Array, "B T K H"],
-    new_len: Int[Array, " B"],
-    k_cache: Shaped[Array, "B ..."] | None = None,
-    v_cache: Shaped[Array, "B ..."] | None = None,
-    cache_len: Int[Array, " B"] | None = None,
-    layout: str = SLOTS_MAJOR,
-    *,
-    k_scale: Float[Array, "B ..."] | None = None,
-    v_scale: Float[Array, "B ..."] | None = None,
-    window: int | None = None,
-    block_diagonal: bool = True,
+    q: Float[Array, "B T N H"], k_new: Float[Array, "B T K H"], v_new: Float[Array, "B T K H"],
+    new_len: Int[Array, " B"], k_cache: Shaped[Array, "B ..."] | None = None,
+    v_cache: Shaped[Array, "B ..."] | None = None, cache_len: Int[Array, " B"] | None = None,
+    layout: str = SLOTS_MAJOR, *, k_scale: Float[Array, "B ..."] | None = None,
+    v_scale: Float[Array, "B ..."] | None = None, window: int | None = None, block_diagonal: bool = True,
     logit_softcap: float | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk of new tokens over the cache and over itself.
@@ -110,7 +92,8 @@ def attention(
     `cache_len[b] + t`. It sees every filled cache slot `s < cache_len[b]` and
     the new tokens `u <= t`: exactly slots `0..pos` of a cache that already
     holds it. Every other score is replaced by `-inf` before the softmax, so
-    unfilled slots and padding get weight zero whatever their content.
+    unfilled slots and padding get weight zero and add nothing, whatever
+    their content (NaN and inf included).
     Queries at `t >= new_len[b]` are padding and return zeros.
 
     With `window=W`, token t sees only the last W positions up to itself,
@@ -167,7 +150,8 @@ def attention(
     weights = masked_softmax(scores, visible, real, logit_softcap)
     seen = visible & real[:, :, None]
 
-    ctx = _seen_mix(_new_values, weights[..., -num_new:], seen[..., -num_new:], v_new)
+    mix_new = lambda weights, values: jnp.einsum("BTKGU,BUKH->BTKGH", weights, values)  # noqa: E731
+    ctx = _seen_mix(mix_new, weights[..., -num_new:], seen[..., -num_new:], v_new)
     if k_cache is not None:
         ctx = ctx + _read_values(weights[..., :-num_new], seen[..., :-num_new], v_cache, v_scale, layout,
                                  block_diagonal)
@@ -175,18 +159,10 @@ def attention(
 
 
 def cached_attention(
-    q: Float[Array, "B T N H"],
-    new_len: Int[Array, " B"],
-    k_cache: Shaped[Array, "B ..."],
-    v_cache: Shaped[Array, "B ..."],
-    cache_len: Int[Array, " B"],
-    layout: str = SLOTS_MAJOR,
-    *,
-    k_scale: Float[Array, "B ..."] | None = None,
-    v_scale: Float[Array, "B ..."] | None = None,
-    window: int | None = None,
-    block_diagonal: bool = True,
-    logit_softcap: float | None = None,
+    q: Float[Array, "B T N H"], new_len: Int[Array, " B"], k_cache: Shaped[Array, "B ..."],
+    v_cache: Shaped[Array, "B ..."], cache_len: Int[Array, " B"], layout: str = SLOTS_MAJOR, *,
+    k_scale: Float[Array, "B ..."] | None = None, v_scale: Float[Array, "B ..."] | None = None,
+    window: int | None = None, block_diagonal: bool = True, logit_softcap: float | None = None,
     slot_positions: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk whose keys and values are already written to the cache.
@@ -325,51 +301,37 @@ def _read_scores(q, k_cache, k_scale, layout, block_diagonal):
 
 
 def _read_values(weights, seen, v_cache, v_scale, layout, block_diagonal):
-    """Cached values mixed by `weights` `(B, T, K, G, S)`, each query taking only the slots it sees `(B, T, S)`.
-
-    int8 scales fold into the weights, selected to zero where unseen (an
-    unfilled slot's scale may be anything, NaN included).
-    """
-    if v_scale is not None:
-        scaled = jnp.where(seen[:, :, None, None, :], weights * _scale_per_score(v_scale, layout), 0.0)
-        block_diagonal = block_diagonal and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS
-        return _cache_values(scaled, v_cache.astype(weights.dtype), layout, block_diagonal)
+    """Cached values mixed by `weights` `(B, T, K, G, S)`; a query takes only the slots it sees `(B, T, S)`."""
     block_diagonal = block_diagonal and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS
     mix = lambda weights, values: _cache_values(weights, values, layout, block_diagonal)  # noqa: E731
-    return _seen_mix(mix, weights, seen, v_cache.astype(weights.dtype))
-
-
-def _new_values(weights, v_new):
-    """The chunk's own values `(B, U, K, H)` mixed by `weights` `(B, T, K, G, U)`."""
-    return jnp.einsum("BTKGU,BUKH->BTKGH", weights, v_new)
+    if v_scale is None:
+        return _seen_mix(mix, weights, seen, v_cache.astype(weights.dtype))
+    return mix(jnp.where(seen[:, :, None, None, :], weights * _scale_per_score(v_scale, layout), 0.0),
+               v_cache.astype(weights.dtype))
 
 
 def _seen_mix(mix, weights, seen, values):
     """`mix(weights, values)` `(B, T, K, G, H)` in which a query takes only the values it sees `(B, T, S)`.
 
-    An unseen value has weight 0, but 0 * NaN or inf is NaN: a NaN in an
-    unfilled slot, or in a later token of the chunk, would reach queries
-    that never see it. The dot therefore takes one more row of weights, all
-    ones: when its sums are finite, so is every value, and the dot's rows
-    stand. Otherwise non-finite values are selected to zero and put back
-    where a query sees them, as a float64 sum would have them: NaN where it
-    sees a NaN or both infinities, else the infinity it sees.
+    Unseen weights are 0, but 0 * NaN or inf is NaN, for every query: a dot
+    that came out finite stands; otherwise non-finite values are selected to
+    zero and put back where a query sees them, as a float64 sum has them.
     """
-    mixed = mix(jnp.concatenate([weights, jnp.ones_like(weights[:, :1])], axis=1), values)
 
     def exact(mixed, weights, values):
         finite = jnp.isfinite(values)
         out = mix(weights, jnp.where(finite, values, 0.0))
         rising, falling = ~finite & (values != -jnp.inf), ~finite & (values != jnp.inf)  # NaN is in both
-        batch, num_new, num_kv_heads = weights.shape[:3]
-        sees = jnp.broadcast_to(seen[:, :, None, None, :], (batch, num_new, num_kv_heads, 1, seen.shape[-1]))
+        sees = jnp.broadcast_to(seen[:, :, None, None, :], (*weights.shape[:3], 1, seen.shape[-1]))
         kinds = jnp.concatenate([rising, falling], axis=-1).astype(values.dtype)
         up, down = jnp.split(mix(sees.astype(values.dtype), kinds) > 0, 2, axis=-1)
         spread = jnp.where(up & down, jnp.nan, jnp.where(up, jnp.inf, jnp.where(down, -jnp.inf, out)))
         return jnp.where(jnp.isnan(out), out, spread)
 
-    all_finite = jnp.all(jnp.isfinite(mixed[:, -1]))
-    return jax.lax.cond(all_finite, lambda mixed, *_: mixed[:, :-1], exact, mixed, weights, values)
+    mixed = mix(weights, values)
+    if seen.shape[-1] == 1:  # one key (a step's own token): unseen only by a padding query, which takes nothing
+        return jnp.where(seen[:, :, None, None, :], mixed, 0.0)
+    return jax.lax.cond(jnp.all(jnp.isfinite(mixed)), lambda mixed, *_: mixed, exact, mixed, weights, values)
 
 
 def _grouped_queries(q, num_kv_heads):
@@ -473,13 +435,8 @@ def prefix(cache: Array, size: int, layout: str) -> Array:
     return cache[(slice(None),) * layout.index("S") + (slice(0, size),)]
 
 
-def bucketed(
-    attend: Callable[[Any], Array],
-    caches: Any,
-    needed: Int[Array, ""],
-    buckets: tuple[int, ...],
-    layout: str,
-) -> Array:
+def bucketed(attend: Callable[[Any], Array], caches: Any, needed: Int[Array, ""], buckets: tuple[int, ...],
+             layout: str) -> Array:
     """`attend(caches)` on the smallest bucket prefix of the caches that holds `needed` slots.
 
     Shapes stay static: each bucket is one branch of a `lax.switch`, picked
