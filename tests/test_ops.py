@@ -158,6 +158,20 @@ def test_a_nan_or_inf_spreads_as_in_float64_and_only_to_the_queries_that_see_it(
             assert_close(got[b, t : t + 1], want)  # NaN and inf where float64 has them, and only there
 
 
+@pytest.mark.parametrize("num_new", [1, 11], ids=["block-diagonal", "plain"])
+def test_a_nan_key_of_one_kv_head_leaves_the_other_heads_alone(num_new):
+    """Slots-major: the block-diagonal reading of short chunks multiplies every head's keys by the others' zeros."""
+    rng = np.random.default_rng(8)
+    q, k_new, v_new = rng.standard_normal((3, 1, num_new, 2, WIDTH)).astype(np.float32)
+    k_cache, v_cache = rng.standard_normal((2, 1, 6, 2, WIDTH)).astype(np.float32)
+    k_cache[0, 1, 1, 0] = np.nan  # a visible slot of kv head 1
+    got = ops.attention(*(jnp.asarray(x) for x in (q, k_new, v_new)), jnp.array([num_new]), jnp.asarray(k_cache),
+                        jnp.asarray(v_cache), jnp.array([3]), ops.SLOTS_MAJOR)
+    keys, values = (np.concatenate([cache[0, :3], new[0]]) for cache, new in ((k_cache, k_new), (v_cache, v_new)))
+    assert_close(got[0], reference_attention(q[0], keys, values, 3 + np.arange(num_new)))
+    assert np.isfinite(np.asarray(got)[0, :, 0]).all() and np.isnan(np.asarray(got)[0, :, 1]).all()
+
+
 STEP_POISONS = {
     "a NaN key": (3, 0, np.nan), "an inf key": (3, slice(None), np.inf), "a NaN query": None,
     "a NaN in the last visible slot": (9, 0, np.nan), "NaN and inf past the visible slots": (10, slice(None), np.nan),

@@ -383,8 +383,10 @@ def _cache_scores(q, k_cache, layout, block_diagonal):
         return scores.transpose(0, 2, 1, 3, 4)
     if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
-        scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat)
-        return scores.reshape(batch, num_new, num_kv_heads, group, -1)
+        scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat).reshape(batch, num_new, num_kv_heads, group, -1)
+        # A NaN or inf key times another head's zero block is NaN in every head: then per head, exactly.
+        per_head = lambda scores, q, k_cache: jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)  # noqa: E731
+        return jax.lax.cond(jnp.all(jnp.isfinite(scores)), lambda scores, *_: scores, per_head, scores, q, k_cache)
     return jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
 
 
