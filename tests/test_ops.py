@@ -238,12 +238,11 @@ def test_a_native_kernel_names_the_shapes_and_dtypes_it_expected_and_got(call, s
 
 def test_a_native_kernel_called_first_registers_itself():
     """A fresh process calls a kernel before `available()`: it registers first, or says why it cannot run."""
-    program = "\n".join([
-        "import numpy as np", "from kvattn import native",
-        "rows, panels = np.ones((2, 8), 'f4'), np.ones((1, 8, 16), 'f4')",
-        "try:", "    print(float(native.f32_dot(rows, panels).sum()))",
-        "except RuntimeError as error:", "    print(error)",
-    ])
+    program = (
+        "import numpy as np\nfrom kvattn import native\n"
+        "rows, panels = np.ones((2, 8), 'f4'), np.ones((1, 8, 16), 'f4')\n"
+        "try:\n    print(float(native.f32_dot(rows, panels).sum()))\nexcept RuntimeError as error:\n    print(error)\n"
+    )
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "256.0" if native.available(native.F32_DOT) else "available('kvattn_f32_dot') is False" in out
 

@@ -150,7 +150,7 @@ def attention(
     weights = masked_softmax(scores, visible, real, logit_softcap)
     seen = visible & real[:, :, None]
 
-    mix_new = lambda weights, values: jnp.einsum("BTKGU,BUKH->BTKGH", weights, values)  # noqa: E731
+    mix_new = lambda weights, values: jnp.einsum("BTKGU,BUKH->BTKGH", weights, values)
     ctx = _seen_mix(mix_new, weights[..., -num_new:], seen[..., -num_new:], v_new)
     if k_cache is not None:
         ctx = ctx + _read_values(weights[..., :-num_new], seen[..., :-num_new], v_cache, v_scale, layout,
@@ -303,7 +303,7 @@ def _read_scores(q, k_cache, k_scale, layout, block_diagonal):
 def _read_values(weights, seen, v_cache, v_scale, layout, block_diagonal):
     """Cached values mixed by `weights` `(B, T, K, G, S)`; a query takes only the slots it sees `(B, T, S)`."""
     block_diagonal = block_diagonal and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS
-    mix = lambda weights, values: _cache_values(weights, values, layout, block_diagonal)  # noqa: E731
+    mix = lambda weights, values: _cache_values(weights, values, layout, block_diagonal)
     if v_scale is None:
         return _seen_mix(mix, weights, seen, v_cache.astype(weights.dtype))
     return mix(jnp.where(seen[:, :, None, None, :], weights * _scale_per_score(v_scale, layout), 0.0),
@@ -385,7 +385,7 @@ def _cache_scores(q, k_cache, layout, block_diagonal):
         k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
         scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat).reshape(batch, num_new, num_kv_heads, group, -1)
         # A NaN or inf key times another head's zero block is NaN in every head: then per head, exactly.
-        per_head = lambda scores, q, k_cache: jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)  # noqa: E731
+        per_head = lambda scores, q, k_cache: jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
         return jax.lax.cond(jnp.all(jnp.isfinite(scores)), lambda scores, *_: scores, per_head, scores, q, k_cache)
     return jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
 
