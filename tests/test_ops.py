@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvattn import cache as cache_ops
-from kvattn import ops
+from kvattn import kernels, native, ops, quant
 from kvattn.config import default_length_buckets
+from tests.reference import assert_close
 from tests.reference import attention as reference_attention
 
 
@@ -77,6 +81,188 @@ def test_unfilled_slots_get_zero_weight_whatever_they_hold():
         k_part, v_part = to_layout(k_cache, layout), to_layout(v_cache, layout)
         out = ops.attention(q, k_new, v_new, jnp.array([1]), k_part, v_part, jnp.array([0]), layout)
         np.testing.assert_array_equal(out, 1.0)
+
+
+# ---------------------------------------------- NaN and inf: as float64, and only where they are seen
+
+# A chunk of 6 tokens (the second sequence 4, then padding) over 3 and 0 cached tokens, 2 query heads on 1 kv head.
+CACHED, FRESH, SLOTS, WIDTH = np.array([3, 0], np.int32), np.array([6, 4], np.int32), 12, 16
+
+
+def poison_chunk(kind, q, k_new, v_new, k_cache, v_cache):
+    """Puts NaN or inf into the arrays of `test_a_nan_or_inf_spreads...` in place."""
+    if kind == "a NaN token":  # token 3 of the first sequence, as a NaN hidden state makes it
+        q[0, 3, :, 0] = k_new[0, 3, :, 0] = v_new[0, 3, :, 0] = np.nan
+    elif kind == "an inf key":
+        k_new[0, 2, 0] = np.inf
+    elif kind == "infinite values":  # +inf seen from token 2 on, then -inf beside it from token 4: NaN there
+        v_new[0, 2, 0, 1], v_new[0, 4, 0, 1], v_new[0, 4, 0, 2] = np.inf, -np.inf, -np.inf
+    elif kind == "a NaN query":
+        q[0, 1, 1, 5] = np.nan
+    elif kind == "a NaN cached key":
+        k_cache[0, 0, 1, 0] = np.nan
+    else:  # unfilled slots and padding tokens, which no query sees
+        k_cache[0, :, 3:], v_cache[0, :, 3:], k_cache[1], v_cache[1] = np.nan, np.inf, np.nan, -np.inf
+        k_new[1, 4:], v_new[1, 4:] = np.nan, np.nan
+
+
+POISONS = ["a NaN token", "an inf key", "infinite values", "a NaN query", "a NaN cached key",
+           "unfilled slots and padding"]
+
+
+def written(cache, new):
+    """A heads-major cache `(B, K, S, H)` with each sequence's real new tokens `(B, T, K, H)` stored after its own."""
+    cache = cache.copy()
+    for b in range(len(cache)):
+        cache[b, :, CACHED[b] : CACHED[b] + FRESH[b]] = new[b, : FRESH[b]].transpose(1, 0, 2)
+    return cache
+
+
+CHUNK_PATHS = {
+    "ops.attention heads-major": lambda q, kn, vn, kc, vc, cached, fresh: ops.attention(
+        q, kn, vn, fresh, kc, vc, cached, ops.HEADS_MAJOR),
+    "ops.attention slots-major": lambda q, kn, vn, kc, vc, cached, fresh: ops.attention(
+        q, kn, vn, fresh, jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2), cached, ops.SLOTS_MAJOR),
+    "ops.cached_attention": lambda q, kn, vn, kc, vc, cached, fresh: ops.cached_attention(
+        q, fresh, kc, vc, cached, ops.HEADS_MAJOR),
+    "kvattn.native.prefill_attention": lambda q, kn, vn, kc, vc, cached, fresh: kernels.contiguous_chunk(
+        q, kn, vn, fresh, kc, vc, cached),
+}
+
+
+@pytest.mark.parametrize("path", CHUNK_PATHS)
+@pytest.mark.parametrize("poison", POISONS)
+def test_a_nan_or_inf_spreads_as_in_float64_and_only_to_the_queries_that_see_it(path, poison):
+    """Each real query against float64 over exactly the keys it sees; padding queries give zeros.
+
+    A masked key or value (later in the chunk, unfilled, padding) adds nothing, not 0 * NaN.
+    """
+    if path.startswith("kvattn.native") and not native.available(native.PREFILL_ATTENTION):
+        pytest.skip("kvattn's native prefill kernel is not built or cannot run here")
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 6, 2, WIDTH)).astype(np.float32)
+    k_new, v_new = rng.standard_normal((2, 2, 6, 1, WIDTH)).astype(np.float32)
+    k_cache, v_cache = rng.standard_normal((2, 2, 1, SLOTS, WIDTH)).astype(np.float32)
+    poison_chunk(poison, q, k_new, v_new, k_cache, v_cache)
+    if path == "ops.cached_attention":
+        k_cache, v_cache = written(k_cache, k_new), written(v_cache, v_new)
+    call = jax.jit(CHUNK_PATHS[path])
+    got = np.asarray(call(*(jnp.asarray(x) for x in (q, k_new, v_new, k_cache, v_cache, CACHED, FRESH))))
+    for b in range(2):
+        np.testing.assert_array_equal(got[b, FRESH[b] :], 0.0)
+        keys = np.concatenate([k_cache[b, :, : CACHED[b]].transpose(1, 0, 2), k_new[b]])
+        values = np.concatenate([v_cache[b, :, : CACHED[b]].transpose(1, 0, 2), v_new[b]])
+        for t in range(FRESH[b]):
+            seen = CACHED[b] + t + 1
+            want = reference_attention(q[b, t : t + 1], keys[:seen], values[:seen], [seen - 1])
+            assert_close(got[b, t : t + 1], want)  # NaN and inf where float64 has them, and only there
+
+
+@pytest.mark.parametrize("num_new", [1, 11], ids=["block-diagonal", "plain"])
+def test_a_nan_key_of_one_kv_head_leaves_the_other_heads_alone(num_new):
+    """Slots-major: the block-diagonal reading of short chunks multiplies every head's keys by the others' zeros."""
+    rng = np.random.default_rng(8)
+    q, k_new, v_new = rng.standard_normal((3, 1, num_new, 2, WIDTH)).astype(np.float32)
+    k_cache, v_cache = rng.standard_normal((2, 1, 6, 2, WIDTH)).astype(np.float32)
+    k_cache[0, 1, 1, 0] = np.nan  # a visible slot of kv head 1
+    got = ops.attention(*(jnp.asarray(x) for x in (q, k_new, v_new)), jnp.array([num_new]), jnp.asarray(k_cache),
+                        jnp.asarray(v_cache), jnp.array([3]), ops.SLOTS_MAJOR)
+    keys, values = (np.concatenate([cache[0, :3], new[0]]) for cache, new in ((k_cache, k_new), (v_cache, v_new)))
+    assert_close(got[0], reference_attention(q[0], keys, values, 3 + np.arange(num_new)))
+    assert np.isfinite(np.asarray(got)[0, :, 0]).all() and np.isnan(np.asarray(got)[0, :, 1]).all()
+
+
+STEP_POISONS = {
+    "a NaN key": (3, 0, np.nan), "an inf key": (3, slice(None), np.inf), "a NaN query": None,
+    "a NaN in the last visible slot": (9, 0, np.nan), "NaN and inf past the visible slots": (10, slice(None), np.nan),
+}
+
+
+@pytest.mark.parametrize("native_kernel", [False, True], ids=["ops.cached_attention", "kvattn.native"])
+@pytest.mark.parametrize("poison", STEP_POISONS)
+def test_a_decode_step_over_a_nan_or_inf_gives_what_float64_gives(native_kernel, poison):
+    """One query over 10 of 16 slots: `decode_kernel="auto"`'s CPU kernel and its XLA twin against float64."""
+    if native_kernel and not native.available(native.DECODE_ATTENTION):
+        pytest.skip("kvattn's native decode kernel is not built or cannot run here")
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 1, 2, WIDTH)).astype(np.float32)
+    k_cache, v_cache = rng.standard_normal((2, 1, 1, 16, WIDTH)).astype(np.float32)
+    if poison == "a NaN query":
+        q[0, 0, 1, 2] = np.nan
+    else:
+        slot, dims, value = STEP_POISONS[poison]
+        k_cache[0, 0, slot:slot + 1, dims] = value
+        if slot == 10:
+            v_cache[0, 0, slot:] = np.inf
+    one, visible = jnp.ones(1, jnp.int32), jnp.full(1, 10, jnp.int32)
+    q, k_cache, v_cache = (jnp.asarray(x) for x in (q, k_cache, v_cache))
+    if native_kernel:
+        step = jax.jit(kernels.contiguous_step, static_argnames=("layout", "native_kernel"))
+        got = step(q, one, k_cache, v_cache, visible, layout=ops.HEADS_MAJOR, native_kernel=True)
+    else:
+        got = jax.jit(ops.cached_attention, static_argnames="layout")(q, one, k_cache, v_cache, visible - 1,
+                                                                      layout=ops.HEADS_MAJOR)
+    keys, values = (np.asarray(x[0]).transpose(1, 0, 2)[:10] for x in (k_cache, v_cache))
+    assert_close(got[0], reference_attention(np.asarray(q[0]), keys, values, [9]))
+
+
+# ------------------------------------------------ kvattn.native's wrappers: checked in Python, per kernel
+
+F32, I32 = np.float32, np.int32
+WRAPPER_MISUSES = [
+    (native.int8_dot, [(3, 32), (2, 7, 16, 4)], [np.int8, np.uint8], ValueError,
+     r"rows \(M, D\) and tiles .*; got int8\(3, 32\), uint8\(2, 7, 16, 4\)"),
+    (native.int8_dot, [(3, 32), (2, 8, 16, 4)], [np.int16, np.uint8], TypeError, "rows must be int8, got int16"),
+    (native.f32_dot, [(3, 8), (2, 8, 16)], [np.float64, F32], TypeError, "rows must be float32, got float64"),
+    (native.f32_dot, [(3, 8), (2, 9, 16)], [F32, F32], ValueError, r"got float32\(3, 8\), float32\(2, 9, 16\)"),
+    (native.decode_attention, [(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (2,)], [F32, F32, F32, I32],
+     ValueError, r"visible \(B,\); got .*int32\(2,\)"),
+    (native.decode_attention, [(1, 2, 1, 12), (1, 2, 5, 12), (1, 2, 5, 12), (1,)], [F32, F32, F32, I32],
+     ValueError, "H a multiple of 16"),
+    (native.decode_attention, [(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,)], [F32, F32, F32, np.int64],
+     TypeError, "visible must be int32, got int64"),
+    (native.prefill_attention, [(1, 3, 3, 16), (1, 3, 2, 16), (1, 3, 2, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,),
+                                (1,)], [F32] * 5 + [I32] * 2, ValueError, "K dividing N"),
+    (native.prefill_attention, [(1, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,),
+                                (1,)], [F32, F32, F32, jnp.bfloat16, F32, I32, I32], TypeError,
+     "k_cache must be float32, got bfloat16"),
+]
+
+
+@pytest.mark.parametrize("call, shapes, dtypes, error, match", WRAPPER_MISUSES)
+def test_a_native_kernel_names_the_shapes_and_dtypes_it_expected_and_got(call, shapes, dtypes, error, match):
+    """Refused in Python, before the FFI handler (whose one fixed sentence named neither)."""
+    with pytest.raises(error, match=match):
+        call(*(np.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)))
+
+
+def test_a_native_kernel_called_first_registers_itself():
+    """A fresh process calls a kernel before `available()`: it registers first, or says why it cannot run."""
+    program = (
+        "import numpy as np\nfrom kvattn import native\n"
+        "rows, panels = np.ones((2, 8), 'f4'), np.ones((1, 8, 16), 'f4')\n"
+        "try:\n    print(float(native.f32_dot(rows, panels).sum()))\nexcept RuntimeError as error:\n    print(error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "256.0" if native.available(native.F32_DOT) else "available('kvattn_f32_dot') is False" in out
+
+
+def test_each_native_kernel_needs_only_the_cpu_features_it_uses(monkeypatch):
+    """On a CPU with AVX512F but no VNNI, only the int8 dot is lost: the float32 dot and attention remain."""
+    if not native.available(native.F32_DOT):
+        pytest.skip("kvattn's native float32 kernels are not built or cannot run here")
+    registered = native._registered()
+    monkeypatch.setattr(native, "_registered", lambda: registered - {native.INT8_DOT})
+    native.available.cache_clear()
+    try:
+        assert [native.available(name) for name in native.KERNELS] == [False, True, True, True]
+        assert not native.available() and not quant.use_tiles(32, 8) and quant.use_panels(32, jnp.float32)
+        with pytest.raises(RuntimeError, match="kvattn.native.int8_dot cannot run here"):
+            native.int8_dot(jnp.zeros((1, 8), jnp.int8), jnp.zeros((2, 2, 16, 4), jnp.uint8))
+        with pytest.raises(ValueError, match="one of .* or None, got 'kvattn_gemm'"):
+            native.available("kvattn_gemm")
+    finally:
+        native.available.cache_clear()
 
 
 @settings(max_examples=10)

@@ -200,8 +200,8 @@ def native_limits(
     slots, as the Pallas kernel), have no soft-cap, and take head dims in
     16-float vectors.
     """
-    if not native.available():
-        return "kvattn's native kernels are not built or cannot run on this CPU"
+    if not (native.available(native.DECODE_ATTENTION) and native.available(native.PREFILL_ATTENTION)):
+        return "kvattn's native attention kernels are not built or cannot run on this CPU"
     if layout != HEADS_MAJOR:
         return "the native kernel reads heads-major caches"
     cannot = _float32_interval("native kernel", k_cache, k_scale, window=window, write_first=write_first,

@@ -152,7 +152,7 @@ def use_panels(outputs: int, dtype) -> bool:
     this backend.
     """
     return (jnp.dtype(dtype) == jnp.float32 and outputs % PANEL_OUTPUTS == 0 and jax.default_backend() == "cpu"
-            and native.available())
+            and native.available(native.F32_DOT))
 
 
 def panel(kernel: Float[Array, " D *F"] | Float[np.ndarray, " D *F"]) -> PanelKernel:
@@ -182,13 +182,13 @@ def unpanel(kernel: PanelKernel) -> Float[Array, " D *F"] | Float[np.ndarray, " 
 
 
 def can_tile(outputs: int, inputs: int) -> bool:
-    """Whether a kernel of `outputs` (the product of `F`) by `inputs` fits whole tiles."""
-    return outputs % TILE_OUTPUTS == 0 and inputs % TILE_INPUTS == 0
+    """Whether a kernel of `outputs` (the product of `F`) by `inputs` fits whole tiles, at least one."""
+    return outputs > 0 and inputs > 0 and outputs % TILE_OUTPUTS == 0 and inputs % TILE_INPUTS == 0
 
 
 def use_tiles(outputs: int, inputs: int) -> bool:
-    """Whether an int8 kernel of this shape is best stored tiled here: it fits, and the native dot runs on this backend."""
-    return can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available()
+    """Whether an int8 kernel of this shape is best stored tiled here: it fits, and the native dot runs here."""
+    return can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available(native.INT8_DOT)
 
 
 def _xp(array):
@@ -199,11 +199,17 @@ def tile(kernel: Int8Kernel) -> TiledInt8Kernel:
     """`kernel`'s values laid out as `TiledInt8Kernel.tiles` (NumPy for NumPy values); the scales as they are.
 
     Raises:
-      ValueError: outputs or inputs that do not fit whole tiles (`can_tile`).
+      TypeError: values that are not int8 (a wider value would wrap, a float
+        would be truncated).
+      ValueError: no outputs or no inputs, or counts that do not fit whole tiles (`can_tile`).
     """
     xp, values = _xp(kernel.values), kernel.values
-    inputs = values.shape[-1]
-    outputs = values.size // max(inputs, 1)
+    if values.dtype != np.int8:
+        raise TypeError(f"a tiled kernel holds int8 values, got {values.dtype}; quantize float kernels first")
+    inputs = values.shape[-1] if values.ndim else 0
+    outputs = math.prod(values.shape[:-1])
+    if not outputs or not inputs:
+        raise ValueError(f"a tiled kernel needs at least one output and one input, got {outputs} and {inputs}")
     if not can_tile(outputs, inputs):
         raise ValueError(
             f"a tiled kernel needs outputs divisible by {TILE_OUTPUTS} and inputs by {TILE_INPUTS}, got {outputs} "
@@ -230,7 +236,25 @@ def untile(kernel: Int8Kernel | TiledInt8Kernel) -> Int8Kernel:
 
 
 def rows(kernel: Int8Kernel | TiledInt8Kernel, ids: Int[Array, "*B"]) -> Int8[Array, "*B D"]:
-    """The int8 values of outputs `ids` of a kernel with one output axis: an int8 embedding table's lookup."""
+    """The int8 values of outputs `ids` of a kernel with one output axis: an int8 embedding table's lookup.
+
+    Both forms of a kernel give the same rows for every id: ids outside
+    `0 .. N - 1` are refused when they are known (not traced); traced, they
+    are clamped into that range, as `jnp.take(..., mode="clip")` does.
+
+    Raises:
+      TypeError: ids that are not integers.
+      IndexError: known ids outside `0 .. N - 1`.
+    """
+    (count,) = kernel.features
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        raise TypeError(f"rows takes integer ids, got {jnp.result_type(ids)}")
+    if not isinstance(ids, jax.core.Tracer):
+        known = np.asarray(ids)
+        if known.size and (known.min() < 0 or known.max() >= count):
+            raise IndexError(f"rows takes ids in 0 .. {count - 1} (the kernel's outputs), got {known.min()} .. "
+                             f"{known.max()}")
+    ids = jnp.clip(jnp.asarray(ids), 0, count - 1)
     if isinstance(kernel, Int8Kernel):
         return jnp.take(kernel.values, ids, axis=0)
     # Advanced indices on the tile and its lane, around the groups' slice: (*B, D / 4, 4).
@@ -263,10 +287,12 @@ def quantize(kernel: Shaped[Array, " D *F"] | Shaped[np.ndarray, " D *F"]) -> In
 
     Raises:
       ValueError: more input features than int32 accumulation allows
-        (`INT8_MAX_FEATURES`), or a kernel that is not floating point.
+        (`INT8_MAX_FEATURES`), none, or a kernel that is not floating point.
     """
     if not jnp.issubdtype(kernel.dtype, jnp.floating):
         raise ValueError(f"quantize needs a floating-point kernel, got {kernel.dtype}")
+    if kernel.ndim < 2 or not kernel.shape[0] or not math.prod(kernel.shape[1:]):
+        raise ValueError(f"quantize needs a kernel (D, *F) with at least one input and output, got {kernel.shape}")
     if kernel.shape[0] > INT8_MAX_FEATURES:
         raise ValueError(
             f"an int8 kernel sums at most {INT8_MAX_FEATURES} products per output in int32, got {kernel.shape[0]} "
@@ -314,7 +340,7 @@ def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:
 
 def _panel_dot(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
     """`rows @ kernel` for the kernel `panels` lays out: the native dot on the CPU, XLA's dot elsewhere."""
-    if not native.available():
+    if not native.available(native.F32_DOT):
         return native.f32_dot_on_xla(rows, panels)
     return lax.platform_dependent(rows, panels, cpu=native.f32_dot, default=native.f32_dot_on_xla)
 
@@ -326,6 +352,6 @@ def _tiled_dot(values: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) ->
         weights = jnp.transpose(_unbiased(tiles), (0, 2, 1, 3)).reshape(-1, values.shape[-1])
         return lax.dot_general(values, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
-    if not native.available():
+    if not native.available(native.INT8_DOT):
         return untiled(values, tiles)
     return lax.platform_dependent(values, tiles, cpu=native.int8_dot, default=untiled)

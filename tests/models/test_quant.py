@@ -96,7 +96,7 @@ def test_the_native_int8_dot_is_built_and_runs_where_the_cpu_has_vnni():
     """A build that silently failed would only make int8 slower, every other test still passing: not here."""
     if not _has_vnni():
         pytest.skip("this CPU lacks AVX512-VNNI, which the native int8 dot needs")
-    assert native.available()
+    assert native.available(native.INT8_DOT) and native.available()
 
 
 def test_tiles_hold_the_values_and_give_them_back():
@@ -115,6 +115,32 @@ def test_tiles_hold_the_values_and_give_them_back():
     with pytest.raises(ValueError, match="outputs divisible by 16 and inputs by 4, got 24 outputs and 12 inputs"):
         quant.tile(quant.quantize(rng.standard_normal((12, 24), np.float32)))
     assert quant.can_tile(32, 12) and not quant.can_tile(50257, 768) and not quant.can_tile(32, 10)
+
+
+def test_tile_and_quantize_refuse_what_a_tiled_kernel_cannot_represent():
+    """Wider ints would wrap (300 -> 44), floats truncate (1.7 -> 1), and no inputs would give no tiles."""
+    scale = np.ones(16, np.float32)
+    for dtype in (np.int16, np.float32):
+        with pytest.raises(TypeError, match=f"holds int8 values, got {np.dtype(dtype)}"):
+            quant.tile(quant.Int8Kernel(np.full((16, 4), 300 if dtype == np.int16 else 1.7, dtype), scale))
+    with pytest.raises(ValueError, match="at least one output and one input, got 16 and 0"):
+        quant.tile(quant.Int8Kernel(np.zeros((16, 0), np.int8), scale))
+    with pytest.raises(ValueError, match=r"at least one input and output, got \(0, 16\)"):
+        quant.quantize(np.zeros((0, 16), np.float32))
+    assert not quant.can_tile(16, 0) and not quant.can_tile(0, 4)
+
+
+def test_rows_refuses_ids_outside_the_kernel_and_both_forms_agree_when_traced():
+    table = quant.quantize(np.random.default_rng(6).standard_normal((12, 32), np.float32))
+    for kernel in (table, quant.tile(table)):
+        for ids in ([0, 32], [-1, 3]):
+            with pytest.raises(IndexError, match=r"ids in 0 \.\. 31 \(the kernel's outputs\), got"):
+                quant.rows(kernel, np.asarray(ids))
+        with pytest.raises(TypeError, match="integer ids, got float32"):
+            quant.rows(kernel, np.asarray([1.0], np.float32))
+    traced = [jax.jit(quant.rows)(kernel, jnp.asarray([-3, 40, 5])) for kernel in (table, quant.tile(table))]
+    np.testing.assert_array_equal(traced[0], table.values[[0, 31, 5]])
+    np.testing.assert_array_equal(traced[1], traced[0])
 
 
 @needs_native
@@ -144,7 +170,7 @@ def test_a_tiled_kernel_reads_the_same_through_xla_without_the_native_dot(monkey
     int8 = quant.quantize(rng.standard_normal((20, 48), np.float32))
     x = jnp.asarray(rng.standard_normal((3, 20), np.float32))
     want = np.asarray(jax.jit(lambda x, k: quant.dense(x, k))(x, int8))
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda kernel=None: False)
     assert not quant.use_tiles(48, 20)
     np.testing.assert_array_equal(jax.jit(lambda x, k: quant.dense(x, k))(x, quant.tile(int8)), want)
 
@@ -176,7 +202,7 @@ def test_a_projection_then_a_norm_is_right_past_32768_rows(form, monkeypatch):
     """The decoder's Linear and RMSNorm: XLA:CPU fuses the float32 pair into one YNNPACK fusion (dot, reduce)."""
     compact = form.startswith("int8")
     if form in ("float32", "int8"):  # XLA's dots, as where the native ones cannot run
-        monkeypatch.setattr(native, "available", lambda: False)
+        monkeypatch.setattr(native, "available", lambda kernel=None: False)
     elif not native.available():
         pytest.skip("the native dots are not built or cannot run here")
     linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, compact=compact, rngs=nnx.Rngs(0))
@@ -296,7 +322,7 @@ def test_a_tiled_int8_model_computes_what_the_untiled_one_does(monkeypatch):
         return model
 
     tiled = build()
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda kernel=None: False)
     untiled = build()
     assert tiled.embed_tiled and all(block.mlp.down.tiled and block.attention.qkv.tiled for block in tiled.blocks)
     assert not untiled.embed_tiled and untiled.embed.dtype == jnp.int8
@@ -370,7 +396,7 @@ def test_a_paneled_model_computes_what_the_plain_one_does(monkeypatch):
     model = models.from_pretrained(FIXTURES / "llama", max_len=16)
     kernels = [model.blocks[0].attention.qkv, model.blocks[0].attention.out, model.blocks[0].mlp.down]
     assert all(linear.paneled for linear in kernels) and model.blocks[0].mlp.down.kernel.shape == (4, 96, 16)
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda kernel=None: False)
     plain = models.from_pretrained(FIXTURES / "llama", max_len=16)
     assert not plain.blocks[0].mlp.down.paneled
     for path, _ in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
@@ -394,7 +420,7 @@ def test_a_tied_table_in_panels_is_both_the_lookup_and_the_head(monkeypatch):
     paths = ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(paneled, nnx.Param))]
     floats = {path: (rng.standard_normal(np.shape(paneled.weight_value(path))) / 4).astype(np.float32)
               for path in paths}
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda kernel=None: False)
     plain = models.CausalLM(config, max_len=16, batch_size=2)
     monkeypatch.undo()
     for model in (paneled, plain):
@@ -413,6 +439,8 @@ def test_weights_that_would_run_slower_or_do_not_exist_are_refused():
         models.from_pretrained(FIXTURES / "llama", max_len=8, weights="bfloat16")
     with pytest.raises(ValueError, match=r"weights must be one of \[None, 'int8', 'bfloat16'\], got 'int4'"):
         models.from_pretrained(FIXTURES / "llama", max_len=8, weights="int4")
+    with pytest.raises(ValueError, match=r"dtype=float16 cannot be the caches' storage.*among \['bfloat16', 'float32', "):
+        models.from_pretrained(FIXTURES / "llama", max_len=8, dtype=jnp.float16)
 
 
 def test_load_weight_names_the_shape_it_expected():

@@ -42,6 +42,7 @@ import numpy as np
 import safetensors
 from flax import nnx
 
+from kvattn.config import CACHE_DTYPES
 from kvattn.errors import CheckpointError
 from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.model_config import ModelConfig, from_hf_config
@@ -428,9 +429,13 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
         holding NaN or infinity; an index naming files outside the directory.
       FileNotFoundError: no `config.json`, or no weights.
       ValueError: `weights` is not one of the above, `"bfloat16"` on a CPU
-        backend, or with a `dtype` other than bfloat16.
+        backend, or with a `dtype` other than bfloat16; a `dtype` the caches
+        cannot store, without a `cache_dtype`.
     """
     dtype, weights = _storage(dtype, weights)
+    if cache_dtype is None and dtype.name not in CACHE_DTYPES:  # the caches would default to it
+        raise ValueError(f"dtype={dtype.name} cannot be the caches' storage, which defaults to dtype: use a dtype among "
+                         f"{sorted(CACHE_DTYPES)}, or pass cache_dtype= one of them")
     path = Path(path)
     config = checkpoint_config(path)
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))

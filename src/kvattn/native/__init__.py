@@ -13,10 +13,13 @@
   `kvattn.ops.attention` without a window or a soft-cap.
 
 They are compiled with the package (`setup.py`) where a C++ compiler is
-found, and used only where they can run: the extension is present, the CPU
-has AVX512-VNNI, and JAX accepted the FFI targets and got the exact products
-of a small int8 dot through them. Everywhere else `available()` is False and
-XLA runs what they would.
+found, and each is used only where it can run: the extension is present,
+the CPU has the instructions that kernel uses (AVX512F; the int8 dot also
+AVX512BW and AVX512-VNNI), and JAX accepted its FFI target and got its
+result on a small input through it (`available`). Everywhere else XLA runs
+what it would. Every wrapper checks its operands' shapes and dtypes before
+they reach the FFI handler, and registers its kernel first, or says why it
+cannot run here.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from jaxtyping import Array, Float, Int8, Int32, UInt8
 from kvattn import ops
 
 __all__ = [
-    "DECODE_ATTENTION", "F32_DOT", "INT8_DOT", "PREFILL_ATTENTION", "available", "decode_attention", "f32_dot",
-    "f32_dot_on_xla", "int8_dot", "prefill_attention",
+    "DECODE_ATTENTION", "F32_DOT", "INT8_DOT", "KERNELS", "PREFILL_ATTENTION", "available", "decode_attention",
+    "f32_dot", "f32_dot_on_xla", "int8_dot", "prefill_attention",
 ]
 
 # The FFI targets' names, registered for the CPU platform on first use.
@@ -42,33 +45,103 @@ DECODE_ATTENTION = "kvattn_decode_attention"
 PREFILL_ATTENTION = "kvattn_prefill_attention"
 
 
+KERNELS = (INT8_DOT, F32_DOT, DECODE_ATTENTION, PREFILL_ATTENTION)
+
+
 @functools.cache
-def available() -> bool:
-    """Whether the native kernels are built, can run on this CPU, and are registered with JAX."""
+def _registered() -> frozenset[str]:
+    """The kernels this CPU can run, registered with JAX; empty where the extension is not built."""
     try:
         from kvattn.native import compiled  # the extension setup.py builds
     except ImportError:
-        return False
-    if not compiled.supported():
-        return False
-    jax.ffi.register_ffi_target(INT8_DOT, compiled.int8_dot(), platform="cpu")
-    jax.ffi.register_ffi_target(F32_DOT, compiled.f32_dot(), platform="cpu")
-    jax.ffi.register_ffi_target(DECODE_ATTENTION, compiled.decode_attention(), platform="cpu")
-    jax.ffi.register_ffi_target(PREFILL_ATTENTION, compiled.prefill_attention(), platform="cpu")
-    # A small product through the compiled call, against NumPy's: an FFI mismatch between the jaxlib the
-    # extension was built against and this one fails here rather than in a model's program.
-    from kvattn import quant  # which imports this module
+        return frozenset()
+    supported = compiled.supported()
+    runs = frozenset(name for name in KERNELS if supported[name.removeprefix("kvattn_")])
+    for name in runs:
+        jax.ffi.register_ffi_target(name, getattr(compiled, name.removeprefix("kvattn_"))(), platform="cpu")
+    return runs
 
-    rng = np.random.default_rng(0)
-    rows = rng.integers(-128, 128, (3, 8), dtype=np.int8)
-    values = rng.integers(-127, 128, (16, 8), dtype=np.int8)
-    tiles = quant.tile(quant.Int8Kernel(values, None)).tiles
+
+@functools.cache
+def available(kernel: str | None = None) -> bool:
+    """Whether `kernel` (one of `KERNELS`; None: every one) is built, can run on this CPU, and works through JAX.
+
+    A small input through the compiled call, against NumPy's answer, checks
+    each: an FFI mismatch between the jaxlib the extension was built against
+    and this one fails here rather than in a model's program.
+    """
+    if kernel is None:
+        return all(available(name) for name in KERNELS)
+    if kernel not in KERNELS:
+        raise ValueError(f"kvattn.native.available takes one of {KERNELS} or None, got {kernel!r}")
+    if kernel not in _registered():
+        return False
     try:
         with jax.ensure_compile_time_eval():
-            got = np.asarray(jax.jit(int8_dot)(rows, tiles))
-    except Exception:  # any failure: XLA's int8 dot instead
+            return _SELF_TESTS[kernel](np.random.default_rng(0))
+    except Exception:  # noqa: BLE001 - any failure (an FFI mismatch included): XLA's path instead
         return False
+
+
+def _int8_dot_works(rng) -> bool:
+    from kvattn import quant  # which imports this module
+
+    rows = rng.integers(-128, 128, (3, 8), dtype=np.int8)
+    values = rng.integers(-127, 128, (16, 8), dtype=np.int8)
+    got = np.asarray(jax.jit(_int8_call)(rows, quant.tile(quant.Int8Kernel(values, None)).tiles))
     return bool((got == rows.astype(np.int32) @ values.astype(np.int32).T).all())
+
+
+def _f32_dot_works(rng) -> bool:
+    rows, kernel = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
+    got = np.asarray(jax.jit(_f32_call)(rows, kernel.reshape(8, 1, 16).transpose(1, 0, 2)))
+    return bool(np.allclose(got, rows.astype(np.float64) @ kernel, rtol=1e-5, atol=1e-5))
+
+
+def _decode_attention_works(rng) -> bool:
+    q, k_cache, v_cache = rng.standard_normal((3, 1, 1, 3, 16)).astype(np.float32)
+    visible = np.array([3], np.int32)
+    got = jax.jit(_decode_call)(q[:, :, :1], k_cache, v_cache, visible)
+    want = _decode_sums(*(jnp.asarray(x) for x in (q[:, :, :1], k_cache, v_cache, visible)))
+    return all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want, strict=True))
+
+
+def _prefill_attention_works(rng) -> bool:
+    q, k_new, v_new = rng.standard_normal((3, 1, 2, 1, 16)).astype(np.float32)
+    k_cache, v_cache = rng.standard_normal((2, 1, 1, 3, 16)).astype(np.float32)
+    arrays = (q, k_new, v_new, k_cache, v_cache, np.array([2], np.int32), np.array([2], np.int32))
+    got = jax.jit(_prefill_call)(*arrays)
+    return bool(np.allclose(got, _chunk_on_xla(*(jnp.asarray(x) for x in arrays)), rtol=1e-5, atol=1e-5))
+
+
+_SELF_TESTS = {
+    INT8_DOT: _int8_dot_works, F32_DOT: _f32_dot_works, DECODE_ATTENTION: _decode_attention_works,
+    PREFILL_ATTENTION: _prefill_attention_works,
+}
+
+
+def _ready(kernel: str, caller: str):
+    """Registers `kernel` (through `available`), or raises saying why `caller` cannot run here."""
+    if not available(kernel):
+        raise RuntimeError(
+            f"kvattn.native.{caller} cannot run here: its kernel is not built, this CPU lacks the instructions it "
+            f"uses, or it failed its check through JAX (kvattn.native.available({kernel!r}) is False); use its XLA "
+            "twin, or let kvattn.kernels and kvattn.quant choose"
+        )
+
+
+def _expect(condition: bool, caller: str, expected: str, *operands):
+    """Raises a ValueError naming `expected` and the shapes and dtypes `caller` got, unless `condition`."""
+    if not condition:
+        got = ", ".join(f"{jnp.dtype(x.dtype).name}{tuple(x.shape)}" for x in operands)
+        raise ValueError(f"kvattn.native.{caller} expects {expected}; got {got}")
+
+
+def _expect_dtype(caller: str, dtype, **operands):
+    """Raises a TypeError naming the first operand whose dtype is not `dtype`."""
+    for name, x in operands.items():
+        if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+            raise TypeError(f"kvattn.native.{caller}: {name} must be {jnp.dtype(dtype)}, got {jnp.dtype(x.dtype)}")
 
 
 def int8_dot(
@@ -78,10 +151,19 @@ def int8_dot(
     """`rows @ values.T` in exact int32, for the int8 `values (N, D)` that `tiles` lays out (`kvattn.quant.tile`).
 
     Lowers to the native kernel's FFI call, so only for the CPU and only when
-    `available()`. Under `vmap` it runs once per batch element.
+    `available(INT8_DOT)`. Under `vmap` it runs once per batch element.
+
+    Raises:
+      TypeError: rows not int8 or tiles not uint8.
+      ValueError: shapes other than rows `(M, D)` and tiles `(D / 4 groups)`.
+      RuntimeError: the kernel cannot run here.
     """
-    out = jax.ShapeDtypeStruct((rows.shape[0], tiles.shape[0] * tiles.shape[2]), jnp.int32)
-    return jax.ffi.ffi_call(INT8_DOT, out, vmap_method="sequential")(rows, tiles)
+    _expect_dtype("int8_dot", jnp.int8, rows=rows)
+    _expect_dtype("int8_dot", jnp.uint8, tiles=tiles)
+    _expect(rows.ndim == 2 and tiles.ndim == 4 and tiles.shape[2:] == (16, 4) and rows.shape[1] == 4 * tiles.shape[1],
+            "int8_dot", "rows (M, D) and tiles (N / 16, D / 4, 16, 4)", rows, tiles)
+    _ready(INT8_DOT, "int8_dot")
+    return _int8_call(rows, tiles)
 
 
 def f32_dot(
@@ -94,7 +176,16 @@ def f32_dot(
     not depend on the other rows. CPU only, when `available()`; under `vmap`
     it runs once per batch element. Differentiable: its derivatives are
     those of `rows @ kernel` in `jax.numpy`.
+
+    Raises:
+      TypeError: operands not float32.
+      ValueError: shapes other than rows `(M, D)` and panels `(N / 16, D, 16)`.
+      RuntimeError: the kernel cannot run here.
     """
+    _expect_dtype("f32_dot", jnp.float32, rows=rows, panels=panels)
+    _expect(rows.ndim == 2 and panels.ndim == 3 and panels.shape[2] == 16 and rows.shape[1] == panels.shape[1],
+            "f32_dot", "rows (M, D) and panels (N / 16, D, 16)", rows, panels)
+    _ready(F32_DOT, "f32_dot")
     return _f32_call(rows, panels)
 
 
@@ -109,8 +200,23 @@ def decode_attention(
     score: unnormalised, -inf and zeros where nothing is visible. `H` must
     be a multiple of 16. CPU only, when `available()`; under `vmap` it runs
     once per batch element. Differentiable: its derivatives are those of
-    the same sums in `jax.numpy`.
+    the same sums in `jax.numpy`. A NaN or inf among the visible scores
+    spreads as in a float64 softmax: `top` NaN or +inf, `o` and `total` NaN.
+
+    Raises:
+      TypeError: q or the caches not float32, or visible not int32.
+      ValueError: shapes other than those above.
+      RuntimeError: the kernel cannot run here.
     """
+    _expect_dtype("decode_attention", jnp.float32, q=q, k_cache=k_cache, v_cache=v_cache)
+    _expect_dtype("decode_attention", jnp.int32, visible=visible)
+    batch, kv_heads, _, head_dim = q.shape if q.ndim == 4 else (None,) * 4
+    _expect(q.ndim == 4 and head_dim % 16 == 0 and k_cache.shape == v_cache.shape and k_cache.ndim == 4
+            and (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) == (batch, kv_heads, head_dim)
+            and visible.shape == (batch,),
+            "decode_attention", "q (B, K, G, H) with H a multiple of 16, caches (B, K, S, H), visible (B,)",
+            q, k_cache, v_cache, visible)
+    _ready(DECODE_ATTENTION, "decode_attention")
     return _decode_call(q, k_cache, v_cache, visible)
 
 
@@ -126,8 +232,26 @@ def prefill_attention(
     queries are padding and get zeros. Queries unscaled, as `kvattn.ops`
     takes them. `H` must be a multiple of 16. CPU only, when `available()`;
     under `vmap` it runs once per batch element. Differentiable: its
-    derivatives are `kvattn.ops.attention`'s.
+    derivatives are `kvattn.ops.attention`'s. A NaN or inf spreads as in a
+    float64 softmax: to the queries that see it, never to earlier ones.
+
+    Raises:
+      TypeError: queries, keys, values or caches not float32, or lengths not int32.
+      ValueError: shapes other than those above (`K` dividing `N`).
+      RuntimeError: the kernel cannot run here.
     """
+    caller = "prefill_attention"
+    _expect_dtype(caller, jnp.float32, q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache)
+    _expect_dtype(caller, jnp.int32, cache_len=cache_len, new_len=new_len)
+    batch, num_new, heads, head_dim = q.shape if q.ndim == 4 else (None,) * 4
+    kv_heads = k_new.shape[2] if k_new.ndim == 4 else 0
+    _expect(q.ndim == 4 and head_dim % 16 == 0 and k_new.shape == v_new.shape == (batch, num_new, kv_heads, head_dim)
+            and kv_heads and heads % kv_heads == 0 and k_cache.shape == v_cache.shape and k_cache.ndim == 4
+            and (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) == (batch, kv_heads, head_dim)
+            and cache_len.shape == new_len.shape == (batch,), caller,
+            "q (B, T, N, H) with H a multiple of 16, new keys and values (B, T, K, H) with K dividing N, caches "
+            "(B, K, S, H), lengths (B,)", q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
+    _ready(PREFILL_ATTENTION, caller)
     return _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
 
 
@@ -152,8 +276,12 @@ def _decode_sums(q, k_cache, v_cache, visible):
     seen = jnp.arange(k_cache.shape[2])[None, None, None, :] < visible[:, None, None, None]
     scores = jnp.where(seen, jnp.einsum("bkgh,bksh->bkgs", q, k_cache), -jnp.inf)
     top = jnp.max(scores, axis=-1)
-    weights = jnp.where(seen, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)[..., None]), 0.0)
-    return jnp.einsum("bkgs,bksh->bkgh", weights, v_cache), jnp.sum(weights, axis=-1), top
+    # Shifted by top whenever a slot is visible, so a top of NaN, +inf or -inf makes the weights NaN, as in the
+    # kernel and a float64 softmax; unseen values are selected away, since 0 * NaN would be NaN.
+    shift = jnp.where(visible[:, None, None] > 0, top, 0.0)
+    weights = jnp.where(seen, jnp.exp(scores - shift[..., None]), 0.0)
+    values = jnp.where(jnp.swapaxes(seen, 2, 3), v_cache, 0.0)
+    return jnp.einsum("bkgs,bksh->bkgh", weights, values), jnp.sum(weights, axis=-1), top
 
 
 def _chunk_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
@@ -164,6 +292,11 @@ def f32_dot_on_xla(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -
     """What `f32_dot` computes, as XLA's dot of the kernel the panels lay out: it runs on any backend, and its
     derivatives are `f32_dot`'s."""
     return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
+
+
+def _int8_call(rows, tiles):
+    out = jax.ShapeDtypeStruct((rows.shape[0], tiles.shape[0] * tiles.shape[2]), jnp.int32)
+    return jax.ffi.ffi_call(INT8_DOT, out, vmap_method="sequential")(rows, tiles)
 
 
 @_derivatives_of(f32_dot_on_xla)

@@ -9,7 +9,9 @@
 // unnormalised, as jax's Pallas decode kernel returns them with its
 // residuals, so `kvattn.kernels.contiguous_step` folds in the new token and
 // divides alike for both. Slots at or past visible[b] are never read; with
-// none visible, o and total are 0 and top is -inf (exp: `kvattn::Exp`).
+// none visible, o and total are 0 and top is -inf (exp: `kvattn::Exp`). A
+// NaN or inf among the visible scores spreads as in a float64 softmax: top
+// NaN or +inf, weights NaN.
 //
 // XLA's own path for this step reads a cache bucket under a `cond`, with a
 // scores dot, a masked softmax and a values dot as separate thunks; this
@@ -27,7 +29,7 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::Supported;
+using kvattn::HasAvx512;
 
 namespace {
 
@@ -54,10 +56,13 @@ KVATTN_AVX512 void Pair(const float* q, const float* keys, const float* values, 
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores.data() + g * padded;
     __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t s = 0; s < padded; s += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(row + s));
-    const float high = visible ? _mm512_reduce_max_ps(best) : -std::numeric_limits<float>::infinity();
+    __mmask16 unordered = 0;
+    for (int64_t s = 0; s < padded; s += 16) kvattn::Fold(_mm512_loadu_ps(row + s), 0xFFFF, best, unordered);
+    // A NaN or +inf score makes top NaN or +inf, so every weight is NaN, as in a float64 softmax; so do
+    // scores all -inf (-inf - -inf). Nothing visible: top -inf and no weights.
+    const float high = visible ? kvattn::Maximum(best, unordered) : -std::numeric_limits<float>::infinity();
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t s = 0; s < padded; s += 16) {  // padding slots hold -inf: exp gives 0 (the clamp: ~1e-45 * 0)
+    for (int64_t s = 0; s < padded; s += 16) {  // padding slots hold -inf; their weights are masked to 0
       const __mmask16 real = visible - s >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - s)) - 1);
       const __m512 w = _mm512_maskz_mov_ps(real, Exp(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(high))));
       _mm512_storeu_ps(row + s, w);
@@ -91,7 +96,7 @@ using Lengths = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Lengths visible, ffi::Result<Rank4> o,
                    ffi::Result<Rank3> total, ffi::Result<Rank3> top) {
-  if (!Supported()) return Failed("kvattn's decode attention needs AVX512, which this CPU lacks");
+  if (!HasAvx512()) return Failed("kvattn's decode attention needs AVX512F, which this CPU lacks");
   const auto qd = q.dimensions(), kd = keys.dimensions();
   const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], S = kd[2];
   const auto vd = values.dimensions();

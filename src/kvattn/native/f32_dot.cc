@@ -21,7 +21,7 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::Supported;
+using kvattn::HasAvx512;
 
 namespace {
 
@@ -98,7 +98,7 @@ void Part(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t
 #endif  // KVATTN_X86
 
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, Panels w, ffi::ResultBuffer<ffi::F32> out) {
-  if (!Supported()) return Failed("kvattn's float32 dot needs AVX512, which this CPU lacks");
+  if (!HasAvx512()) return Failed("kvattn's float32 dot needs AVX512F, which this CPU lacks");
   const auto dims = w.dimensions();
   const auto shape = a.dimensions();
   const int64_t panels = dims[0], K = dims[1], N = panels * kLanes;

@@ -27,7 +27,7 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::Supported;
+using kvattn::HasAvx512Vnni;
 
 namespace {
 
@@ -108,7 +108,9 @@ void Part(const int8_t*, int64_t, int64_t, const uint8_t*, const int32_t*, int32
 #endif  // KVATTN_X86
 
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
-  if (!Supported()) return Failed("kvattn's int8 dot needs AVX512-VNNI, which this CPU lacks");
+  if (!HasAvx512Vnni()) {
+    return Failed("kvattn's int8 dot needs AVX512F, AVX512BW and AVX512-VNNI, which this CPU lacks");
+  }
   const auto dims = w.dimensions();
   const int64_t tiles = dims[0], K = dims[1] * kGroup, N = tiles * kTileOutputs;
   if (dims[2] != kTileOutputs || dims[3] != kGroup || a.dimensions().size() == 0 || a.dimensions().back() != K ||

@@ -1,5 +1,6 @@
 // The Python module `kvattn.native.compiled`: each kernel's XLA FFI handler as a PyCapsule, and
-// `supported()`, whether this CPU has the instructions they need (AVX512-VNNI, and AVX512F/BW with it).
+// `supported()`, which of them this CPU can run: each needs only the instructions it uses (the int8 dot
+// AVX512F, AVX512BW and AVX512-VNNI; the others AVX512F).
 
 #include <Python.h>
 
@@ -29,7 +30,12 @@ PyObject* PrefillAttention(PyObject*, PyObject*) {
   return PyCapsule_New(reinterpret_cast<void*>(&KvattnPrefillAttention), nullptr, nullptr);
 }
 
-PyObject* Supported(PyObject*, PyObject*) { return PyBool_FromLong(kvattn::Supported()); }
+PyObject* Supported(PyObject*, PyObject*) {
+  const bool avx512 = kvattn::HasAvx512(), vnni = kvattn::HasAvx512Vnni();
+  return Py_BuildValue("{s:O,s:O,s:O,s:O}", "int8_dot", vnni ? Py_True : Py_False, "f32_dot",
+                       avx512 ? Py_True : Py_False, "decode_attention", avx512 ? Py_True : Py_False,
+                       "prefill_attention", avx512 ? Py_True : Py_False);
+}
 
 PyMethodDef kMethods[] = {
     {"int8_dot", Int8Dot, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
@@ -37,7 +43,7 @@ PyMethodDef kMethods[] = {
     {"decode_attention", DecodeAttention, METH_NOARGS, "The XLA FFI handler of decode attention, as a PyCapsule."},
     {"prefill_attention", PrefillAttention, METH_NOARGS,
      "The XLA FFI handler of prefill (chunk) attention, as a PyCapsule."},
-    {"supported", Supported, METH_NOARGS, "Whether this CPU has the instructions the kernels need."},
+    {"supported", Supported, METH_NOARGS, "Each kernel's name and whether this CPU has what it uses."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,5 +1,5 @@
-// What kvattn's native kernels share: the CPU check, a handler's refusal, the split over XLA's thread pool
-// and exp.
+// What kvattn's native kernels share: the CPU checks, a handler's refusal, the split over XLA's thread pool,
+// exp, and a maximum that keeps NaN.
 
 #ifndef KVATTN_NATIVE_NATIVE_H_
 #define KVATTN_NATIVE_NATIVE_H_
@@ -17,11 +17,19 @@
 
 namespace kvattn {
 
-// Whether this CPU has what every kernel needs: AVX512F, AVX512BW and AVX512-VNNI.
-inline bool Supported() {
+// Whether this CPU has AVX512F, all that the float32 kernels (the float32 dot, both attentions) use.
+inline bool HasAvx512() {
 #ifdef KVATTN_X86
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+// Whether this CPU has AVX512F, AVX512BW and AVX512-VNNI, which the int8 dot is compiled for.
+inline bool HasAvx512Vnni() {
+#ifdef KVATTN_X86
+  return HasAvx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
@@ -54,9 +62,10 @@ xla::ffi::Future Split(xla::ffi::ThreadPool& pool, int64_t items, int64_t most_p
 #ifdef KVATTN_X86
 
 // exp(x) for x <= 0, sixteen at a time: Cephes' expf polynomial (relative error below 2e-7) scaled by
-// 2^n. Below -104 it returns 0, as float32's exp rounds there; -inf gives 0.
+// 2^n. Below -104 it returns 0, as float32's exp rounds there; -inf gives 0 and NaN gives NaN (maxps
+// returns its second operand when either is NaN, so x goes second).
 KVATTN_AVX512 inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -69,6 +78,18 @@ KVATTN_AVX512 inline __m512 Exp(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// The largest of the lanes of `x` in `lanes` folded into `top`, and in `unordered` those holding NaN:
+// maxps alone drops a NaN, where a softmax must keep it (a NaN score makes the whole row NaN).
+KVATTN_AVX512 inline void Fold(__m512 x, __mmask16 lanes, __m512& top, __mmask16& unordered) {
+  top = _mm512_mask_max_ps(top, lanes, top, x);
+  unordered |= _mm512_mask_cmp_ps_mask(lanes, x, x, _CMP_UNORD_Q);
+}
+
+// The maximum `Fold` gathered: NaN when any lane held one.
+KVATTN_AVX512 inline float Maximum(__m512 top, __mmask16 unordered) {
+  return unordered ? __builtin_nanf("") : _mm512_reduce_max_ps(top);
 }
 
 #endif  // KVATTN_X86

@@ -24,7 +24,7 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::Supported;
+using kvattn::HasAvx512;
 
 namespace {
 
@@ -47,20 +47,23 @@ constexpr int64_t kLanes = 16;  // floats per vector
 
 using kvattn::Exp;
 
-// acc[i] += weights[i][j] * values[j][column : column + 16 C] over keys j < reach, for the four rows i;
-// then out[i] = acc[i] * inv[i] for the first `rows`.
+// acc[i] += weights[i][j] * values[j][column : column + 16 C] over the keys j < seen[i] that row i sees
+// (seen rising with i); then out[i] = acc[i] * inv[i] for the first `rows`. A key a row does not see is
+// skipped, not weighted by 0: 0 * a NaN or inf value is NaN, and it must not reach an earlier token.
 template <int C>
-KVATTN_AVX512 void Mix(const float* const* values, int64_t column, int64_t reach, const float* weights,
+KVATTN_AVX512 void Mix(const float* const* values, int64_t column, const int64_t* seen, const float* weights,
                        int64_t padded, const float* inv, float* const* out, int64_t rows) {
   __m512 acc[kRows][C];
   for (int i = 0; i < kRows; ++i)
     for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < reach; ++j) {
+  for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values[j] + column + kLanes * c);
+    const bool every_row = j < seen[0];
     for (int i = 0; i < kRows; ++i) {
       const __m512 w = _mm512_set1_ps(weights[i * padded + j]);
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(w, v[c], acc[i][c]);
+      const __mmask16 sees = every_row || j < seen[i] ? 0xFFFF : 0;
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mask3_fmadd_ps(w, v[c], acc[i][c], sees);
     }
   }
   for (int64_t i = 0; i < rows; ++i) {
@@ -136,23 +139,23 @@ KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, co
                               : static_cast<__mmask16>(left <= 0 ? 0 : (1u << left) - 1);
       };
       __m512 top = _mm512_set1_ps(-__builtin_inff());
-      for (int64_t j = 0; j < seen[i]; j += kLanes)
-        top = _mm512_mask_max_ps(top, mask(j), top, _mm512_loadu_ps(row + j));
-      const __m512 high = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+      __mmask16 unordered = 0;  // a NaN score makes the row NaN, as in a float64 softmax
+      for (int64_t j = 0; j < seen[i]; j += kLanes) kvattn::Fold(_mm512_loadu_ps(row + j), mask(j), top, unordered);
+      const __m512 high = _mm512_set1_ps(kvattn::Maximum(top, unordered));
       __m512 sum = _mm512_setzero_ps();
       for (int64_t j = 0; j < padded; j += kLanes) {
         const __m512 w = _mm512_maskz_mov_ps(mask(j), Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), high)));
         _mm512_storeu_ps(row + j, w);
         sum = _mm512_add_ps(sum, w);
       }
-      inv[i] = 1.0f / _mm512_reduce_add_ps(sum);  // at least the row's own key: sum >= 1
+      inv[i] = 1.0f / _mm512_reduce_add_ps(sum);  // at least the row's own key: sum >= 1, or NaN
     }
     for (int64_t column = 0; column < H; column += 4 * kLanes) {
       switch (std::min<int64_t>(4, (H - column) / kLanes)) {
-        case 4: Mix<4>(scratch.values.data(), column, reach, scores, padded, inv, outs, n); break;
-        case 3: Mix<3>(scratch.values.data(), column, reach, scores, padded, inv, outs, n); break;
-        case 2: Mix<2>(scratch.values.data(), column, reach, scores, padded, inv, outs, n); break;
-        default: Mix<1>(scratch.values.data(), column, reach, scores, padded, inv, outs, n); break;
+        case 4: Mix<4>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+        case 3: Mix<3>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+        case 2: Mix<2>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+        default: Mix<1>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
       }
     }
   }
@@ -170,7 +173,7 @@ using Lengths = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank4 k_cache, Rank4 v_cache,
                    Lengths cache_len, Lengths new_len, ffi::Result<Rank4> out) {
-  if (!Supported()) return Failed("kvattn's prefill attention needs AVX512, which this CPU lacks");
+  if (!HasAvx512()) return Failed("kvattn's prefill attention needs AVX512F, which this CPU lacks");
   const auto qd = q.dimensions(), nd = k_new.dimensions(), cd = k_cache.dimensions();
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = nd[2], S = cd[2];
   const auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
