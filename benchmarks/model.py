@@ -153,7 +153,7 @@ class _Kvattn:
         """
         import jax
 
-        from kvattn import generation, models
+        from kvattn import generation
 
         self._emptied()
         started = time.perf_counter()
@@ -171,7 +171,7 @@ class _Kvattn:
         import jax
         from flax import nnx
 
-        from kvattn import models
+        from kvattn import generation
 
         self._emptied()
         started = time.perf_counter()

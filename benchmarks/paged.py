@@ -220,6 +220,7 @@ def prefix_hit(sizes: dict, rng, repeats: int) -> dict[str, Any]:
     from flax import nnx
 
     from kvattn import RoPE
+    from kvattn.generation import SamplingParams
     from kvattn.models import CausalLM, ModelConfig
     from kvattn.serving import Server
 
@@ -236,7 +237,7 @@ def prefix_hit(sizes: dict, rng, repeats: int) -> dict[str, Any]:
     server = Server(model, chunk=chunk)
 
     def first_token(prompt, salt):
-        server.submit(prompt, 1, salt=salt)
+        server.submit(prompt, SamplingParams(max_tokens=1), salt=salt)
         return server.run()[0]
 
     first_token(rng.integers(0, 1024, prompt_len), b"warm-up")  # compiles both programs

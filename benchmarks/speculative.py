@@ -96,7 +96,7 @@ def write_draft_checkpoint(checkpoint: str | os.PathLike, directory: str | os.Pa
 
 def _workloads(model, batch: int, start_len: int, prompt_len: int, seed: int) -> dict[str, np.ndarray]:
     """The prompts of each workload at this batch size (see the module docstring)."""
-    from kvattn import generation, models
+    from kvattn import generation
 
     rng = np.random.default_rng(seed + batch)
     start = rng.integers(0, model.config.vocab_size, (batch, start_len))
@@ -111,7 +111,7 @@ def _workloads(model, batch: int, start_len: int, prompt_len: int, seed: int) ->
 
 def _kvattn_calls(model, draft, sizes):
     """Each kvattn contender as `call(prompts, n)`, emptying every cache first (untimed) and returning the result."""
-    from kvattn import models
+    from kvattn import generation
 
     lookup = generation.PromptLookup(num_tokens=sizes["num_tokens"])
     drafted = generation.DraftModel(draft, num_tokens=sizes["draft_tokens"])
@@ -470,7 +470,7 @@ def measure_server(checkpoint, sizes: dict, batch: int, repeats: int, page_size:
     requests and times `Server.run()` to the last token (prefill included, the same for both), prefix caching
     off so that repeats do not hit it. Every request's tokens are compared with the plain server's.
     """
-    from kvattn import models
+    from kvattn import generation, models
     from kvattn.serving import Server
 
     max_len = sizes["prompt_len"] + sizes["new_tokens"]
@@ -492,7 +492,7 @@ def measure_server(checkpoint, sizes: dict, batch: int, repeats: int, page_size:
             for name, server in servers.items():
                 before = server.stats
                 for prompt in prompts:
-                    server.submit(prompt, sizes["new_tokens"])
+                    server.submit(prompt, generation.SamplingParams(max_tokens=sizes["new_tokens"]))
                 started = time.perf_counter()
                 done = server.run()
                 if attempt:

@@ -70,13 +70,13 @@ def main():
                                                   max_position_embeddings=prompt_len + new_tokens)
         model = models.from_pretrained(checkpoint, max_len=prompt_len + new_tokens, batch_size=args.batch)
     prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, prompt_len)).astype(np.int32)
-    def generation(count):
+    def generations(count):
         def run(_):
             model.reset()
             return generation.generate(model, prompts, count).tokens
         return statistics.median(time_calls(run, args.repeats).ms)
 
-    ours = (generation(new_tokens) - generation(1)) / (new_tokens - 1)
+    ours = (generations(new_tokens) - generations(1)) / (new_tokens - 1)
     plain = plain_cache.time_plain(model, prompts, new_tokens, args.repeats)["decode_ms_per_token"]
     weights = plain_cache.plain_weights(model)
     step = floor_step_fn(model.config)

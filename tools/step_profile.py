@@ -85,7 +85,7 @@ def main():
                                        weights=None if args.weights == "float32" else args.weights)
     prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, prompt_len))
 
-    def generation(count):
+    def generations(count):
         def run():
             model.reset()
             jax.block_until_ready(nnx.state(model, nnx.Cache))
@@ -94,11 +94,11 @@ def main():
 
     written, files = set(), {}
     for count in (1, args.new_tokens):  # compile both (untimed), which writes their HLO
-        generation(count)()
+        generations(count)()
         now = set(glob.glob(f"{HLO_DIR}/*after_optimizations.txt"))
         files[count], written = now - written, now
-    first, first_count = _thunks(generation(1), files[1])
-    whole, whole_count = _thunks(generation(args.new_tokens), files[args.new_tokens])
+    first, first_count = _thunks(generations(1), files[1])
+    whole, whole_count = _thunks(generations(args.new_tokens), files[args.new_tokens])
     steps = args.new_tokens - 1
     print(f"B={args.batch}, {args.weights}: first token (prefill and one step), ms")
     _print(first, first_count, 1, args.top)
