@@ -288,60 +288,21 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
 
 def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, checkpoint: Path, template: str | None,
                     chunk: int, sock: socket.socket) -> int:
-    """`_serve` once the port is held: every phase logged on stderr, each with the seconds it took."""
-    import logging
-
+    """`_serve` once the port is held: the context refused or allowed, then `kvattn.serving.openai.launch.serve`."""
     from kvattn import extra
 
     for module in ("fastapi", "uvicorn", "jinja2", "prometheus_client", "tokenizers"):
         extra.require(module, extra_name="serve")
-    from kvattn import models
-    from kvattn.serving import Server
-    from kvattn.serving.engine import Engine
-    from kvattn.serving.openai.app import create_app
-    from kvattn.serving.openai.launch import run
-    from kvattn.serving.openai.metrics import Metrics
-    from kvattn.serving.tokenizer import Tokenizer
+    from kvattn.serving.openai import launch
 
-    tokenizer = Tokenizer.from_directory(checkpoint, chat_template=template)
     context = _trained_context(checkpoint)
     max_len = args.max_len or min(context, 4096)
     _check_context(max_len, f"--max-len {max_len}", context, args, usage)
-    pages_per_sequence = -(-max_len // args.page_size)
-    num_pages = args.num_pages or args.max_batch * pages_per_sequence + 1
-
-    def say(message: str) -> None:
-        print(f"kvattn serve: {message}", file=sys.stderr, flush=True)
-
-    say(f"loading {checkpoint} (max_len {max_len}, batch {args.max_batch}, {num_pages} pages of {args.page_size})")
-    start = time.perf_counter()
-    model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=args.max_batch, dtype=args.dtype,
-                                   num_pages=num_pages, page_size=args.page_size)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
-                         f"{model.config.vocab_size}")
-    server = Server(model, chunk=chunk, prefix_caching=args.prefix_caching, prefills_per_step=args.prefills_per_step,
-                    speculative=args.speculative)
-    say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
-    start = time.perf_counter()
-
-    def compiled(done: int, total: int) -> None:
-        say(f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)")
-
-    server.warm_up(on_program=compiled)  # every program compiled before requests are answered
-    metrics = Metrics()
-    engine = Engine(server, max_waiting=args.max_waiting,
-                    on_step=metrics.on_step, on_error=lambda _: metrics.engine_errors.inc())
-    app = create_app(engine, tokenizer, metrics, model_name=args.model_name or checkpoint.resolve().name,
-                     max_len=max_len, api_key=args.api_key)
-    log = logging.getLogger("kvattn.serve")  # the ready line, one line per request, the engine's errors
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("kvattn serve: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    run(app, engine, sock=sock, shutdown_seconds=args.shutdown_timeout)
+    launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
+                 num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
+                 prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
+                 chat_template=template, model_name=args.model_name, api_key=args.api_key,
+                 max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)
     return 0
 
 

@@ -61,12 +61,45 @@ class Handle:
 
 @dataclasses.dataclass
 class _Submit:
+    """Queue a request; answer `future` with its indices, or the error that refused it."""
+
     prompt: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     future: asyncio.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    """End these requests before the next step."""
+
+    indices: list[int]
+
+
+@dataclasses.dataclass
+class _Shutdown:
+    """Admit nothing more; end what is left at `deadline` (monotonic seconds)."""
+
+    deadline: float
+
+
+@dataclasses.dataclass
+class _Check:
+    """Run the page manager's invariant check; answer `future`."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclasses.dataclass
+class _Wake:
+    """Nothing: wakes the thread so it sees it was stopped."""
+
+
+_Command = _Submit | _Abort | _Shutdown | _Check | _Wake
+"""What the event loop asks of the engine thread, through one queue."""
 
 
 class Engine:
@@ -87,7 +120,7 @@ class Engine:
         self.max_failures = max_failures
         self._on_step = on_step
         self._on_error = on_error
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._deadline: float | None = None
         self._stopped = threading.Event()
@@ -111,21 +144,21 @@ class Engine:
         """Runs the page manager's invariant check on the engine thread; raises what it finds."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(("check", loop, future))
+        self._commands.put(_Check(loop, future))
         await future
 
     def abort(self, indices) -> None:
         """Ends these requests before the next step, if they are still queued or running."""
-        self._commands.put(("abort", list(indices)))
+        self._commands.put(_Abort(list(indices)))
 
     def shutdown(self, deadline_seconds: float) -> None:
         """Admits nothing more; what is left after `deadline_seconds` ends with an error."""
-        self._commands.put(("shutdown", time.monotonic() + deadline_seconds))
+        self._commands.put(_Shutdown(time.monotonic() + deadline_seconds))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ends the thread (after `shutdown`'s deadline has done its work)."""
         self._stopped.set()
-        self._commands.put(("wake",))
+        self._commands.put(_Wake())
         self._thread.join(timeout)
 
     # ----------------------------------------------------------- engine thread
@@ -165,25 +198,26 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _do(self, command):
-        if isinstance(command, _Submit):
-            command.loop.call_soon_threadsafe(self._settle, command.future, *self._submit(command))
-        elif command[0] == "abort":
-            for index in command[1]:
-                completion = self.server.abort(index)
-                if completion is not None:
-                    self._send(index, ("done", index, completion))
-                else:  # ended with another choice of its submit, or already finished
-                    self._routes.pop(index, None)
-        elif command[0] == "shutdown":
-            self._deadline = command[1]
-        elif command[0] == "check":
-            try:
-                self.server.manager.check()
-                error = None
-            except AssertionError as failed:
-                error = RuntimeError(f"page bookkeeping is inconsistent: {failed}")
-            command[1].call_soon_threadsafe(self._settle, command[2], None if error else [], error)
+    def _do(self, command: _Command):
+        match command:
+            case _Submit():
+                command.loop.call_soon_threadsafe(self._settle, command.future, *self._submit(command))
+            case _Abort(indices):
+                for index in indices:
+                    completion = self.server.abort(index)
+                    if completion is not None:
+                        self._send(index, ("done", index, completion))
+                    else:  # ended with another choice of its submit, or already finished
+                        self._routes.pop(index, None)
+            case _Shutdown(deadline):
+                self._deadline = deadline
+            case _Check(loop, future):
+                try:
+                    self.server.manager.check()
+                    error = None
+                except AssertionError as failed:
+                    error = RuntimeError(f"page bookkeeping is inconsistent: {failed}")
+                loop.call_soon_threadsafe(self._settle, future, None if error else [], error)
 
     def _submit(self, command: _Submit):
         if self._deadline is not None:

@@ -1,17 +1,31 @@
-"""Running the app: uvicorn on a socket the CLI took before loading, with a graceful stop on SIGTERM/SIGINT."""
+"""`kvattn serve` once its port is held: load, compile, serve with uvicorn, stop gracefully on SIGTERM/SIGINT.
+
+`serve` assembles the engine (`Server` on the checkpoint's paged model, its
+`Engine` thread), the tokenizer, the metrics and the app, logging each phase
+on stderr; `run` serves an app on a socket the caller took before loading.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import socket
+import sys
+import time
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
+from kvattn import models
+from kvattn.generation.speculative import PromptLookup
 from kvattn.serving.engine import Engine
+from kvattn.serving.openai.app import create_app
+from kvattn.serving.openai.metrics import Metrics
+from kvattn.serving.server import Server
+from kvattn.serving.tokenizer import Tokenizer
 
-__all__ = ["run"]
+__all__ = ["run", "serve"]
 
 log = logging.getLogger("kvattn.serve")
 
@@ -48,3 +62,45 @@ def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: 
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=shutdown_seconds + 5,
                             timeout_keep_alive=5)
     _Uvicorn(config, engine, shutdown_seconds).run(sockets=[sock])
+
+
+def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
+          num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool,
+          speculative: PromptLookup | None, dtype: str, chat_template: str | None, model_name: str | None,
+          api_key: str | None, max_waiting: int, shutdown_seconds: float) -> None:
+    """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM.
+
+    Each phase is logged on stderr with the seconds it took: loading, each
+    program compiled, ready; then one line per request. The arguments are
+    `kvattn serve`'s options (`kvattn serve --help`).
+    """
+    def say(message: str) -> None:
+        print(f"kvattn serve: {message}", file=sys.stderr, flush=True)
+
+    tokenizer = Tokenizer.from_directory(checkpoint, chat_template=chat_template)
+    num_pages = num_pages or max_batch * -(-max_len // page_size) + 1
+    say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
+    start = time.perf_counter()
+    model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=max_batch, dtype=dtype,
+                                   num_pages=num_pages, page_size=page_size)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+                         f"{model.config.vocab_size}")
+    server = Server(model, chunk=chunk, prefix_caching=prefix_caching, prefills_per_step=prefills_per_step,
+                    speculative=speculative)
+    say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
+    start = time.perf_counter()
+    server.warm_up(on_program=lambda done, total: say(
+        f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)"))
+    metrics = Metrics()
+    engine = Engine(server, max_waiting=max_waiting, on_step=metrics.on_step,
+                    on_error=lambda _: metrics.engine_errors.inc())
+    app = create_app(engine, tokenizer, metrics, model_name=model_name or checkpoint.resolve().name,
+                     max_len=max_len, api_key=api_key)
+    if not log.handlers:  # the ready line, one line per request, the engine's errors
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("kvattn serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    run(app, engine, sock=sock, shutdown_seconds=shutdown_seconds)
