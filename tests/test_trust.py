@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from pathlib import Path
 import re
 import sys
 import tomllib
