@@ -345,7 +345,9 @@ def _pieces(metadata: dict) -> tuple[str, ...]:
     except (ValueError, RecursionError):
         pieces = None
     if not isinstance(pieces, list) or not pieces or not all(isinstance(p, str) for p in pieces):
-        raise SnapshotError(f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}")
+        raise SnapshotError(
+            f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}"
+        )
     return tuple(pieces)
 
 

@@ -77,10 +77,14 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
     layers = _paged_layers(module, manager)
     slot = int(slot)
     if not 0 <= slot < manager.max_sequences or not manager.live[slot]:
-        raise ValueError(f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})")
+        raise ValueError(
+            f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})"
+        )
     length = int(manager.lengths[slot])
     if manager.window is not None and length > 0 and manager.tables[slot, 0] == NULL_PAGE:
-        raise ValueError(f"slot {slot} has released the pages that left its window; a windowed sequence cannot be saved")
+        raise ValueError(
+            f"slot {slot} has released the pages that left its window; a windowed sequence cannot be saved"
+        )
     if tokens is not None:
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if len(tokens) != length:
@@ -190,7 +194,9 @@ def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
     layers = attention_layers(module)
     unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.paged)
     if unpaged:
-        raise ValueError(f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}")
+        raise ValueError(
+            f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}"
+        )
     wanted = (manager.num_pages, manager.page_size, manager.max_pages_per_sequence)
     for prefix, layer in layers.items():
         config = layer.config
