@@ -77,8 +77,8 @@ def test_a_snapshot_with_a_missing_or_damaged_piece_is_refused(tmp_path):
     """The pieces are checked like a whole file: checksums, coverage, names; the layer is left as it was."""
     import safetensors.numpy
 
-    from kvattn.snapshot_files import dumps, sha256
-    from kvattn.snapshot_pieces import PIECES_FORMAT
+    from kvattn.snapshots.files import dumps, sha256
+    from kvattn.snapshots.pieces import PIECES_FORMAT
 
     layer = kvattn.MultiHeadAttention(2, 8, max_len=4, batch_size=2, rngs=nnx.Rngs(0))
     layer.prefill(jnp.ones((2, 2, 8)))

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvattn
-from kvattn.snapshot import load_cache, save_cache
+from kvattn.snapshots import load_cache, save_cache
 from tests.helpers import assert_same_bits, cache_arrays
 from tests.reference import ReferenceCache, assert_close, causal_attention, weights_of
 

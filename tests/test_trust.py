@@ -287,14 +287,12 @@ def test_load_cache_refuses_non_zero_unfilled_slots(tmp_path):
     target = make()
     kvattn.load_cache(target, path)
     # A file whose unfilled slot holds NaN, checksums recomputed so only the new check can catch it.
-    from kvattn import snapshot
-
     bad = make()
     bad.prefill(tokens((2, 3)), jnp.array([3, 1]))
     bad.v_cache[...] = bad.v_cache[...].at[1, 5].set(jnp.nan)
     kvattn.save_cache(bad, path)
     before = cache_values(target)
-    with pytest.raises(snapshot.SnapshotError, match=r"'v_cache' holds non-zero values in unfilled slots .* \[1\]"):
+    with pytest.raises(kvattn.SnapshotError, match=r"'v_cache' holds non-zero values in unfilled slots .* \[1\]"):
         kvattn.load_cache(target, path)
     assert_same(cache_values(target), before)
 

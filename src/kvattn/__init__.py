@@ -21,11 +21,11 @@ if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the 
     )
     from kvattn.generation.sampling import SamplingParams
     from kvattn.paging import PageBatch, PageManager
-    from kvattn.paging.snapshot import load_sequence, save_sequence
     from kvattn.rope import RoPE
     from kvattn.serving.llm import LLM
     from kvattn.sharding import make_mesh, shard
-    from kvattn.snapshot import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
+    from kvattn.snapshots.cache import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
+    from kvattn.snapshots.sequence import load_sequence, save_sequence
 
 # Each public name and the module it is imported from on first use. A new public name is one line here,
 # one in `__all__`, and one in the TYPE_CHECKING imports above.
@@ -46,19 +46,19 @@ _EXPORTS = {
     "Rollout": "kvattn.decoding",
     "SamplingParams": "kvattn.generation.sampling",
     "SnapshotError": "kvattn.errors",
-    "SnapshotInfo": "kvattn.snapshot",
+    "SnapshotInfo": "kvattn.snapshots.cache",
     "UnsupportedConfigError": "kvattn.errors",
     "attend": "kvattn.decoding",
     "decode": "kvattn.decoding",
-    "load_cache": "kvattn.snapshot",
-    "load_sequence": "kvattn.paging.snapshot",
+    "load_cache": "kvattn.snapshots.cache",
+    "load_sequence": "kvattn.snapshots.sequence",
     "make_mesh": "kvattn.sharding",
     "rollout": "kvattn.decoding",
-    "save_cache": "kvattn.snapshot",
-    "save_sequence": "kvattn.paging.snapshot",
+    "save_cache": "kvattn.snapshots.cache",
+    "save_sequence": "kvattn.snapshots.sequence",
     "shard": "kvattn.sharding",
-    "snapshot_info": "kvattn.snapshot",
-    "weights_fingerprint": "kvattn.snapshot",
+    "snapshot_info": "kvattn.snapshots.cache",
+    "weights_fingerprint": "kvattn.snapshots.cache",
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Cache snapshots on disk: save a layer's KV cache, load it back, refuse anything else.
+"""A layer's or a model's KV cache on disk: save it, load it back, refuse anything else.
 
 A snapshot is a safetensors file (no pickle) holding the layer's `nnx.Cache`
 variables under their attribute paths (`k_cache`, `v_cache`, `pos`, and
@@ -17,11 +17,11 @@ module holding several layers) and, in the safetensors string metadata:
   pieces               only when several processes saved it: JSON, the list
                        of piece files beside it that hold the tensors (then
                        the file holds none, and `tensors` no sha256: each
-                       piece carries its own; see `kvattn.snapshot_files`)
+                       piece carries its own; see `kvattn.snapshots.pieces`)
   metadata_sha256      sha256 of the canonical JSON of every other entry
-                       (`kvattn.snapshot_files.metadata_checksum`)
+                       (`kvattn.snapshots.files.metadata_checksum`)
 
-`kvattn.snapshot_files` documents how a file is read: its header alone, and
+`kvattn.snapshots.files` documents how a file is read: its header alone, and
 its metadata checked against its checksum and the layer, before any tensor
 data is read or allocated.
 
@@ -52,9 +52,8 @@ from flax import nnx
 
 from kvattn.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
-from kvattn import snapshot_files as files
-from kvattn import snapshot_pieces as pieces
-from kvattn.snapshot_files import SnapshotError
+from kvattn.errors import SnapshotError
+from kvattn.snapshots import files, pieces
 from kvattn.validation import host
 
 __all__ = [
@@ -109,7 +108,7 @@ def weights_fingerprint(layer: nnx.Module) -> str:
     Example:
       >>> from flax import nnx
       >>> import kvattn
-      >>> from kvattn.snapshot import weights_fingerprint
+      >>> from kvattn.snapshots import weights_fingerprint
       >>> a = kvattn.MultiHeadAttention(2, 8, max_len=4, rngs=nnx.Rngs(0))
       >>> b = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
       >>> weights_fingerprint(a) == weights_fingerprint(b)  # max_len is not a weight
@@ -192,7 +191,7 @@ def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_misma
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> import kvattn
-      >>> from kvattn.snapshot import load_cache, save_cache
+      >>> from kvattn.snapshots import load_cache, save_cache
       >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, rngs=nnx.Rngs(0))
       >>> _ = layer.prefill(jnp.ones((5, 8)))
       >>> with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +249,7 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
       >>> import tempfile, os
       >>> from flax import nnx
       >>> import kvattn
-      >>> from kvattn.snapshot import save_cache, snapshot_info, weights_fingerprint
+      >>> from kvattn.snapshots import save_cache, snapshot_info, weights_fingerprint
       >>> layer = kvattn.MultiHeadAttention(2, 8, max_len=16, batch_size=3, rngs=nnx.Rngs(0))
       >>> with tempfile.TemporaryDirectory() as tmp:
       ...     save_cache(layer, os.path.join(tmp, "c.safetensors"))
@@ -265,7 +264,32 @@ def snapshot_info(path: str | os.PathLike) -> SnapshotInfo:
 
 
 def attention_layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
-    """The kvattn layers whose caches a snapshot of `module` holds, by path ("" for a lone layer)."""
+    """The kvattn layers whose caches a snapshot of `module` holds, by path ("" for a lone layer).
+
+    Both kinds of snapshot find their layers here: `save_cache` and
+    `load_cache` (a layer's or a model's whole cache) and `save_sequence`
+    and `load_sequence` (one paged sequence), so a path names the same
+    layer in either file.
+
+    Args:
+      module: a `kvattn.MultiHeadAttention`, or any module holding them
+        (a `kvattn.models.CausalLM`).
+
+    Returns:
+      Path -> layer: `{"": module}` for a lone layer, else each layer's
+      attribute path joined with "/" (`blocks/0/attention`), in
+      `nnx.iter_modules` order.
+
+    Raises:
+      TypeError: `module` is not a kvattn layer and holds none.
+
+    Example:
+      >>> from flax import nnx
+      >>> import kvattn
+      >>> from kvattn.snapshots import attention_layers
+      >>> list(attention_layers(kvattn.MultiHeadAttention(2, 8, max_len=4, rngs=nnx.Rngs(0))))
+      ['']
+    """
     if isinstance(module, MultiHeadAttention):
         return {"": module}
     found = {_path_name(path): sub for path, sub in nnx.iter_modules(module) if isinstance(sub, MultiHeadAttention)}
@@ -321,7 +345,9 @@ def _pieces(metadata: dict) -> tuple[str, ...]:
     except (ValueError, RecursionError):
         pieces = None
     if not isinstance(pieces, list) or not pieces or not all(isinstance(p, str) for p in pieces):
-        raise SnapshotError(f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}")
+        raise SnapshotError(
+            f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}"
+        )
     return tuple(pieces)
 
 

@@ -15,14 +15,14 @@ whatever the pool's page size or layout, and in its string metadata:
   tensors              JSON: name -> {"dtype", "shape", "sha256"}
   weights_fingerprint  `kvattn.weights_fingerprint` of the saving module
   metadata_sha256      sha256 of the canonical JSON of every other entry
-                       (`kvattn.snapshot_files.metadata_checksum`)
+                       (`kvattn.snapshots.files.metadata_checksum`)
 
 The token ids are what a server trusts to register the pages for prefix
 caching, and nothing else can vouch for them: hence the metadata checksum,
 verified before any entry is used. Version 1 had none, so it is refused
 with a request to save the sequence again.
 
-Loading reads the header alone first (`kvattn.snapshot_files`), checks all
+Loading reads the header alone first (`kvattn.snapshots.files`), checks all
 of it against the layers, then reads and checks the data, then claims a
 slot and pages from the `PageManager` (raising `OutOfPagesError` first if
 they cannot be had), so a failed load changes neither the manager nor any
@@ -41,13 +41,13 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn import snapshot_files as files
 from kvattn.cache import Stored
 from kvattn.config import NULL_PAGE
 from kvattn.errors import OutOfPagesError, SnapshotError
 from kvattn.paging import PageManager
 from kvattn.paging import device as paged
-from kvattn.snapshot import attention_layers, weights_fingerprint
+from kvattn.snapshots import files
+from kvattn.snapshots.cache import attention_layers, weights_fingerprint
 
 __all__ = ["load_sequence", "save_sequence"]
 
@@ -77,10 +77,14 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
     layers = _paged_layers(module, manager)
     slot = int(slot)
     if not 0 <= slot < manager.max_sequences or not manager.live[slot]:
-        raise ValueError(f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})")
+        raise ValueError(
+            f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})"
+        )
     length = int(manager.lengths[slot])
     if manager.window is not None and length > 0 and manager.tables[slot, 0] == NULL_PAGE:
-        raise ValueError(f"slot {slot} has released the pages that left its window; a windowed sequence cannot be saved")
+        raise ValueError(
+            f"slot {slot} has released the pages that left its window; a windowed sequence cannot be saved"
+        )
     if tokens is not None:
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if len(tokens) != length:
@@ -190,7 +194,9 @@ def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
     layers = attention_layers(module)
     unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.paged)
     if unpaged:
-        raise ValueError(f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}")
+        raise ValueError(
+            f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}"
+        )
     wanted = (manager.num_pages, manager.page_size, manager.max_pages_per_sequence)
     for prefix, layer in layers.items():
         config = layer.config

@@ -18,8 +18,8 @@ import safetensors.numpy
 from flax import nnx
 
 import kvattn
-from kvattn import snapshot_files, snapshot_pieces
-from kvattn.snapshot import SnapshotError, load_cache, save_cache, snapshot_info
+from kvattn.errors import SnapshotError
+from kvattn.snapshots import files, load_cache, pieces, save_cache, snapshot_info
 from tests.helpers import assert_same_bits, cache_arrays
 
 
@@ -86,7 +86,7 @@ KILLED_SAVE = """
 import os, sys, time
 from flax import nnx
 import kvattn
-from kvattn import snapshot_files
+from kvattn.snapshots import files
 
 path, temp = sys.argv[1:]
 if temp == "named":  # as where O_TMPFILE is missing
@@ -98,7 +98,7 @@ def half_then_hang(file, payload):
     print("half written", flush=True)
     time.sleep(60)
 
-snapshot_files.write_and_sync = half_then_hang
+files.write_and_sync = half_then_hang
 kvattn.save_cache(kvattn.MultiHeadAttention(4, 8, max_len=12, num_kv_heads=2, batch_size=3, rngs=nnx.Rngs(0)), path)
 """
 
@@ -146,7 +146,7 @@ def saved_in_pieces(tmp_path, layer):
         del metadata[key]
     arrays = {"/".join(map(str, var_path)): variable[...]
               for var_path, variable in nnx.to_flat_state(nnx.state(layer, nnx.Cache))}
-    snapshot_pieces.write_pieces(path, arrays, metadata)
+    pieces.write_pieces(path, arrays, metadata)
     return path, tmp_path / "cache.safetensors.process-0-of-1"
 
 
@@ -210,11 +210,11 @@ def test_a_malformed_legacy_piece_index_is_a_snapshot_error_naming_the_piece_fil
 def test_overlapping_pieces_are_refused_before_their_data_is_read(tmp_path, monkeypatch):
     path = tmp_path / "cache.safetensors"
     layer = filled_layer()
-    checksum = snapshot_files.sha256(cache_arrays(layer)["k_cache"])
+    checksum = files.sha256(cache_arrays(layer)["k_cache"])
     entry = {"tensor": "k_cache", "start": [0, 0, 0, 0], "sha256": checksum}
     keys = ("k_cache#0.0", "k_cache#0.1")
     legacy_pieces_snapshot(path, layer, json.dumps(dict.fromkeys(keys, entry)), keys=keys)
-    monkeypatch.setattr(snapshot_files, "read_tensors", None)  # any read of piece data fails the test
+    monkeypatch.setattr(files, "read_tensors", None)  # any read of piece data fails the test
     assert_refused_quickly(make_layer(), path, r"the pieces of tensor 'k_cache' do not cover it exactly once: "
                                                r"piece 'k_cache#0.1' overlaps another")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from tests.helpers import random_tokens as tokens
 
 
 def test_a_saved_sequence_continues_in_another_pool(tmp_path):
-    """Saved from a slots-major pool of 8-token pages, loaded into a heads-major one of 1-token pages: same next steps."""
+    """Saved from a slots-major pool of 8-token pages, loaded into a heads-major one of 1-token pages: same steps."""
     source, _ = layers(8, num_pages=16)
     target, _ = layers(1, num_pages=33, cache_layout="heads_major")
     rng = np.random.default_rng(5)

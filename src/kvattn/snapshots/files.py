@@ -1,8 +1,9 @@
 """The files of a snapshot: bounded reads, checksummed metadata and atomic writes.
 
-`kvattn.snapshot` (a layer's cache) and `kvattn.paging.snapshot` (one paged
-sequence) decide what a snapshot holds and check it against layers; this
-module moves the bytes and checks everything that needs no layer.
+`kvattn.snapshots.cache` (a layer's cache) and `kvattn.snapshots.sequence`
+(one paged sequence) decide what a snapshot holds and check it against
+layers; this module moves the bytes and checks everything that needs no
+layer.
 
 A snapshot is a safetensors file: an 8-byte little-endian header length,
 a JSON header (each tensor's dtype, shape and data offsets, and a
@@ -34,7 +35,7 @@ one path at once on a shared file system; no two savers of one path
 should, as only one file can win).
 
 Snapshots of arrays that span processes are written in pieces:
-`kvattn.snapshot_pieces`.
+`kvattn.snapshots.pieces`.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ under keys `{tensor}#{process}.{number}`, with this string metadata:
   index            JSON: piece key -> {"tensor", "start", "sha256"}: the
                    tensor it is part of, its first index there, and the
                    sha256 of its little-endian C-order bytes
-  metadata_sha256  as in `kvattn.snapshot_files`
+  metadata_sha256  as in `kvattn.snapshots.files`
 
 The snapshot file itself then holds no tensors: its metadata lists the
 piece files. A load checks every piece file's header, and that the pieces
@@ -30,8 +30,8 @@ import numpy as np
 import safetensors.numpy
 from jax.experimental import multihost_utils
 
-from kvattn import snapshot_files as files
 from kvattn.errors import SnapshotError
+from kvattn.snapshots import files
 
 __all__ = ["PIECES_FORMAT", "PIECES_FORMAT_VERSION", "piece_file_names", "read_pieces", "write_pieces"]
 
