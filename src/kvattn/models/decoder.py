@@ -1,11 +1,13 @@
-"""Decoder-only language models built from kvattn layers: GPT-2 and the Llama family.
+"""Decoder-only language models built from kvattn layers, as a family's block spec names them.
 
 `CausalLM(config, max_len=..., batch_size=..., rngs=...)` holds an
-embedding, `num_layers` blocks (norm, attention, norm, MLP), a final norm
-and the output projection (tied to the embedding when the checkpoint ties
-them). Every block's attention (a `kvattn.MultiHeadAttention`) owns its KV
-cache, so the
-model decodes with `prefill(tokens, lengths)` and `step(tokens)` like one
+embedding (plus a learned position table where the spec says so),
+`num_layers` blocks (norm, attention, norm, MLP), a final norm and the
+output projection (tied to the embedding when the checkpoint ties them).
+Which norm, which MLP, which positions and which biases are the fields of
+`config.block` (`kvattn.models.spec.BlockSpec`); no family is named here.
+Every block's attention (a `kvattn.MultiHeadAttention`) owns its KV cache,
+so the model decodes with `prefill(tokens, lengths)` and `step(tokens)` like one
 layer does, and `model(tokens)` is the full causal forward without a cache.
 Token ids are checked at each call (`kvattn.models.tokens`): eagerly an id
 outside `[0, vocab_size)` raises before any cache changes; under `jit` its
@@ -196,40 +198,51 @@ class Attention(MultiHeadAttention):
         return FusedWeights(self.qkv.weight, self.qkv.bias_value(), self.out.weight, self.out.bias_value(), *norms_)
 
 
-class MLP(nnx.Module):
-    """SwiGLU (Llama: `down(silu(gate(x)) * up(x))`) or GELU (GPT-2: `down(gelu_tanh(up(x)))`).
+class GeluMLP(nnx.Module):
+    """GPT-2's MLP: `down(gelu_tanh(up(x)))`."""
 
-    Llama's gate and up projections are one kernel `gate_up` `(D, 2I)`, gate
+    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
+        hidden, inner = config.hidden_size, config.intermediate_size
+        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
+        self.up = layer((hidden,), (inner,))
+        self.down = layer((inner,), (hidden,))
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+
+
+class GatedSiluMLP(nnx.Module):
+    """Llama's MLP (SwiGLU): `down(silu(gate(x)) * up(x))`.
+
+    The gate and up projections are one kernel `gate_up` `(D, 2I)`, gate
     first: one dot per step instead of two.
     """
 
     def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
-        self.gated = config.family == "llama"
-        bias = config.family == "gpt2"
         hidden, inner = config.hidden_size, config.intermediate_size
-        layer = functools.partial(Linear, bias=bias, dtype=dtype, compact=compact, rngs=rngs)
-        if self.gated:
-            self.gate_up = layer((hidden,), (2 * inner,))
-        else:
-            self.up = layer((hidden,), (inner,))
+        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
+        self.gate_up = layer((hidden,), (2 * inner,))
         self.down = layer((inner,), (hidden,))
 
     def __call__(self, x):
-        if self.gated:
-            gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-            return self.down(jax.nn.silu(gate) * up)
-        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+        return self.down(jax.nn.silu(gate) * up)
+
+
+# The layers each kind a `kvattn.models.spec.BlockSpec` names builds.
+NORM_LAYERS = {"layer": LayerNorm, "rms": RMSNorm}
+MLP_LAYERS = {"gelu": GeluMLP, "gated_silu": GatedSiluMLP}
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: `x + attention(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm residual block: `x + attention(norm(x))`, then `x + mlp(norm(x))`, norm and MLP as the spec names."""
 
     def __init__(self, config: ModelConfig, attention: Attention, dtype, *, compact: bool, rngs: nnx.Rngs | None):
-        norm = RMSNorm if config.family == "llama" else LayerNorm
+        norm = NORM_LAYERS[config.block.norm]
         self.attention_norm = norm(config.hidden_size, config.norm_eps, dtype)
         self.attention = attention
         self.mlp_norm = norm(config.hidden_size, config.norm_eps, dtype)
-        self.mlp = MLP(config, dtype, compact=compact, rngs=rngs)
+        self.mlp = MLP_LAYERS[config.block.mlp](config, dtype, compact=compact, rngs=rngs)
 
     def forward(self, x, attend):
         x = x + attend(self.attention_norm(x))
@@ -262,11 +275,12 @@ class CausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
                  weights: str | None = None, cache_dtype=None, num_pages: int | None = None,
                  page_size: int | None = None, rngs: nnx.Rngs | None = None):
-        learned = config.family == "gpt2"
+        block = config.block
+        learned = block.positions == "learned"
         if learned and isinstance(max_len, (int, np.integer)) and max_len > config.max_position_embeddings:
             raise ValueError(
                 f"max_len={max_len} exceeds the {config.max_position_embeddings} learned positions of this "
-                f"{config.family} model (n_positions): it cannot place a token past them"
+                f"{config.family} model (max_position_embeddings): it cannot place a token past them"
             )
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
@@ -296,10 +310,10 @@ class CausalLM(nnx.Module):
         capacity = {"window": window} if window else {"max_len": max_len}
         if num_pages is not None:
             capacity = {"max_len": max_len, "window": window, "num_pages": num_pages, "page_size": page_size}
+        biased = (("query", "key", "value") if config.attention_bias else ()) + (("out",) if block.out_bias else ())
         attention = AttentionConfig(
             config.num_heads, hidden, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
-            batch_size=batch_size, use_bias=True if learned else (
-                ("query", "key", "value") if config.attention_bias else False),
+            batch_size=batch_size, use_bias=biased,
             rope=config.rope, normalize_qk="rms" if config.qk_norm else False, qk_norm_eps=config.norm_eps,
             dtype=dtype, param_dtype=dtype, cache_dtype=cache_dtype or dtype, cache_layout="heads_major", **capacity,
         )
@@ -307,8 +321,7 @@ class CausalLM(nnx.Module):
             Block(config, Attention(attention, compact=compact, rngs=rngs), dtype, compact=compact, rngs=rngs)
             for _ in range(config.num_layers)
         ])
-        norm = RMSNorm if config.family == "llama" else LayerNorm
-        self.final_norm = norm(hidden, config.norm_eps, dtype)
+        self.final_norm = NORM_LAYERS[block.norm](hidden, config.norm_eps, dtype)
         self.lm_head = None if config.tie_embeddings else Linear(
             (hidden,), (vocab,), bias=False, dtype=dtype, compact=compact, rngs=rngs
         )
@@ -409,7 +422,7 @@ class CausalLM(nnx.Module):
         return logits.astype(jnp.float32)
 
     def _tokens(self, tokens, shape, lengths=None):
-        """`(tokens, valid)`: checked ids (eagerly it raises; traced, bad ids become 0) and the rows without a bad one."""
+        """`(tokens, valid)`: checked ids (eagerly it raises; traced, bad ids become 0), the rows without a bad one."""
         tokens = token_ids(tokens, self.config.vocab_size, "tokens", shape)
         if not check.is_traced(tokens):
             return jnp.asarray(tokens), None

@@ -1,17 +1,12 @@
 """Loading Hugging Face checkpoints (config.json + safetensors) into `CausalLM`, without torch.
 
-Each family's weights map as a table read top to bottom: a checkpoint
+Each family's weights map as a table read top to bottom (its file in
+`kvattn.models.families`, its rows `kvattn.models.table.Row`): a checkpoint
 tensor's name (`{i}` for a layer's index, without the base model's prefix
-`model.` / `transformer.`), the kvattn parameters it fills, its stored
-shape in named sizes, and the conversion. torch `Linear` weights `(out,
-in)` are transposed to `(in, out)`; GPT-2's `Conv1D` weights are already
-`(in, out)`; attention projections are split into heads (`(D, N, H)` for
-query/key/value, `(N, H, D)` for out). A tensor that fills one part of a
-fused parameter names it with `Part`: Llama's query, key and value
-projections are the three parts of `attention/qkv` along its heads axis,
-its gate and up projections the two halves of `mlp/gate_up`; GPT-2's
-`c_attn` is already fused. The model stores each assembled float weight in
-its own form (`CausalLM.load_weight`: its dtype, or int8 with scales).
+`model.` / `transformer.`), the kvattn parameters it fills (or the `Part`
+of a fused one), its stored shape in named sizes, and the conversion. The
+model stores each assembled float weight in its own form
+(`CausalLM.load_weight`: its dtype, or int8 with scales).
 
 Loading checks before it converts or allocates:
   1. `config.json` becomes a checked `ModelConfig` (sizes, heads, rope).
@@ -32,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -45,163 +39,17 @@ from flax import nnx
 from kvattn.config import CACHE_DTYPES
 from kvattn.errors import CheckpointError
 from kvattn.models.decoder import WEIGHTS, CausalLM
+from kvattn.models.families import FAMILIES
 from kvattn.models.model_config import ModelConfig, from_hf_config
+from kvattn.models.table import Part, Row, sizes
 
-__all__ = ["WEIGHTS_BACKENDS", "Part", "Row", "from_pretrained", "load_safetensors", "locate"]
+__all__ = ["WEIGHTS_BACKENDS", "filled_parameters", "from_pretrained", "load_safetensors", "locate", "parameter_paths"]
 
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refuse anything absurd unread
 
 
 # ------------------------------------------------------------------ the tables
-
-
-class Part(NamedTuple):
-    """A share of a fused parameter: piece `index` of the pieces, sized `sizes`, joined along `axis`."""
-
-    path: str
-    """The fused parameter's path (`{i}` as in `Row.source`)."""
-    axis: int
-    sizes: tuple[str, ...]
-    """Every piece's extent along `axis`, in named sizes (see `_sizes`), in order."""
-    index: int
-
-    def located(self, config: ModelConfig) -> tuple[str, tuple[slice, ...]]:
-        """The parameter's path and the index of this part within it (as the float weight lays it out)."""
-        sizes = _sizes(config)
-        start = sum(sizes[name] for name in self.sizes[: self.index])
-        where = (slice(None),) * self.axis + (slice(start, start + sizes[self.sizes[self.index]]),)
-        return self.path, where
-
-
-class Row(NamedTuple):
-    """One checkpoint tensor: where it goes, the shape it must have, how it converts."""
-
-    source: str
-    """Its name without the base prefix; `{i}` stands for a layer index."""
-    targets: tuple[str | Part, ...]
-    """The kvattn parameter paths (or parts of one) it fills (`{i}` as in `source`); () for a buffer, left unread."""
-    shape: tuple[str, ...] | None
-    """Its stored shape in named sizes (see `_sizes`); None: any (buffers only)."""
-    convert: Callable = lambda w, config: (w,)
-    """Stored array -> one array per target."""
-    when: Callable = lambda config: True
-    """Whether the config has this tensor at all."""
-    optional: bool = False
-    """Whether a checkpoint may leave it out (buffers only)."""
-
-
-def _sizes(config: ModelConfig) -> dict[str, int]:
-    return {
-        "V": config.vocab_size, "D": config.hidden_size, "I": config.intermediate_size,
-        "P": config.max_position_embeddings, "Q": config.num_heads * config.head_dim,
-        "KV": config.num_kv_heads * config.head_dim, "H": config.head_dim, "3Q": 3 * config.num_heads * config.head_dim,
-        "N": config.num_heads, "K": config.num_kv_heads,
-    }
-
-
-def _transpose(w, config):
-    return (w.T,)
-
-
-def _heads_in(heads: str):
-    """torch `Linear` `(heads * H, D)` -> `(D, heads, H)`; `heads` names the config field."""
-    return lambda w, c: (w.T.reshape(c.hidden_size, getattr(c, heads), c.head_dim),)
-
-
-def _heads_bias(heads: str):
-    return lambda b, c: (b.reshape(getattr(c, heads), c.head_dim),)
-
-
-def _heads_out(w, config):
-    """torch `Linear` `(D, N * H)` -> `(N, H, D)`."""
-    return (w.T.reshape(config.num_heads, config.head_dim, config.hidden_size),)
-
-
-def _conv_heads_out(w, config):
-    """GPT-2 `Conv1D` `(N * H, D)` -> `(N, H, D)`."""
-    return (w.reshape(config.num_heads, config.head_dim, config.hidden_size),)
-
-
-def _conv_qkv(w, config):
-    """GPT-2's fused `c_attn` `(D, 3 * N * H)` -> `(D, 3N, H)`: query, key and value heads side by side."""
-    return (w.reshape(config.hidden_size, 3 * config.num_heads, config.head_dim),)
-
-
-def _qkv_bias(b, config):
-    return (b.reshape(3 * config.num_heads, config.head_dim),)
-
-
-def _untied(config):
-    return not config.tie_embeddings
-
-
-def _biased(config):
-    return config.attention_bias
-
-
-def _qk_norm(config):
-    return config.qk_norm
-
-
-_ATTENTION = "blocks/{i}/attention/"
-# The fused projections' parts: query, key and value heads along the heads axis of `qkv` (kernel
-# `(D, N + 2K, H)`, bias `(N + 2K, H)`); gate and up along the features of `gate_up` `(D, 2I)`.
-_QKV = ("N", "K", "K")
-
-
-def _qkv(param: str, index: int) -> Part:
-    return Part(_ATTENTION + "qkv/" + param, 1 if param == "kernel" else 0, _QKV, index)
-
-
-def _gate_up(index: int) -> Part:
-    return Part("blocks/{i}/mlp/gate_up/kernel", 1, ("I", "I"), index)
-
-
-LLAMA = ("model.", (
-    Row("embed_tokens.weight", ("embed",), ("V", "D")),
-    Row("norm.weight", ("final_norm/weight",), ("D",)),
-    Row("lm_head.weight", ("lm_head/kernel",), ("V", "D"), _transpose, when=_untied),
-    Row("layers.{i}.input_layernorm.weight", ("blocks/{i}/attention_norm/weight",), ("D",)),
-    Row("layers.{i}.post_attention_layernorm.weight", ("blocks/{i}/mlp_norm/weight",), ("D",)),
-    Row("layers.{i}.self_attn.q_proj.weight", (_qkv("kernel", 0),), ("Q", "D"), _heads_in("num_heads")),
-    Row("layers.{i}.self_attn.k_proj.weight", (_qkv("kernel", 1),), ("KV", "D"), _heads_in("num_kv_heads")),
-    Row("layers.{i}.self_attn.v_proj.weight", (_qkv("kernel", 2),), ("KV", "D"), _heads_in("num_kv_heads")),
-    Row("layers.{i}.self_attn.q_proj.bias", (_qkv("bias", 0),), ("Q",), _heads_bias("num_heads"), _biased),
-    Row("layers.{i}.self_attn.k_proj.bias", (_qkv("bias", 1),), ("KV",), _heads_bias("num_kv_heads"), _biased),
-    Row("layers.{i}.self_attn.v_proj.bias", (_qkv("bias", 2),), ("KV",), _heads_bias("num_kv_heads"), _biased),
-    Row("layers.{i}.self_attn.o_proj.weight", (_ATTENTION + "out/kernel",), ("D", "Q"), _heads_out),
-    Row("layers.{i}.self_attn.q_norm.weight", (_ATTENTION + "query_ln/scale",), ("H",), when=_qk_norm),
-    Row("layers.{i}.self_attn.k_norm.weight", (_ATTENTION + "key_ln/scale",), ("H",), when=_qk_norm),
-    Row("layers.{i}.mlp.gate_proj.weight", (_gate_up(0),), ("I", "D"), _transpose),
-    Row("layers.{i}.mlp.up_proj.weight", (_gate_up(1),), ("I", "D"), _transpose),
-    Row("layers.{i}.mlp.down_proj.weight", ("blocks/{i}/mlp/down/kernel",), ("D", "I"), _transpose),
-))
-
-GPT2 = ("transformer.", (
-    Row("wte.weight", ("embed",), ("V", "D")),
-    Row("wpe.weight", ("positions",), ("P", "D")),
-    Row("ln_f.weight", ("final_norm/weight",), ("D",)),
-    Row("ln_f.bias", ("final_norm/bias",), ("D",)),
-    Row("lm_head.weight", ("lm_head/kernel",), ("V", "D"), _transpose, when=_untied),
-    Row("h.{i}.ln_1.weight", ("blocks/{i}/attention_norm/weight",), ("D",)),
-    Row("h.{i}.ln_1.bias", ("blocks/{i}/attention_norm/bias",), ("D",)),
-    Row("h.{i}.attn.c_attn.weight", (_ATTENTION + "qkv/kernel",), ("D", "3Q"), _conv_qkv),
-    Row("h.{i}.attn.c_attn.bias", (_ATTENTION + "qkv/bias",), ("3Q",), _qkv_bias),
-    Row("h.{i}.attn.c_proj.weight", (_ATTENTION + "out/kernel",), ("Q", "D"), _conv_heads_out),
-    Row("h.{i}.attn.c_proj.bias", (_ATTENTION + "out/bias",), ("D",)),
-    Row("h.{i}.ln_2.weight", ("blocks/{i}/mlp_norm/weight",), ("D",)),
-    Row("h.{i}.ln_2.bias", ("blocks/{i}/mlp_norm/bias",), ("D",)),
-    Row("h.{i}.mlp.c_fc.weight", ("blocks/{i}/mlp/up/kernel",), ("D", "I")),
-    Row("h.{i}.mlp.c_fc.bias", ("blocks/{i}/mlp/up/bias",), ("I",)),
-    Row("h.{i}.mlp.c_proj.weight", ("blocks/{i}/mlp/down/kernel",), ("I", "D")),
-    Row("h.{i}.mlp.c_proj.bias", ("blocks/{i}/mlp/down/bias",), ("D",)),
-    # Non-parameter buffers some GPT-2 checkpoints keep (the causal mask): allowed, never read.
-    Row("h.{i}.attn.bias", (), None, optional=True),
-    Row("h.{i}.attn.masked_bias", (), None, optional=True),
-))
-
-FAMILIES = {"llama": LLAMA, "gpt2": GPT2}
 
 
 class _Expected(NamedTuple):
@@ -212,18 +60,27 @@ class _Expected(NamedTuple):
 
 def expected_tensors(config: ModelConfig) -> dict[str, _Expected]:
     """The checkpoint names (without the base prefix) a config's model is loaded from, and what each must be."""
-    _, rows = FAMILIES[config.family]
-    sizes = _sizes(config)
+    named = sizes(config)
     expected = {}
-    for row in rows:
+    for row in FAMILIES[config.family].table:
         if not row.when(config):
             continue
-        shape = None if row.shape is None else tuple(sizes[size] for size in row.shape)
+        shape = None if row.shape is None else tuple(named[size] for size in row.shape)
         for i in range(config.num_layers) if "{i}" in row.source else (None,):
             targets = tuple(t._replace(path=t.path.format(i=i)) if isinstance(t, Part) else t.format(i=i)
                             for t in row.targets)
             expected[row.source.format(i=i)] = _Expected(row, targets, shape)
     return expected
+
+
+def filled_parameters(config: ModelConfig) -> set[str]:
+    """The parameter paths a config's table fills: all of its model's (`parameter_paths`) but the int8 scales."""
+    return {locate(target, config)[0] for want in expected_tensors(config).values() for target in want.targets}
+
+
+def parameter_paths(model: CausalLM) -> set[str]:
+    """A model's parameter paths as `nnx.state` names them, e.g. `"blocks/0/mlp/down/kernel"`."""
+    return {"/".join(map(str, key)) for key, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 # ------------------------------------------------------------------ the files
@@ -306,7 +163,7 @@ def _some(names: list[str], most: int = 8) -> str:
 
 def match_headers(config: ModelConfig, headers: dict[str, _Header]) -> dict[str, tuple[_Header, _Expected]]:
     """Pairs every header with its table row, after checking names, dtypes and shapes; names every mismatch."""
-    prefix, _ = FAMILIES[config.family]
+    prefix = FAMILIES[config.family].prefix
     # Each layer needs several tensors: a config claiming more layers than the files hold tensors is
     # refused before its table is even spelled out.
     if config.num_layers > len(headers):
@@ -434,17 +291,15 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     """
     dtype, weights = _storage(dtype, weights)
     if cache_dtype is None and dtype.name not in CACHE_DTYPES:  # the caches would default to it
-        raise ValueError(f"dtype={dtype.name} cannot be the caches' storage, which defaults to dtype: use a dtype among "
-                         f"{sorted(CACHE_DTYPES)}, or pass cache_dtype= one of them")
+        raise ValueError(f"dtype={dtype.name} cannot be the caches' storage, which defaults to dtype: use a dtype "
+                         f"among {sorted(CACHE_DTYPES)}, or pass cache_dtype= one of them")
     path = Path(path)
     config = checkpoint_config(path)
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))
     model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, weights=weights,
                      cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size)
-    params = {"/".join(map(str, key)) for key, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    filled = {locate(target, config)[0] for _, want in pairs.values() for target in want.targets}
     # An int8 parameter's scales are stored with it.
-    unfilled = {name for name in params - filled if not name.endswith("_scale")}
+    unfilled = {name for name in parameter_paths(model) - filled_parameters(config) if not name.endswith("_scale")}
     assert not unfilled, f"the {config.family} table leaves parameters unfilled: {sorted(unfilled)}"
     # One tensor at a time, so the host holds at most one beside the model (and the parts of a fused
     # parameter until its last one arrives); the model is returned only once every tensor has passed,

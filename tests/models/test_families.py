@@ -1,0 +1,118 @@
+"""The family registry: every `model_type` translates, its table fills exactly its model, and the decoder names none.
+
+A new family joins `kvattn.models.families.MODEL_TYPES` and `MINIMAL` below;
+these tests then hold its translation and its weight table to the same
+contract as GPT-2's and Llama's.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvattn import models
+from kvattn.models import decoder, hf, spec, table
+from kvattn.models.families import FAMILIES, MODEL_TYPES
+from tests.helpers import FAMILIES as FIXTURE_FAMILIES
+
+# The fewest keys each family's translation needs, by family name; the registry's `model_type` is added.
+MINIMAL = {
+    "gpt2": {"vocab_size": 32, "n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 16},
+    "llama": {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "intermediate_size": 24, "max_position_embeddings": 16},
+}
+
+
+def minimal(model_type: str) -> dict:
+    return {**MINIMAL[MODEL_TYPES[model_type].name], "model_type": model_type}
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
+def test_every_registered_model_type_translates_a_minimal_config(model_type):
+    config = models.from_hf_config(minimal(model_type))
+    assert config.family == MODEL_TYPES[model_type].name
+    assert config.block is MODEL_TYPES[model_type].block
+    assert (config.num_layers, config.vocab_size, config.hidden_size) == (2, 32, 16)
+
+
+def test_every_registered_model_type_has_transformers_fixtures():
+    """The equivalence suite (tests/models/test_hf_equivalence.py) runs over exactly the registered model types."""
+    assert set(FIXTURE_FAMILIES) == set(MODEL_TYPES)
+
+
+def test_the_registry_is_consistent():
+    assert all(FAMILIES[family.name] is family for family in MODEL_TYPES.values())
+    assert set(FAMILIES) == {family.name for family in MODEL_TYPES.values()}
+    # Every kind a block spec may name has a layer the decoder builds.
+    assert set(decoder.NORM_LAYERS) == set(spec.NORMS)
+    assert set(decoder.MLP_LAYERS) == set(spec.MLPS)
+
+
+def test_an_unknown_model_type_is_refused_with_the_known_ones():
+    with pytest.raises(models.UnsupportedConfigError, match="model_type='falcon'") as error:
+        models.from_hf_config({**minimal("llama"), "model_type": "falcon"})
+    assert all(repr(model_type) in str(error.value) for model_type in MODEL_TYPES)
+    with pytest.raises(models.UnsupportedConfigError, match="model_type=None"):
+        models.from_hf_config(MINIMAL["llama"])
+    with pytest.raises(models.UnsupportedConfigError, match="family must be one of"):
+        dataclasses.replace(models.from_hf_config(minimal("llama")), family="falcon")
+
+
+def test_a_block_spec_refuses_kinds_the_decoder_does_not_build():
+    with pytest.raises(ValueError, match="BlockSpec.norm must be one of"):
+        spec.BlockSpec(norm="batch", mlp="gelu", positions="learned", out_bias=True, mlp_bias=True)
+    with pytest.raises(TypeError, match="BlockSpec.mlp_bias must be a bool"):
+        spec.BlockSpec(norm="rms", mlp="gelu", positions="rotary", out_bias=False, mlp_bias=1)
+
+
+def test_learned_positions_refuse_rope():
+    config = models.from_hf_config(minimal("llama"))
+    with pytest.raises(models.UnsupportedConfigError, match="gpt2 models use learned positions, not rope"):
+        dataclasses.replace(config, family="gpt2")
+
+
+# What one checkpoint of a family may choose in its config.json, beside the choices its model_type implies.
+CHOICES = {
+    "gpt2": [{}, {"tie_word_embeddings": False}],
+    "llama": [{}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"tie_word_embeddings": True,
+                                                                            "attention_bias": True}],
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
+def test_each_family_table_fills_exactly_its_models_parameters_in_their_shapes(model_type):
+    for choice, weights in itertools.product(CHOICES[MODEL_TYPES[model_type].name], (None, "int8")):
+        config = models.from_hf_config({**minimal(model_type), **choice})
+        model = models.CausalLM(config, max_len=8, weights=weights)
+        # An int8 parameter's scales are stored with it, never named by a table.
+        params = {path for path in hf.parameter_paths(model) if not path.endswith("_scale")}
+        assert hf.filled_parameters(config) == params, (config, weights)
+        # Every tensor converts to its target's shape: `load_weight` refuses any other, and a part is its slice.
+        pieces: dict[str, dict[int, tuple]] = {}
+        for want in hf.expected_tensors(config).values():
+            if not want.targets:  # a buffer, never read
+                continue
+            parts = want.row.convert(np.zeros(want.shape, np.float32), config)
+            for target, part in zip(want.targets, parts, strict=True):
+                if isinstance(target, table.Part):
+                    pieces.setdefault(target.path, {})[target.index] = (target, part)
+                else:
+                    model.load_weight(target, part)
+        for path, held in pieces.items():
+            assert sorted(held) == list(range(len(next(iter(held.values()))[0].sizes))), path
+            fused = np.concatenate([held[index][1] for index in sorted(held)], axis=held[0][0].axis)
+            model.load_weight(path, fused)
+            for target, part in held.values():
+                assert fused[hf.locate(target, config)[1]].shape == part.shape, (path, target.index)
+
+
+def test_the_decoder_names_no_family():
+    """`decoder.py` builds whatever block spec it is given; no string in it is a family name or a model type."""
+    source = Path(decoder.__file__).read_text()
+    named = {node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)}
+    assert not named & (set(FAMILIES) | set(MODEL_TYPES))
