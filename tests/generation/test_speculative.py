@@ -442,3 +442,16 @@ def test_acceptance_is_nan_when_nothing_was_drafted():
     zeros = jnp.zeros((2,), jnp.int32)
     result = generation.Speculated(jnp.zeros((2, 1), jnp.int32), zeros, jnp.int32(0), jnp.int32(1), zeros, zeros)
     assert math.isnan(result.acceptance)
+
+
+def test_the_policy_is_one_arithmetic_on_host_numbers_and_traced_arrays():
+    """The engine asks it per request on the host (no device op), the fixed-batch loop in its graph: same answers."""
+    policy = generation.Policy()
+    traced = jax.jit(lambda e, w, p, c, n: (policy.wants_round(e, w, p, c, n), policy.patience(e, p, c, n)))
+    for expected, waited, patience, cost, length in [(0.2, 3, 16, 0.0, 0), (1.5, 0, 16, 0.0, 0), (0.5, 16, 16, 0.0, 0),
+                                                     (1.2, 0, 32, 0.3, 2), (0.9, 70, 64, 0.1, 1)]:
+        wants, longer = policy.wants_round(expected, waited, patience, cost, length), policy.patience(
+            expected, patience, cost, length)
+        assert isinstance(wants, bool) and isinstance(longer, int)
+        assert (wants, longer) == tuple(x.item() for x in traced(expected, waited, patience, cost, length))
+    assert policy.patience(0.0, 48) == 64 and policy.patience(2.0, 48) == 16

@@ -69,8 +69,10 @@ class Policy:
 
     def patience(self, expected, patience, draft_cost=0.0, length=0):
         """Plain steps before the next try after a round: `probe_every` while rounds pay, else twice as many."""
-        return jnp.where(self.pays(expected, draft_cost, length), self.probe_every,
-                         jnp.minimum(2 * patience, self.max_patience))
+        pays = self.pays(expected, draft_cost, length)
+        if isinstance(pays, bool):  # host numbers: no device op (each would be a dispatch, the first a compile)
+            return self.probe_every if pays else min(2 * patience, self.max_patience)
+        return jnp.where(pays, self.probe_every, jnp.minimum(2 * patience, self.max_patience))
 
 
 def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int, max_ngram: int
