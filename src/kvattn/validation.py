@@ -217,15 +217,6 @@ def capacity(config: AttentionConfig, pos: np.ndarray | None, lengths) -> None:
         )
 
 
-def contiguous(config: AttentionConfig, name: str) -> None:
-    """Refuses an operation on a paged layer, whose sequences the host `PageManager` owns."""
-    if config.paged:
-        raise ValueError(
-            f"{name} is not a paged layer's operation: its sequences live in pages that the host "
-            "kvattn.PageManager owns (use its free/truncate/fork/reorder), and each call gets a PageBatch"
-        )
-
-
 def page_batch(config: AttentionConfig, pages, lengths, batch: int) -> tuple:
     """A `PageBatch`'s arrays for `batch` rows as int32 (`table`, `pos`, `copy_from`, `copy_to`), checked when not traced.
 
