@@ -32,6 +32,11 @@ INT32_MAX = 2**31 - 1
 # at it, the host never hands it out, and the device never writes it.
 NULL_PAGE = 0
 
+
+def blocks_spanned(num_tokens, page_size: int):
+    """Blocks (pages) that `num_tokens` tokens from position 0 touch: an int, or an array of them."""
+    return -(-num_tokens // page_size)
+
 # Storage name -> bytes per stored element.
 CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
@@ -252,7 +257,7 @@ class AttentionConfig:
     @property
     def pages_per_sequence(self) -> int:
         """A paged cache's table width: the blocks of `max_len` tokens."""
-        return -(-self.max_len // self.page_size)
+        return blocks_spanned(self.max_len, self.page_size)
 
     @property
     def num_slots(self) -> int:

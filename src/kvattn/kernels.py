@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
 from kvattn import native
-from kvattn.config import LAYOUTS
+from kvattn.config import LAYOUTS, blocks_spanned
 from kvattn.errors import UnsupportedConfigError
 
 __all__ = [
@@ -364,7 +364,7 @@ def _kernel_table(table, filled, page_size: int, width: int):
     would not be zero).
     """
     num_blocks = table.shape[1]
-    used = (filled + page_size - 1) // page_size
+    used = blocks_spanned(filled, page_size)
     last = jnp.take_along_axis(table, jnp.clip(used - 1, 0, num_blocks - 1)[:, None], axis=1)
     padded = jnp.pad(table, ((0, 0), (0, width - num_blocks)))
     return jnp.where(jnp.arange(width)[None, :] < used[:, None], padded, last)
