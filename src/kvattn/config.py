@@ -40,8 +40,10 @@ def blocks_spanned(num_tokens, page_size: int):
 # Storage name -> bytes per stored element.
 CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
-# A cache layout is named by the letters of its axes (legend in `kvattn.ops`).
-LAYOUTS = {"slots_major": "BSKH", "heads_major": "BKSH"}
+# Inside, a cache layout is named by the letters of its axes (legend in `kvattn.ops`); the words are what
+# callers pass as `cache_layout`, and `AttentionConfig.layout` turns them into the letters.
+SLOTS_MAJOR, HEADS_MAJOR = "BSKH", "BKSH"
+LAYOUTS = {"slots_major": SLOTS_MAJOR, "heads_major": HEADS_MAJOR}
 
 # What a decode step's attention runs (the rule is `kvattn.kernels.route`).
 DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")

@@ -342,7 +342,7 @@ def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtyp
 
     Pages `(P, page, K, H)` (heads-major `(P, K, page, H)`), and int8's scales.
     """
-    if config.cache_layout == "slots_major":
+    if config.layout == SLOTS_MAJOR:
         pages, axes = (config.num_pages, config.page_size, config.num_kv_heads), (None, None, config.model_axis)
     else:
         pages, axes = (config.num_pages, config.num_kv_heads, config.page_size), (None, config.model_axis, None)
