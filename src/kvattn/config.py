@@ -299,14 +299,17 @@ class AttentionConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("recorded"))
 
 
-def positive_int(name: str, value) -> int:
-    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included)."""
+def positive_int(name: str, value, *, error: type[Exception] | None = None) -> int:
+    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included, never a bool).
+
+    Raises `error` if given, else `TypeError` for a value that is not an
+    integer and `ValueError` for one below 1.
+    """
     if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
+        raise (error or TypeError)(f"{name} must be a positive int, got {value!r}")
+    if int(value) < 1:
+        raise (error or ValueError)(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def _is_integer(value) -> bool:
