@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.report import table, target, write
-from benchmarks.timing import time_calls
+from benchmarks.timing import step_loop, time_calls
 
 __all__ = ["KERNEL_DEFAULTS", "KERNEL_QUICK", "measure_kernels", "run_kernels"]
 
@@ -48,29 +48,6 @@ KERNEL_QUICK = {
     "in_features": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
 }
 IMPLEMENTATIONS = ("xla", "pallas")
-
-
-@functools.cache
-def step_loop(config, burst: int):
-    """A compiled loop of `burst` steps whose outputs all feed a running sum (so none is optimised away)."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvattn.forward import extend
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def loop(weights, cache, xs):
-        batch = xs.shape[0]
-
-        def body(i, carry):
-            cache, total = carry
-            x = jax.lax.dynamic_index_in_dim(xs, i, axis=1) + total[:, None, :1]
-            ys, cache = extend(weights, cache, x, jnp.ones((batch,), jnp.int32), config=config, write_first=True)
-            return cache, total + ys[:, 0]
-
-        return jax.lax.fori_loop(0, burst, body, (cache, jnp.zeros(xs.shape[::2], xs.dtype)))
-
-    return loop
 
 
 def _layers(sizes: dict, implementation: str) -> dict:

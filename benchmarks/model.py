@@ -70,7 +70,7 @@ import numpy as np
 from benchmarks import plain_cache, transformers_contender
 from benchmarks.baselines import Calibration
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
-from benchmarks.report import model_markdown, target, write
+from benchmarks.report import finished_rows, model_markdown, target, write
 
 __all__ = ["LLAMA_125M", "greedy_agreement", "run_model", "write_llama_checkpoint"]
 
@@ -297,18 +297,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                 if progress:
                     progress(rows)
             del model
-    return {"rows": _finished(rows), "targets": _targets(rows), "notes": sorted(set(notes))}
-
-
-def _finished(rows) -> list[dict[str, Any]]:
-    """The rows without their generated tokens, with tokens per second."""
-    out = []
-    for row in rows:
-        row = {name: value for name, value in row.items() if name != "tokens"}
-        if "decode_ms_per_token" in row:
-            row["tokens_per_s"] = row["batch_size"] * 1e3 / row["decode_ms_per_token"]
-        out.append(row)
-    return out
+    return {"rows": finished_rows(rows), "targets": _targets(rows), "notes": sorted(set(notes))}
 
 
 def _targets(rows) -> list[dict[str, Any]]:
@@ -370,7 +359,7 @@ def _targets(rows) -> list[dict[str, Any]]:
 
 def _partial(path: Path, rows) -> None:
     """The rows measured so far, so a long run shows its progress (removed when the run ends)."""
-    path.write_text(json.dumps(_finished(rows), indent=2) + "\n")
+    path.write_text(json.dumps(finished_rows(rows), indent=2) + "\n")
     last = rows[-1]
     print(f"measured {last['contender']} (B={last['batch_size']}, {last['dtype']})", file=sys.stderr, flush=True)
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks.baselines import bandwidth
 from benchmarks.report import paged_markdown, target, write
-from benchmarks.timing import median_ms
+from benchmarks.timing import median_ms, step_loop
 
 __all__ = ["measure_paged", "run_paged"]
 
@@ -129,29 +129,6 @@ def host_bookkeeping(page_size: int, batch_size: int, steps: int) -> dict[str, A
     return dict(steps=steps, batch_size=batch_size, us_per_sequence_step=1e3 * ms / steps / batch_size)
 
 
-@functools.cache
-def _step_loop(config, burst: int):
-    """A compiled loop of `burst` steps that consumes every output (so none is optimised away)."""
-    import jax
-    import jax.numpy as jnp
-
-    from kvattn.forward import extend
-
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def loop(weights, cache, xs):
-        batch = xs.shape[0]
-
-        def body(i, carry):
-            cache, total = carry
-            x = jax.lax.dynamic_index_in_dim(xs, i, axis=1) + total[:, None, :1]
-            ys, cache = extend(weights, cache, x, jnp.ones((batch,), jnp.int32), config=config, write_first=True)
-            return cache, total + ys[:, 0]
-
-        return jax.lax.fori_loop(0, burst, body, (cache, jnp.zeros(xs.shape[::2], xs.dtype)))
-
-    return loop
-
-
 def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
     """ms per step at B, contiguous and paged, for each filled length, with the calibration bandwidth.
 
@@ -181,7 +158,7 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
     weights = layers["contiguous"].weights.fused()
     config = layers["contiguous"].config
     weight_bytes = sum(w.size * w.dtype.itemsize for w in jax.tree.leaves(weights))
-    loops = {name: _step_loop(layer.config, burst) for name, layer in layers.items()}
+    loops = {name: step_loop(layer.config, burst) for name, layer in layers.items()}
     rows = []
     for filled in sizes["filled"]:
         start = min(filled, max_len - burst)

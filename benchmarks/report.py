@@ -14,7 +14,10 @@ from typing import Any
 
 from kvattn.extra import require
 
-__all__ = ["model_markdown", "options_markdown", "paged_markdown", "results_markdown", "table", "target", "targets_table", "write"]
+__all__ = [
+    "finished_rows", "model_markdown", "options_markdown", "paged_markdown", "results_markdown", "table", "target",
+    "targets_table", "write",
+]
 
 
 def target(name: str, value: float | None, compare: str, threshold: float | None, **context) -> dict[str, Any]:
@@ -28,6 +31,17 @@ def target(name: str, value: float | None, compare: str, threshold: float | None
         met = bool(value >= threshold) if compare == ">=" else bool(value <= threshold)
     value = None if value is None else float(value)
     return {"name": name, "value": value, "compare": compare, "threshold": threshold, "met": met, **context}
+
+
+def finished_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows without their generated tokens, with tokens per second (every sequence of the batch counted)."""
+    out = []
+    for row in rows:
+        row = {name: value for name, value in row.items() if name != "tokens"}
+        if "decode_ms_per_token" in row:
+            row["tokens_per_s"] = row["batch_size"] * 1e3 / row["decode_ms_per_token"]
+        out.append(row)
+    return out
 
 
 def table(header: list[str], rows: list[list[Any]]) -> list[str]:

@@ -58,7 +58,7 @@ import numpy as np
 from benchmarks.model import LLAMA_125M, QUICK_MODEL, greedy_agreement, write_llama_checkpoint
 from benchmarks import torch_worker
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
-from benchmarks.report import table, target, write
+from benchmarks.report import finished_rows, table, target, write
 from benchmarks.timing import time_calls
 
 __all__ = [
@@ -327,18 +327,7 @@ def measure_speculative(*, checkpoint: Path, draft_checkpoint: Path, sizes: dict
             (reference,) = [r for r in rows if (r["workload"], r["batch_size"], r["contender"])
                             == (row["workload"], row["batch_size"], "kvattn_plain")]
             row["agreement"] = greedy_agreement(row["tokens"], reference["tokens"])
-    return {"rows": _finished(rows), "call_costs": costs, "targets": _targets(rows), "notes": sorted(set(notes))}
-
-
-def _finished(rows) -> list[dict[str, Any]]:
-    """The rows without their tokens, with tokens per second (every sequence of the batch counted)."""
-    out = []
-    for row in rows:
-        row = {name: value for name, value in row.items() if name != "tokens"}
-        if "decode_ms_per_token" in row:
-            row["tokens_per_s"] = row["batch_size"] * 1e3 / row["decode_ms_per_token"]
-        out.append(row)
-    return out
+    return {"rows": finished_rows(rows), "call_costs": costs, "targets": _targets(rows), "notes": sorted(set(notes))}
 
 
 def _targets(rows) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -15,8 +16,10 @@ from flax import nnx
 
 import kvattn
 from kvattn import cache as cache_ops
+from kvattn.forward import extend  # the pure step, without the layer's checks and state
 
-__all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "median_ms", "time_calls", "to_layout"]
+__all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "median_ms", "step_loop", "time_calls",
+           "to_layout"]
 
 PREFILL_CHUNK = 128
 
@@ -66,6 +69,24 @@ def time_calls(call: Callable[[Any], Any], repeats: int, *, prepare: Callable[[]
 def median_ms(call: Callable[[], Any], repeats: int, *, warm_ups: int = 1) -> float:
     """The median milliseconds of `call()` over `repeats` timed calls, after `warm_ups` untimed ones."""
     return statistics.median(time_calls(lambda _: call(), repeats, warm_ups=warm_ups).ms)
+
+
+@functools.cache
+def step_loop(config, burst: int):
+    """A compiled loop of `burst` steps whose outputs all feed a running sum (so none is optimised away)."""
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def loop(weights, cache, xs):
+        batch = xs.shape[0]
+
+        def body(i, carry):
+            cache, total = carry
+            x = jax.lax.dynamic_index_in_dim(xs, i, axis=1) + total[:, None, :1]
+            ys, cache = extend(weights, cache, x, jnp.ones((batch,), jnp.int32), config=config, write_first=True)
+            return cache, total + ys[:, 0]
+
+        return jax.lax.fori_loop(0, burst, body, (cache, jnp.zeros(xs.shape[::2], xs.dtype)))
+
+    return loop
 
 
 def to_layout(cache: jax.Array, layout: str) -> jax.Array:

@@ -47,6 +47,10 @@ for batch in (1, 8):
 # The model: a random 4-layer Llama-shaped model (D=512, 8 heads, 4 kv heads, V=8192), generate() of 64 new
 # tokens after 32-token prompts: ms per new token (whole call, prefill included).
 Model = getattr(models, "CausalLM", None) or getattr(models, "DecoderLM")
+try:
+    from kvattn.generation import generate  # its home since the faces share one generation package
+except ImportError:
+    generate = models.generate
 config = models.ModelConfig("llama", vocab_size=8192, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                             head_dim=64, intermediate_size=1536, norm_eps=1e-5, tie_embeddings=False,
                             max_position_embeddings=1024, rope=kvattn.RoPE(theta=10000.0))
@@ -56,7 +60,7 @@ for batch in (1, 8):
 
     def run():
         model.reset()
-        return models.generate(model, prompts, 64).tokens
+        return generate(model, prompts, 64).tokens
 
     out[f"model generate B={batch} (ms/new token)"] = median_ms(run, 7) / 64
 print(json.dumps(out))

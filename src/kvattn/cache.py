@@ -333,7 +333,7 @@ def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtyp
     for an unbatched layer, `pos` `(B,)` or `()`, and int8's scales.
     """
     lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
-    if config.cache_layout == "slots_major":
+    if config.layout == SLOTS_MAJOR:
         slots, slot_axes = (config.num_slots, config.num_kv_heads), (None, config.model_axis)
     else:
         slots, slot_axes = (config.num_kv_heads, config.num_slots), (config.model_axis, None)

@@ -32,11 +32,18 @@ INT32_MAX = 2**31 - 1
 # at it, the host never hands it out, and the device never writes it.
 NULL_PAGE = 0
 
+
+def blocks_spanned(num_tokens, page_size: int):
+    """Blocks (pages) that `num_tokens` tokens from position 0 touch: an int, or an array of them."""
+    return -(-num_tokens // page_size)
+
 # Storage name -> bytes per stored element.
 CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
-# A cache layout is named by the letters of its axes (legend in `kvattn.ops`).
-LAYOUTS = {"slots_major": "BSKH", "heads_major": "BKSH"}
+# Inside, a cache layout is named by the letters of its axes (legend in `kvattn.ops`); the words are what
+# callers pass as `cache_layout`, and `AttentionConfig.layout` turns them into the letters.
+SLOTS_MAJOR, HEADS_MAJOR = "BSKH", "BKSH"
+LAYOUTS = {"slots_major": SLOTS_MAJOR, "heads_major": HEADS_MAJOR}
 
 # What a decode step's attention runs (the rule is `kvattn.kernels.route`).
 DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")
@@ -252,7 +259,7 @@ class AttentionConfig:
     @property
     def pages_per_sequence(self) -> int:
         """A paged cache's table width: the blocks of `max_len` tokens."""
-        return -(-self.max_len // self.page_size)
+        return blocks_spanned(self.max_len, self.page_size)
 
     @property
     def num_slots(self) -> int:
@@ -292,14 +299,17 @@ class AttentionConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("recorded"))
 
 
-def positive_int(name: str, value) -> int:
-    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included)."""
+def positive_int(name: str, value, *, error: type[Exception] | None = None) -> int:
+    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included, never a bool).
+
+    Raises `error` if given, else `TypeError` for a value that is not an
+    integer and `ValueError` for one below 1.
+    """
     if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
-        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
+        raise (error or TypeError)(f"{name} must be a positive int, got {value!r}")
+    if int(value) < 1:
+        raise (error or ValueError)(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def _is_integer(value) -> bool:

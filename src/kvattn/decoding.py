@@ -2,7 +2,7 @@
 
 Graph-mode `nnx.jit` re-walks the module graph on every call, which costs
 hundreds of microseconds per token. These drivers read the layer once into
-plain arrays and run `jax.jit` programs of the pure step (`step.extend`)
+plain arrays and run `jax.jit` programs of the pure step (`forward.extend`)
 on buffers they own, donated from one step to the next, so XLA updates them
 in place instead of copying `max_len` slots per step.
 
@@ -47,7 +47,7 @@ WORKING_LAYOUT = ops.HEADS_MAJOR
 def working(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache):
     """Weights and cache as the layer stores them (`[B,] ...`) -> their working form (batched, heads-major)."""
     cache = stored if config.batch_size is not None else jax.tree.map(lambda a: a[None], stored)
-    # Heads split over devices keep their projections apart (see `step.project_qkv`).
+    # Heads split over devices keep their projections apart (see `forward.project_qkv`).
     fused = weights if config.heads_split else weights.fused()
     return fused, cache_ops.relayout(cache, WORKING_LAYOUT)
 
@@ -59,7 +59,7 @@ def stored_form(config: AttentionConfig, cache: cache_ops.KVCache) -> cache_ops.
 
 
 def _extend(config: AttentionConfig, weights: Weights | FusedWeights, cache: cache_ops.KVCache, xs, lengths):
-    """`step.extend` on a working-form cache: write first, except for a ring chunk of several tokens."""
+    """`forward.extend` on a working-form cache: write first, except for a ring chunk of several tokens."""
     write_first = cache.window is None or xs.shape[1] == 1
     return extend(weights, cache, xs, lengths, config=config, write_first=write_first)
 

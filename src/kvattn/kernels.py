@@ -50,23 +50,19 @@ sequence in a page table.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
-from kvattn import native
-from kvattn.config import LAYOUTS
+from kvattn import native, ops
+from kvattn.config import HEADS_MAJOR, SLOTS_MAJOR, blocks_spanned
 from kvattn.errors import UnsupportedConfigError
 
 __all__ = [
     "cache_kernel", "chunk_route", "contiguous_chunk", "contiguous_limits", "contiguous_step", "native_limits",
     "on_gpu", "paged_limits", "paged_step", "route",
 ]
-
-SLOTS_MAJOR = LAYOUTS["slots_major"]
-HEADS_MAJOR = LAYOUTS["heads_major"]
 
 # The paged kernel takes query heads in blocks of 16 rows (padded).
 BLOCK_H = 16
@@ -229,13 +225,6 @@ def paged_limits(k_pages: Shaped[Array, "P ..."], layout: str, *, window: int | 
     return _head_dim_limit(k_pages.shape[-1])
 
 
-def _grouped(q: Array, num_kv_heads: int) -> Array:
-    """One query per sequence `(B, 1, N, H)`, scaled by `1/sqrt(H)` as `kvattn.ops` does: `(B, K, G, H)`."""
-    batch, _, num_heads, head_dim = q.shape
-    q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    return q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
-
-
 def _normalised(o, total, new_len):
     """Partial sums `(B, K, G, H)` over their total weight, exact zeros for a query that sees nothing or is padding."""
     batch, num_kv_heads, group, head_dim = o.shape
@@ -291,7 +280,7 @@ def contiguous_step(
     from jax.experimental.pallas.ops.gpu import decode_attention
 
     num_kv_heads = k_cache.shape[layout.index("K")]
-    grouped = _grouped(q, num_kv_heads)
+    grouped = ops.grouped_queries(q, num_kv_heads)[:, 0]  # one query per sequence: (B, K, G, H)
     batch, _, group, head_dim = grouped.shape
     if native_kernel:
         o, total, running_max = native.decode_attention(grouped, k_cache, v_cache, visible.astype(jnp.int32))
@@ -364,7 +353,7 @@ def _kernel_table(table, filled, page_size: int, width: int):
     would not be zero).
     """
     num_blocks = table.shape[1]
-    used = (filled + page_size - 1) // page_size
+    used = blocks_spanned(filled, page_size)
     last = jnp.take_along_axis(table, jnp.clip(used - 1, 0, num_blocks - 1)[:, None], axis=1)
     padded = jnp.pad(table, ((0, 0), (0, width - num_blocks)))
     return jnp.where(jnp.arange(width)[None, :] < used[:, None], padded, last)
@@ -450,7 +439,7 @@ def paged_step(
     """
     page_size = k_pages.shape[1 if layout == SLOTS_MAJOR else 2]
     num_kv_heads = k_pages.shape[2 if layout == SLOTS_MAJOR else 1]
-    grouped = _grouped(q, num_kv_heads)
+    grouped = ops.grouped_queries(q, num_kv_heads)[:, 0]  # one query per sequence: (B, K, G, H)
     group = grouped.shape[2]
     padded = jnp.pad(grouped, ((0, 0), (0, 0), (0, -group % BLOCK_H), (0, 0)))
     per_block, k_splits, width = _paged_tiles(table.shape[1], page_size)

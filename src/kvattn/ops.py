@@ -27,15 +27,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from kvattn.config import LAYOUTS
+from kvattn.config import HEADS_MAJOR, LAYOUTS, SLOTS_MAJOR
 
 __all__ = [
     "HEADS_MAJOR", "LAYOUTS", "SLOTS_MAJOR", "attention", "bucket_index", "bucketed", "cached_attention",
-    "chunked_cached_attention", "masked_scores", "masked_softmax", "project", "project_out",
+    "chunked_cached_attention", "grouped_queries", "masked_scores", "masked_softmax", "project", "project_out",
 ]
-
-SLOTS_MAJOR = LAYOUTS["slots_major"]
-HEADS_MAJOR = LAYOUTS["heads_major"]
 
 # Up to this many new tokens per call, slots-major attention reads the cache
 # through the block-diagonal formulation below; longer chunks amortise the
@@ -132,7 +129,7 @@ def attention(
       The attended values of every query head.
     """
     batch, num_new, num_heads, head_dim = q.shape
-    q = _grouped_queries(q, k_new.shape[2])
+    q = grouped_queries(q, k_new.shape[2])
 
     query_t = jnp.arange(num_new)[None, :, None]
     key_u = jnp.arange(num_new)[None, None, :]
@@ -199,7 +196,7 @@ def cached_attention(
       The attended values of every query head.
     """
     batch, num_new, num_heads, head_dim = q.shape
-    q = _grouped_queries(q, k_cache.shape[layout.index("K")])
+    q = grouped_queries(q, k_cache.shape[layout.index("K")])
     query_t = jnp.arange(num_new)[None, :]
     real = query_t < new_len[:, None]  # B T
     num_slots = k_cache.shape[layout.index("S")]
@@ -264,7 +261,7 @@ def chunked_cached_attention(
     """
     batch, num_new, num_heads, head_dim = q.shape
     num_kv_heads = read_chunk(jnp.int32(0))[0].shape[layout.index("K")]
-    q = _grouped_queries(q, num_kv_heads)
+    q = grouped_queries(q, num_kv_heads)
     real = jnp.arange(num_new)[None, :] < new_len[:, None]
     query_pos = cache_len[:, None] + jnp.arange(num_new)[None, :]
     stats_shape = (batch, num_new, num_kv_heads, num_heads // num_kv_heads)
@@ -334,7 +331,7 @@ def _seen_mix(mix, weights, seen, values):
     return jax.lax.cond(jnp.all(jnp.isfinite(mixed)), lambda mixed, *_: mixed, exact, mixed, weights, values)
 
 
-def _grouped_queries(q, num_kv_heads):
+def grouped_queries(q, num_kv_heads):
     """Queries `(B, T, N, H)` scaled by `1/sqrt(H)` and split into kv-head groups `(B, T, K, G, H)`."""
     batch, num_new, num_heads, head_dim = q.shape
     q = q.reshape(batch, num_new, num_kv_heads, num_heads // num_kv_heads, head_dim)

@@ -21,18 +21,16 @@ Two facts of XLA:CPU (jaxlib 0.10) shape XLA's int8 path, both measured in
 
 Where `kvattn.native`'s int8 dot runs (XLA:CPU on a CPU with AVX512-VNNI),
 models store their kernels as a `TiledInt8Kernel` instead: the same int8
-values laid out once in the order that dot reads (`tile`), which takes about
-half the time of YNNPACK's at every batch size, with equal results (int32
-sums are exact). `use_tiles` says where; `dense` reads either form.
+values laid out once in the order that dot reads (`tile`), which runs
+faster than YNNPACK's at every batch size measured, with equal results
+(int32 sums are exact). `use_tiles` says where; `dense` reads either form.
 
 A float32 kernel has a laid-out form too, for the same native library's
 float32 dot: a `PanelKernel` holds `(D, *F)` as contiguous panels of 16
 outputs (`panel`), which the dot streams whole. XLA:CPU reads a `(D, N)`
-kernel row by row, and a step's few rows then make a strided read. Twelve
-chained 768 -> 4096 dots took 5.61 ms as panels against XLA's 7.80 at one
-row, 6.27 against 15.00 at eight and 27.02 against 34.29 at 128
-(`python -m benchmarks.dots`, on an Intel Xeon with AVX512). `use_panels`
-says where models store them.
+kernel row by row, and a step's few rows then make a strided read, so the
+panels run faster at every row count `benchmarks.dots` measures, a step's
+most of all. `use_panels` says where models store them.
 
 Axis legend: M rows (tokens), D input features, F output features (one or
 more axes).

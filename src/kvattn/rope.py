@@ -194,14 +194,15 @@ def apply_rope(
     inv_freq, attention_factor, rotary_dim = rope_tables(rope, head_dim)
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # B T R/2
     # Read back through an identity gather along T, cos and sin stay one value per position: fused straight into
-    # the rotation, XLA:CPU's loop over heads ran 2.2-2.4x slower (B=8, 128 tokens, 12 heads: 1.2 against 0.5 ms a
-    # call), same bits. Along T only, so a batch sharded over devices stays so.
+    # the rotation, XLA:CPU evaluates them again for every head, a loop several times slower; the gather gives the
+    # same bits. Along T only, so a batch sharded over devices stays so.
     steps = jnp.arange(angles.shape[1])
     cos = jnp.take(jnp.cos(angles) * attention_factor, steps, axis=1)[:, :, None, None, :]
     sin = jnp.take(jnp.sin(angles) * attention_factor, steps, axis=1)[:, :, None, None, :]
     rotated = x[..., :rotary_dim].astype(jnp.float32)
     # Each pair as an axis of 2, so a rotation is x * cos + flip(x) * (-sin, sin), bit for bit what the halves
-    # joined by a concatenate give; XLA:CPU fuses the flip ~3x faster (a 128-token prefill at B=8: 37 -> 13 ms).
+    # joined by a concatenate give; XLA:CPU fuses the flip without the branch per element it gives a concatenate,
+    # several times faster.
     pair_axis = -1 if rope.interleaved else -2
     pairs = rotated.reshape(*x.shape[:-1], *((rotary_dim // 2, 2) if rope.interleaved else (2, rotary_dim // 2)))
     if rope.interleaved:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+import kvattn.config
 from kvattn.config import AttentionConfig
 from kvattn.errors import CacheOverflowError, InvalidStateError
 
@@ -131,10 +132,8 @@ def _ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bo
 
 
 def positive_int(value, name: str) -> int:
-    """A count the caller passes (`max_new_tokens`, `chunk`): a Python or NumPy int >= 1, never a bool or float."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    """A count the caller passes (`max_new_tokens`, `chunk`): `config.positive_int`, refused with a `ValueError`."""
+    return kvattn.config.positive_int(name, value, error=ValueError)
 
 
 def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int, batch: int | None = None) -> jax.Array:
@@ -214,15 +213,6 @@ def capacity(config: AttentionConfig, pos: np.ndarray | None, lengths) -> None:
         raise CacheOverflowError(
             f"cache overflow{where}: pos {pos[over].tolist()} + {lengths[over].tolist()} new tokens "
             f"exceeds {limit}; nothing was written. Call reset() or build the layer with a larger max_len."
-        )
-
-
-def contiguous(config: AttentionConfig, name: str) -> None:
-    """Refuses an operation on a paged layer, whose sequences the host `PageManager` owns."""
-    if config.paged:
-        raise ValueError(
-            f"{name} is not a paged layer's operation: its sequences live in pages that the host "
-            "kvattn.PageManager owns (use its free/truncate/fork/reorder), and each call gets a PageBatch"
         )
 
 

@@ -2,15 +2,14 @@
 //
 // Weights `(N / 16, K, 16)`: panel t holds outputs 16t..16t+15 for every k, so a panel is one contiguous
 // stream (`kvattn.quant.panel` lays them out). XLA:CPU's dot reads a `(K, N)` kernel row by row; a step's
-// few rows are then a strided read (twelve independent 768 -> 4096 dots: 34-38 GB/s at one row and 14-15
-// at eight, against 43-47 and 40-46 for the same bytes in panels; a /tmp probe on an Intel Xeon). Three
+// few rows are then a strided read, well below the bandwidth the same bytes stream at in panels. Three
 // panels are read side by side, so each k is 3 vector loads and 8 x 3 fused multiply-adds into 24
-// accumulators: the same kernel serves a step (bandwidth bound) and a prefill's rows (compute bound,
-// 378-417 GFLOP/s on two cores there, against XLA's 292-340).
+// accumulators: the same kernel serves a step (bandwidth bound) and a prefill's rows (compute bound, and
+// there too faster than XLA's dot).
 //
 // Each output is one float32 sum over k in order, whatever M is and whichever rows share a block, so a
 // row's result does not depend on the rows beside it. A block's eight rows are read where they are
-// (copying them k-major first measured 4-13% slower at 128 and 1024 rows). Work is split over XLA's
+// (copying them k-major first was slower). Work is split over XLA's
 // intra-op thread pool by panels; the handler returns a future completed by the last part.
 
 #include <algorithm>

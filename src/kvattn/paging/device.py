@@ -45,7 +45,7 @@ from jaxtyping import Array, Bool, Int
 from kvattn import kernels, ops
 from kvattn import validation as check
 from kvattn.cache import Stored, capacity_ok, encode
-from kvattn.config import NULL_PAGE, AttentionConfig
+from kvattn.config import NULL_PAGE, AttentionConfig, blocks_spanned
 from kvattn.ops import SLOTS_MAJOR
 
 __all__ = [
@@ -136,7 +136,7 @@ class PagedKVCache:
             )
             return ctx, cache
         first = first_block(cache, old_pos)
-        needed = jnp.max((filled + cache.page_size - 1) // cache.page_size - first)
+        needed = jnp.max(blocks_spanned(filled, cache.page_size) - first)
         sizes = chunk_sizes(cache)
 
         def read(chunk):
@@ -342,7 +342,7 @@ def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtyp
 
     Pages `(P, page, K, H)` (heads-major `(P, K, page, H)`), and int8's scales.
     """
-    if config.cache_layout == "slots_major":
+    if config.layout == SLOTS_MAJOR:
         pages, axes = (config.num_pages, config.page_size, config.num_kv_heads), (None, None, config.model_axis)
     else:
         pages, axes = (config.num_pages, config.num_kv_heads, config.page_size), (None, config.model_axis, None)

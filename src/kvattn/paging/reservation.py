@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvattn.config import NULL_PAGE
+from kvattn.config import NULL_PAGE, blocks_spanned
 from kvattn.paging.pool import BlockPool, OutOfPagesError
-from kvattn.paging.windows import FullAttention, blocks_spanned
+from kvattn.paging.windows import FullAttention
 
 
 class PageBatch(NamedTuple):

@@ -14,10 +14,7 @@ the kind of attention.
 
 from __future__ import annotations
 
-
-def blocks_spanned(num_tokens: int, page_size: int) -> int:
-    """Blocks that `num_tokens` tokens from position 0 touch."""
-    return -(-num_tokens // page_size)
+from kvattn.config import blocks_spanned
 
 
 class FullAttention:
