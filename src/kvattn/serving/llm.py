@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from kvattn.config import blocks_spanned
 from kvattn.extra import require
 from kvattn.generation.sampling import SamplingParams
 from kvattn.generation.speculative import PromptLookup
@@ -154,7 +155,7 @@ class LLM:
             raise ValueError(f"max_len {self.max_len} is past the model's trained context of {context} tokens "
                              "(max_position_embeddings); pass allow_long_context=True to use it anyway")
         chunk = chunk or 4 * page_size
-        pages = num_pages or max_batch * -(-self.max_len // page_size) + 1
+        pages = num_pages or max_batch * blocks_spanned(self.max_len, page_size) + 1
         model = from_pretrained(path, max_len=self.max_len, batch_size=max_batch, dtype=dtype, weights=weights,
                                 num_pages=pages, page_size=page_size)
         self.config = model.config

@@ -42,7 +42,7 @@ import safetensors.numpy
 from flax import nnx
 
 from kvattn.cache import Stored
-from kvattn.config import NULL_PAGE
+from kvattn.config import NULL_PAGE, blocks_spanned
 from kvattn.errors import OutOfPagesError, SnapshotError
 from kvattn.paging import PageManager
 from kvattn.paging import device as paged
@@ -89,7 +89,7 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if len(tokens) != length:
             raise ValueError(f"tokens must list the slot's {length} tokens, got {len(tokens)}")
-    pages = manager.tables[slot, : -(-length // manager.page_size)]
+    pages = manager.tables[slot, : blocks_spanned(length, manager.page_size)]
     tensors = {}
     for prefix, layer in layers.items():
         for name, stored in zip("kv", _pool(layer), strict=True):
@@ -158,7 +158,7 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
         files.check_tensors_match_specs(tensors, specs)
         if not allow_weight_mismatch:
             files.check_weights(fingerprint, weights_fingerprint(module))
-    num_pages = -(-length // manager.page_size)  # every page is written at once, window or not
+    num_pages = blocks_spanned(length, manager.page_size)  # every page is written at once, window or not
     if manager.live.all() or num_pages > manager.num_free + manager.num_cached:
         raise OutOfPagesError(
             f"cannot load a {length}-token sequence now: it needs a free slot and {num_pages} pages; "

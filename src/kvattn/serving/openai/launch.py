@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvattn import models
+from kvattn.config import blocks_spanned
 from kvattn.generation.speculative import PromptLookup
 from kvattn.serving.engine import Engine
 from kvattn.serving.openai.app import create_app
@@ -78,7 +79,7 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
         print(f"kvattn serve: {message}", file=sys.stderr, flush=True)
 
     tokenizer = Tokenizer.from_directory(checkpoint, chat_template=chat_template)
-    num_pages = num_pages or max_batch * -(-max_len // page_size) + 1
+    num_pages = num_pages or max_batch * blocks_spanned(max_len, page_size) + 1
     say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
     start = time.perf_counter()
     model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=max_batch, dtype=dtype,
