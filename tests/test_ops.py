@@ -108,6 +108,12 @@ def poison_chunk(kind, q, k_new, v_new, k_cache, v_cache):
 
 POISONS = ["a NaN token", "an inf key", "infinite values", "a NaN query", "a NaN cached key",
            "unfilled slots and padding"]
+# Known gap of the XLA twin (#33): it mixes values by weights that are 0 where a query does not see a slot, and
+# 0 * NaN is NaN. Selecting them to zero behind a `lax.cond` on the dot's finiteness cost an all-reduce of the
+# predicate in every sharded step and a tenth to a quarter of the attention's time; strict xfails keep the gap
+# in view and fail once it is closed.
+XLA_LEAKS = {"a NaN token", "infinite values", "unfilled slots and padding"}
+XLA_LEAK = "the XLA twin mixes unseen values by a weight of 0, and 0 * NaN is NaN (#33)"
 
 
 def written(cache, new):
@@ -132,13 +138,15 @@ CHUNK_PATHS = {
 
 @pytest.mark.parametrize("path", CHUNK_PATHS)
 @pytest.mark.parametrize("poison", POISONS)
-def test_a_nan_or_inf_spreads_as_in_float64_and_only_to_the_queries_that_see_it(path, poison):
+def test_a_nan_or_inf_spreads_as_in_float64_and_only_to_the_queries_that_see_it(path, poison, request):
     """Each real query against float64 over exactly the keys it sees; padding queries give zeros.
 
     A masked key or value (later in the chunk, unfilled, padding) adds nothing, not 0 * NaN.
     """
     if path.startswith("kvattn.native") and not native.available(native.PREFILL_ATTENTION):
         pytest.skip("kvattn's native prefill kernel is not built or cannot run here")
+    if path.startswith("ops.") and poison in XLA_LEAKS:
+        request.applymarker(pytest.mark.xfail(reason=XLA_LEAK, strict=True))
     rng = np.random.default_rng(3)
     q = rng.standard_normal((2, 6, 2, WIDTH)).astype(np.float32)
     k_new, v_new = rng.standard_normal((2, 2, 6, 1, WIDTH)).astype(np.float32)
@@ -158,7 +166,8 @@ def test_a_nan_or_inf_spreads_as_in_float64_and_only_to_the_queries_that_see_it(
             assert_close(got[b, t : t + 1], want)  # NaN and inf where float64 has them, and only there
 
 
-@pytest.mark.parametrize("num_new", [1, 11], ids=["block-diagonal", "plain"])
+@pytest.mark.parametrize("num_new", [pytest.param(1, marks=pytest.mark.xfail(reason=XLA_LEAK, strict=True)), 11],
+                         ids=["block-diagonal", "plain"])
 def test_a_nan_key_of_one_kv_head_leaves_the_other_heads_alone(num_new):
     """Slots-major: the block-diagonal reading of short chunks multiplies every head's keys by the others' zeros."""
     rng = np.random.default_rng(8)
@@ -180,10 +189,12 @@ STEP_POISONS = {
 
 @pytest.mark.parametrize("native_kernel", [False, True], ids=["ops.cached_attention", "kvattn.native"])
 @pytest.mark.parametrize("poison", STEP_POISONS)
-def test_a_decode_step_over_a_nan_or_inf_gives_what_float64_gives(native_kernel, poison):
+def test_a_decode_step_over_a_nan_or_inf_gives_what_float64_gives(native_kernel, poison, request):
     """One query over 10 of 16 slots: `decode_kernel="auto"`'s CPU kernel and its XLA twin against float64."""
     if native_kernel and not native.available(native.DECODE_ATTENTION):
         pytest.skip("kvattn's native decode kernel is not built or cannot run here")
+    if not native_kernel and poison == "NaN and inf past the visible slots":
+        request.applymarker(pytest.mark.xfail(reason=XLA_LEAK, strict=True))
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 1, 2, WIDTH)).astype(np.float32)
     k_cache, v_cache = rng.standard_normal((2, 1, 1, 16, WIDTH)).astype(np.float32)

@@ -75,11 +75,19 @@ def project_out(
 
 
 def attention(
-    q: Float[Array, "B T N H"], k_new: Float[Array, "B T K H"], v_new: Float[Array, "B T K H"],
-    new_len: Int[Array, " B"], k_cache: Shaped[Array, "B ..."] | None = None,
-    v_cache: Shaped[Array, "B ..."] | None = None, cache_len: Int[Array, " B"] | None = None,
-    layout: str = SLOTS_MAJOR, *, k_scale: Float[Array, "B ..."] | None = None,
-    v_scale: Float[Array, "B ..."] | None = None, window: int | None = None, block_diagonal: bool = True,
+    q: Float[Array, "B T N H"],
+    k_new: Float[Array, "B T K H"],
+    v_new: Float[Array, "B T K H"],
+    new_len: Int[Array, " B"],
+    k_cache: Shaped[Array, "B ..."] | None = None,
+    v_cache: Shaped[Array, "B ..."] | None = None,
+    cache_len: Int[Array, " B"] | None = None,
+    layout: str = SLOTS_MAJOR,
+    *,
+    k_scale: Float[Array, "B ..."] | None = None,
+    v_scale: Float[Array, "B ..."] | None = None,
+    window: int | None = None,
+    block_diagonal: bool = True,
     logit_softcap: float | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk of new tokens over the cache and over itself.
@@ -89,8 +97,7 @@ def attention(
     `cache_len[b] + t`. It sees every filled cache slot `s < cache_len[b]` and
     the new tokens `u <= t`: exactly slots `0..pos` of a cache that already
     holds it. Every other score is replaced by `-inf` before the softmax, so
-    unfilled slots and padding get weight zero and add nothing, whatever
-    their content (NaN and inf included).
+    unfilled slots and padding get weight zero whatever their content.
     Queries at `t >= new_len[b]` are padding and return zeros.
 
     With `window=W`, token t sees only the last W positions up to itself,
@@ -145,21 +152,26 @@ def attention(
         scores.insert(0, _read_scores(q, k_cache, k_scale, layout, block_diagonal))
     scores, visible = jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1)
     weights = masked_softmax(scores, visible, real, logit_softcap)
-    seen = visible & real[:, :, None]
 
-    mix_new = lambda weights, values: jnp.einsum("BTKGU,BUKH->BTKGH", weights, values)
-    ctx = _seen_mix(mix_new, weights[..., -num_new:], seen[..., -num_new:], v_new)
+    ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
     if k_cache is not None:
-        ctx = ctx + _read_values(weights[..., :-num_new], seen[..., :-num_new], v_cache, v_scale, layout,
-                                 block_diagonal)
+        ctx = ctx + _read_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
 def cached_attention(
-    q: Float[Array, "B T N H"], new_len: Int[Array, " B"], k_cache: Shaped[Array, "B ..."],
-    v_cache: Shaped[Array, "B ..."], cache_len: Int[Array, " B"], layout: str = SLOTS_MAJOR, *,
-    k_scale: Float[Array, "B ..."] | None = None, v_scale: Float[Array, "B ..."] | None = None,
-    window: int | None = None, block_diagonal: bool = True, logit_softcap: float | None = None,
+    q: Float[Array, "B T N H"],
+    new_len: Int[Array, " B"],
+    k_cache: Shaped[Array, "B ..."],
+    v_cache: Shaped[Array, "B ..."],
+    cache_len: Int[Array, " B"],
+    layout: str = SLOTS_MAJOR,
+    *,
+    k_scale: Float[Array, "B ..."] | None = None,
+    v_scale: Float[Array, "B ..."] | None = None,
+    window: int | None = None,
+    block_diagonal: bool = True,
+    logit_softcap: float | None = None,
     slot_positions: Int[Array, "B S"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk whose keys and values are already written to the cache.
@@ -202,7 +214,7 @@ def cached_attention(
     num_slots = k_cache.shape[layout.index("S")]
     visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window, slot_positions)
     weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
-    ctx = _read_values(weights, visible & real[:, :, None], v_cache, v_scale, layout, block_diagonal)
+    ctx = _read_values(weights, v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -277,8 +289,7 @@ def chunked_cached_attention(
         weights = jnp.exp(scores - shift[..., None])
         rescale = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - shift), 0.0)
         total = total * rescale + jnp.sum(weights, axis=-1)
-        seen = visible & real[:, :, None]
-        values = values * rescale[..., None] + _read_values(weights, seen, v, v_scale, layout, block_diagonal)
+        values = values * rescale[..., None] + _read_values(weights, v, v_scale, layout, block_diagonal)
         return new_max, total, values
 
     carry = (
@@ -297,38 +308,11 @@ def _read_scores(q, k_cache, k_scale, layout, block_diagonal):
     return scores if k_scale is None else scores * _scale_per_score(k_scale, layout)
 
 
-def _read_values(weights, seen, v_cache, v_scale, layout, block_diagonal):
-    """Cached values mixed by `weights` `(B, T, K, G, S)`; a query takes only the slots it sees `(B, T, S)`."""
-    block_diagonal = block_diagonal and weights.shape[1] <= _BLOCK_DIAGONAL_MAX_TOKENS
-    mix = lambda weights, values: _cache_values(weights, values, layout, block_diagonal)
-    if v_scale is None:
-        return _seen_mix(mix, weights, seen, v_cache.astype(weights.dtype))
-    return mix(jnp.where(seen[:, :, None, None, :], weights * _scale_per_score(v_scale, layout), 0.0),
-               v_cache.astype(weights.dtype))
-
-
-def _seen_mix(mix, weights, seen, values):
-    """`mix(weights, values)` `(B, T, K, G, H)` in which a query takes only the values it sees `(B, T, S)`.
-
-    Unseen weights are 0, but 0 * NaN or inf is NaN, for every query: a dot
-    that came out finite stands; otherwise non-finite values are selected to
-    zero and put back where a query sees them, as a float64 sum has them.
-    """
-
-    def exact(mixed, weights, values):
-        finite = jnp.isfinite(values)
-        out = mix(weights, jnp.where(finite, values, 0.0))
-        rising, falling = ~finite & (values != -jnp.inf), ~finite & (values != jnp.inf)  # NaN is in both
-        sees = jnp.broadcast_to(seen[:, :, None, None, :], (*weights.shape[:3], 1, seen.shape[-1]))
-        kinds = jnp.concatenate([rising, falling], axis=-1).astype(values.dtype)
-        up, down = jnp.split(mix(sees.astype(values.dtype), kinds) > 0, 2, axis=-1)
-        spread = jnp.where(up & down, jnp.nan, jnp.where(up, jnp.inf, jnp.where(down, -jnp.inf, out)))
-        return jnp.where(jnp.isnan(out), out, spread)
-
-    mixed = mix(weights, values)
-    if seen.shape[-1] == 1:  # one key (a step's own token): unseen only by a padding query, which takes nothing
-        return jnp.where(seen[:, :, None, None, :], mixed, 0.0)
-    return jax.lax.cond(jnp.all(jnp.isfinite(mixed)), lambda mixed, *_: mixed, exact, mixed, weights, values)
+def _read_values(weights, v_cache, v_scale, layout, block_diagonal):
+    """Cached values mixed by `weights` `(B, T, K, G, S)`; int8 scales fold into the weights."""
+    if v_scale is not None:
+        weights = weights * _scale_per_score(v_scale, layout)
+    return _cache_values(weights, v_cache.astype(weights.dtype), layout, block_diagonal)
 
 
 def grouped_queries(q, num_kv_heads):
@@ -380,10 +364,8 @@ def _cache_scores(q, k_cache, layout, block_diagonal):
         return scores.transpose(0, 2, 1, 3, 4)
     if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
-        scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat).reshape(batch, num_new, num_kv_heads, group, -1)
-        # A NaN or inf key times another head's zero block is NaN in every head: then per head, exactly.
-        per_head = lambda scores, q, k_cache: jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
-        return jax.lax.cond(jnp.all(jnp.isfinite(scores)), lambda scores, *_: scores, per_head, scores, q, k_cache)
+        scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat)
+        return scores.reshape(batch, num_new, num_kv_heads, group, -1)
     return jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
 
 
@@ -396,7 +378,7 @@ def _cache_values(weights, v_cache, layout, block_diagonal):
         mixed = jnp.einsum("BKRS,BKSH->BKRH", rows, v_cache)
         mixed = mixed.reshape(batch, num_kv_heads, num_new, group, head_dim)
         return mixed.transpose(0, 2, 1, 3, 4)
-    if block_diagonal:  # the caller checked the chunk's length
+    if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
         v_flat = v_cache.reshape(batch, num_slots, num_kv_heads * head_dim)
         rows = weights.reshape(batch, num_new * num_kv_heads * group, num_slots)
         mixed = jnp.einsum("BRS,BSE->BRE", rows, v_flat)
@@ -434,8 +416,13 @@ def prefix(cache: Array, size: int, layout: str) -> Array:
     return cache[(slice(None),) * layout.index("S") + (slice(0, size),)]
 
 
-def bucketed(attend: Callable[[Any], Array], caches: Any, needed: Int[Array, ""], buckets: tuple[int, ...],
-             layout: str) -> Array:
+def bucketed(
+    attend: Callable[[Any], Array],
+    caches: Any,
+    needed: Int[Array, ""],
+    buckets: tuple[int, ...],
+    layout: str,
+) -> Array:
     """`attend(caches)` on the smallest bucket prefix of the caches that holds `needed` slots.
 
     Shapes stay static: each bucket is one branch of a `lax.switch`, picked
