@@ -20,9 +20,11 @@ def llm(name: str, **options) -> kvattn.LLM:
     return kvattn.LLM(FIXTURES / name, max_len=48, max_batch=3, page_size=4, **options)
 
 
+# Each family's blocks, as the paged engine runs them, are checked against transformers in test_server.py and
+# test_speculative.py; here the faces meet: learned positions (gpt2), a sliding window (mistral), QK-norm and
+# prompt lookup (qwen3), one engine per row, so their programs compile once each.
 @pytest.mark.parametrize("family, speculative", [
-    ("gpt2", None), ("llama", None), ("mistral", None), ("qwen2", None), ("qwen3", None),
-    ("gpt2", PromptLookup(num_tokens=3)), ("qwen2", PromptLookup(num_tokens=3, max_ngram=2)),
+    ("gpt2", None), ("mistral", None), ("qwen3", PromptLookup(num_tokens=3, max_ngram=2)),
 ])
 def test_greedy_llm_equals_fixed_batch_generate_token_for_token(family, speculative):
     want = expected(family)
