@@ -8,13 +8,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from kvattn import validation as check
-from kvattn.generation.sampling import Sampling, sample
+from kvattn.generation.inputs import checked_inputs
+from kvattn.generation.sampling import sample
+from kvattn.generation.speculative import speculate
 from kvattn.models.decoder import CausalLM
-from kvattn.models.tokens import stop_ids, token_ids
+from kvattn.models.tokens import token_ids
 
 __all__ = ["Generated", "generate", "stream"]
 
@@ -26,11 +26,6 @@ class Generated(NamedTuple):
     """`(B, max_new_tokens)` int32; after a stop token, zeros."""
     counts: jax.Array
     """`(B,)` int32: tokens each sequence produced, its stop token included."""
-
-
-def _bucket(length: int) -> int:
-    """Prompt lengths are padded up to a power of two (at least 8), so few programs serve all prompts."""
-    return max(8, 1 << (length - 1).bit_length())
 
 
 def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, temperature: float = 0.0,
@@ -63,8 +58,6 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
       `Generated(tokens, counts)`.
     """
     if speculative is not None:
-        from kvattn.generation.speculative import speculate  # it imports this module
-
         return Generated(*speculate(
             model, prompts, max_new_tokens, speculative=speculative, lengths=lengths, temperature=temperature,
             top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, rng=rng,
@@ -81,48 +74,6 @@ def generate(model: CausalLM, prompts, max_new_tokens: int, *, lengths=None, tem
     # tokens are ready one step sooner, and whoever reads the caches waits for them (asynchronous dispatch).
     nnx.update(model, _append(graphdef, params, cache, last, done, bool(stop_tokens)))
     return Generated(tokens, counts)
-
-
-class _Inputs(NamedTuple):
-    padded: np.ndarray
-    """`(B, bucket)` int32: the prompts, right-padded to their bucket."""
-    lengths: np.ndarray
-    sampling: Sampling
-    stop_tokens: tuple[int, ...]
-
-
-def checked_inputs(model: CausalLM, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens,
-             rng) -> _Inputs:
-    """`generate`'s arguments checked (before anything changes) and padded to their bucket."""
-    batch = model.blocks[0].attention.config.batch_size
-    prompts = token_ids(prompts, model.config.vocab_size, "prompts", (batch, None))
-    check.positive_int(max_new_tokens, "max_new_tokens")
-    sampling = _sampling(model, temperature, top_k, top_p, rng)
-    stop_tokens = stop_ids(stop_tokens, model.config.vocab_size)
-    num_prompt = prompts.shape[1]
-    if num_prompt < 1:
-        raise ValueError(f"prompts must hold at least one token, got shape {prompts.shape}")
-    if lengths is None:
-        lengths = np.full((batch,), num_prompt)
-    else:
-        lengths = np.asarray(check.host(lengths))
-        if lengths.shape != (batch,) or not np.issubdtype(lengths.dtype, np.integer) or lengths.dtype == np.bool_ \
-                or lengths.min() < 1 or lengths.max() > num_prompt:
-            raise ValueError(
-                f"lengths must be int ({batch},) in [1, {num_prompt}], got {lengths.dtype} {lengths.tolist()}"
-            )
-    attention = model.blocks[0].attention
-    pos = check.state(attention.config, attention.pos[...])
-    check.capacity(attention.config, pos, lengths + max_new_tokens)
-    padded = np.zeros((batch, _bucket(num_prompt)), np.int32)
-    padded[:, :num_prompt] = prompts
-    return _Inputs(padded, lengths, sampling, stop_tokens)
-
-
-def _sampling(model: CausalLM, temperature, top_k, top_p, rng) -> Sampling:
-    sampling = Sampling(temperature, top_k, top_p).check_vocab(model.config.vocab_size)
-    sampling.check_rng(rng)
-    return sampling
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "stop_tokens"))

@@ -60,7 +60,7 @@ import numpy as np
 from flax import nnx
 
 from kvattn import validation as check
-from kvattn.generation.generate import checked_inputs
+from kvattn.generation.inputs import checked_inputs
 from kvattn.generation.sampling import Sampling, sample
 from kvattn.generation.speculation import Policy, lookup, probabilities, verify
 from kvattn.models.decoder import CausalLM
