@@ -14,7 +14,7 @@ setup: $(STAMP)
 # install also compiles the native kernels in place (setup.py), again when their sources change.
 # The build requirements go in first and the editable build uses them (--no-build-isolation): jaxlib
 # is installed once, not again into a throwaway build environment. plain-install keeps pip's isolation.
-$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/kvattn/native/*.cc src/kvattn/native/*.h)
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/kvattn/kernels/native/*.cc src/kvattn/kernels/native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt 'setuptools>=68' wheel jaxlib
 	$(BIN)/python -m pip install --quiet -c constraints.txt --no-build-isolation -e '.[test,bench,generate,serve,docs]'
@@ -54,4 +54,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build site src/kvattn/native/*.so
+	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build site src/kvattn/kernels/native/*.so

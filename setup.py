@@ -1,8 +1,8 @@
-"""Builds kvattn's native kernels (`kvattn.native.compiled`) beside the pure-Python package.
+"""Builds kvattn's native kernels (`kvattn.kernels.native.compiled`) beside the pure-Python package.
 
 Everything else is declared in pyproject.toml. The extension is optional: where
 it cannot be compiled (no C++ compiler, another platform) the package installs
-without it and XLA runs what the kernels would (`kvattn.native`). It compiles against
+without it and XLA runs what the kernels would (`kvattn.kernels.native`). It compiles against
 the XLA FFI headers that jaxlib ships (a build requirement, not imported).
 """
 
@@ -21,13 +21,13 @@ def ffi_headers() -> str:
 setup(
     ext_modules=[
         Extension(
-            "kvattn.native.compiled",
+            "kvattn.kernels.native.compiled",
             sources=[
-                f"src/kvattn/native/{name}.cc"
+                f"src/kvattn/kernels/native/{name}.cc"
                 for name in ("module", "int8_dot", "f32_dot", "decode_attention", "prefill_attention")
             ],
-            include_dirs=["src", ffi_headers()],  # kvattn/native/native.h, xla/ffi/api/ffi.h
-            depends=["src/kvattn/native/native.h"],
+            include_dirs=["src", ffi_headers()],  # kvattn/kernels/native/native.h, xla/ffi/api/ffi.h
+            depends=["src/kvattn/kernels/native/native.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
             optional=True,

@@ -1,6 +1,6 @@
 """`python -m benchmarks.dots`: the ways to multiply activations by stored weights on this backend, side by side.
 
-What `kvattn.quant` chose is measured here, on a stack of `LAYERS` weights
+What `kvattn.math.quant` chose is measured here, on a stack of `LAYERS` weights
 of the 125M model's widest projection (`D` -> `F`, Llama's fused gate and
 up), chained so that no dot can start before the one ahead of it ends, for
 `M` rows (decode at batch size M). Every variant is one `jax.jit` program,
@@ -8,14 +8,14 @@ timed after a warm-up with `block_until_ready`, interleaved with the others,
 the median of `repeats`:
 
   float32                 `x @ W`, W `(D, F)` float32 (XLA's dot)
-  float32, native (panels)  `kvattn.quant.dense` of a `PanelKernel`: the same
+  float32, native (panels)  `kvattn.kernels.dots.dense` of a `PanelKernel`: the same
                           float32 W laid out in panels of 16 outputs for
                           kvattn's native float32 dot, where it runs (what
                           float32 models run there)
-  int8, native (tiled)    `kvattn.quant.dense` of a `TiledInt8Kernel`:
+  int8, native (tiled)    `kvattn.kernels.dots.dense` of a `TiledInt8Kernel`:
                           the same int8 values laid out for kvattn's native
-                          dot (AVX512-VNNI, `kvattn.native`), where it runs
-  int8                    `kvattn.quant.dense` of an `Int8Kernel`: W int8
+                          dot (AVX512-VNNI, `kvattn.kernels.native`), where it runs
+  int8                    `kvattn.kernels.dots.dense` of an `Int8Kernel`: W int8
                           `(F, D)` with per-output scales, x quantized per
                           row, XLA's int8 by int8 into int32 (one row padded
                           to two)
@@ -70,7 +70,9 @@ def _variants() -> dict[str, tuple[Any, Any]]:
     import jax.numpy as jnp
     from jax import lax
 
-    from kvattn import native, quant
+    from kvattn.kernels import native
+    from kvattn.kernels import dots
+    from kvattn.math import quant
 
     rng = np.random.default_rng(0)
     floats = [rng.standard_normal((D, F), np.float32) * 0.02 for _ in range(LAYERS)]
@@ -115,9 +117,9 @@ def _variants() -> dict[str, tuple[Any, Any]]:
     panels = [quant.panel(jnp.asarray(w)) for w in floats] if native.available() else []
     return {
         "float32": (lambda x, w: x @ w, device(floats)),
-        **({"float32, native (panels)": (quant.dense, panels)} if panels else {}),
-        **({"int8, native (tiled)": (quant.dense, device(tiled))} if tiled else {}),
-        "int8": (quant.dense, device(int8)),
+        **({"float32, native (panels)": (dots.dense, panels)} if panels else {}),
+        **({"int8, native (tiled)": (dots.dense, device(tiled))} if tiled else {}),
+        "int8": (dots.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),
         "int8, (D, F)": (inputs_first_dot, device(inputs_first)),
         "int8, operands swapped": (swapped, device(int8)),

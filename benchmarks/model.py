@@ -397,7 +397,7 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
         raise ValueError(f"new_tokens must be at least 2 (decode time is t(new_tokens) - t(1)), got {new_tokens}")
     out = Path(out_dir)
     checkpoint = write_llama_checkpoint(out / "checkpoint", max_position_embeddings=prompt_len + new_tokens, **sizes)
-    from kvattn import native
+    from kvattn.kernels import native
 
     started = time.perf_counter()
     load = load_average()
@@ -408,8 +408,8 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
                              progress=lambda rows: _partial(out / "model.partial.json", rows))
     results = {
         "xla_flags": os.environ.get("XLA_FLAGS"),
-        # Which int8 dot kvattn's int8 rows ran: its native one on tiled kernels, or XLA's (kvattn.quant).
-        "int8_dot": "kvattn.native (AVX512-VNNI, tiled kernels)" if native.available() else "XLA (YNNPACK)",
+        # Which int8 dot kvattn's int8 rows ran: its native one on tiled kernels, or XLA's (kvattn.math.quant).
+        "int8_dot": "kvattn.kernels.native (AVX512-VNNI, tiled kernels)" if native.available() else "XLA (YNNPACK)",
         "config": dict(sizes, batch_sizes=list(batch_sizes), dtypes=list(dtypes), prompt_len=prompt_len,
                        new_tokens=new_tokens, repeats=repeats, torch_threads=torch_threads,
                        torch_compile=torch_compile),

@@ -41,7 +41,7 @@ def step_fn(config):
     import jax
     import jax.numpy as jnp
 
-    from kvattn.rope import apply_rope
+    from kvattn.math.rope import apply_rope
 
     eps, group = config.norm_eps, config.num_heads // config.num_kv_heads
 

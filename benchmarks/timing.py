@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn import cache as cache_ops
-from kvattn.forward import extend  # the pure step, without the layer's checks and state
+from kvattn.caches import contiguous as cache_ops
+from kvattn.layer.forward import extend  # the pure step, without the layer's checks and state
 
 __all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "median_ms", "step_loop", "time_calls",
            "to_layout"]

@@ -44,8 +44,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 with install_import_hook("kvattn", "beartype.beartype"):
     import kvattn
-    import kvattn.forward
-    from kvattn.sharding import make_mesh, shard, shardings
+    import kvattn.layer.forward
+    from kvattn.layer.sharding import make_mesh, shard, shardings
 
 DEVICES = 8
 TOLERANCE = 1e-5
@@ -306,7 +306,7 @@ def check_paged_over_heads() -> str:
                 raise AssertionError(f"pool placed as {array.sharding} after call {index}, expected {expected}")
     batch = manager.reserve(np.ones(2, np.int32))
     cache = layer.paged_cache(*(jnp.asarray(a) for a in batch))
-    hlo = kvattn.forward.extend.lower(layer.weights, cache, xs[:, 5:6], jnp.ones(2, jnp.int32),
+    hlo = kvattn.layer.forward.extend.lower(layer.weights, cache, xs[:, 5:6], jnp.ones(2, jnp.int32),
                                    config=layer.config).compile().as_text()
     moved = [str(c) for c in collectives(hlo) if c.op != "all-reduce" or c.size > 2 * IN_FEATURES]
     if moved:

@@ -65,28 +65,79 @@ def test_attribute_access_to_private_names_of_kvattn_modules_is_absent():
     assert not offenders, "\n".join(offenders)
 
 
-# Lower layers never import higher ones (see docs/design): the pure math, then the cache types,
-# then the step, the layer, the drivers, the models, generation, serving, and the CLI on top.
+# The floors, bottom up, read from the folders: each names top-level packages (folders) or modules of
+# src/kvattn. Lower floors never import higher ones (see docs/design); every module of the package sits on
+# exactly one floor, so a new folder must be placed here before anything can import it.
 FLOORS = [
-    ("kvattn.errors", "kvattn.extra", "kvattn.config", "kvattn.rope", "kvattn.ops", "kvattn.norms", "kvattn.kernels",
-     "kvattn.quant", "kvattn.native"),
-    ("kvattn.validation",),
-    ("kvattn.cache", "kvattn.paging"),
-    ("kvattn.forward",),
-    ("kvattn.attention",),
-    ("kvattn.decoding", "kvattn.sharding", "kvattn.snapshots"),
-    ("kvattn.models",),
-    ("kvattn.generation",),
-    ("kvattn.serving",),
-    ("kvattn.demo", "kvattn.cli"),
+    ("errors", "extra", "config", "validation"),  # the leaves
+    ("math",),
+    ("kernels",),
+    ("caches", "paging"),
+    ("layer",),
+    ("snapshots",),
+    ("models",),
+    ("generation",),
+    ("serving",),
+    ("cli", "demo"),
 ]
 
 
 def floor(module: str) -> int | None:
-    """The floor of the longest name in FLOORS that is `module` or a package holding it."""
-    matches = [(len(name), level) for level, names in enumerate(FLOORS) for name in names
-               if module == name or module.startswith(name + ".")]
-    return max(matches)[1] if matches else None
+    """The floor of `module` (a `kvattn` module), from the folder or top-level module it lives in."""
+    parts = module.split(".")
+    if parts[0] != "kvattn" or len(parts) < 2:
+        return None
+    for level, names in enumerate(FLOORS):
+        if parts[1] in names:
+            return level
+    return None
+
+
+def test_every_folder_and_module_sits_on_one_floor():
+    top = sorted(path.stem for path in (ROOT / "src" / "kvattn").iterdir()
+                 if (path.is_dir() and (path / "__init__.py").exists())
+                 or (path.suffix == ".py" and path.name != "__init__.py"))
+    placed = [name for names in FLOORS for name in names]
+    assert sorted(placed) == top, f"unplaced {sorted(set(top) - set(placed))}, gone {sorted(set(placed) - set(top))}"
+
+
+def test_no_import_circle():
+    """No two modules import each other, by any road (imports inside functions count)."""
+    graph = {}
+    for path in (ROOT / "src" / "kvattn").rglob("*.py"):
+        own = module_name(path)
+        reached = set()
+        for module, names, _ in imports(path):
+            for target in targets(module, names):
+                if target in MODULES and target != own and not own.startswith(target + "."):
+                    reached.add(target)
+        graph[own] = reached
+    done, stack, circles = set(), [], []
+
+    def visit(node):
+        if node in stack:
+            circles.append(" -> ".join(stack[stack.index(node):] + [node]))
+            return
+        if node in done:
+            return
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            visit(target)
+        stack.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    assert not circles, "\n".join(circles)
+
+
+MODULES = {module_name(path) for path in (ROOT / "src" / "kvattn").rglob("*.py")}
+
+
+def targets(module: str, names) -> list[str]:
+    """What an import reaches: `from kvattn.caches import paged` the submodule, `from kvattn.config import RoPE`
+    the module."""
+    return [f"{module}.{name}" if f"{module}.{name}" in MODULES else module for name in names] or [module]
 
 
 def test_no_module_imports_a_higher_layer():
@@ -96,16 +147,14 @@ def test_no_module_imports_a_higher_layer():
         if own is None:
             continue
         for module, names, line in imports(path):
-            # `from kvattn import paged` names the submodule it imports.
-            for target in [f"{module}.{name}" for name in names] if module == "kvattn" else [module]:
+            # `from kvattn.caches import paged` names the submodule it imports.
+            for target in targets(module, names):
                 level = floor(target)
                 if level is not None and level > own:
                     upward.append(f"{path.relative_to(ROOT)}:{line} ({FLOORS[own][0]}...) imports {target}")
     assert not upward, "\n".join(upward)
 
 
-# The paged cache's device half: it lives in paging until the cache types have their own package (docs/design).
-PAGING_DEVICE_HALF = "kvattn.paging.device"
 # What the host half of paging may import from kvattn: the leaves, and itself.
 PAGING_HOST_IMPORTS = ("kvattn.config", "kvattn.errors", "kvattn.paging")
 
@@ -116,14 +165,24 @@ def within(module: str, names) -> bool:
 
 def test_the_host_half_of_paging_imports_no_device_code():
     """Paging decides which page holds what with NumPy alone: no JAX, no layer or device pool, no snapshot."""
-    device = []
-    for path in sorted((ROOT / "src" / "kvattn" / "paging").rglob("*.py")):
-        if module_name(path) == PAGING_DEVICE_HALF:
-            continue
-        for module, names, line in imports(path):
-            # `from kvattn.paging import device` names the submodule it imports.
-            for target in [f"{module}.{name}" for name in names] if module in ("kvattn", "kvattn.paging") else [module]:
-                if (within(target, ("jax", "jaxlib", "flax", "jaxtyping", PAGING_DEVICE_HALF))
-                        or (within(target, ("kvattn",)) and not within(target, PAGING_HOST_IMPORTS))):
-                    device.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    device = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in sorted((ROOT / "src" / "kvattn" / "paging").rglob("*.py"))
+        for module, names, line in imports(path)
+        for target in targets(module, names)
+        if within(target, ("jax", "jaxlib", "flax", "jaxtyping"))
+        or (within(target, ("kvattn",)) and not within(target, PAGING_HOST_IMPORTS))
+    ]
     assert not device, "\n".join(device)
+
+
+def test_the_cache_types_never_import_the_host_half_of_paging():
+    """The paged cache reads the fixed-shape tables the host hands out; it never loads the `PageManager`."""
+    host = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in sorted((ROOT / "src" / "kvattn" / "caches").rglob("*.py"))
+        for module, names, line in imports(path)
+        for target in targets(module, names)
+        if within(target, ("kvattn.paging",))
+    ]
+    assert not host, "\n".join(host)

@@ -35,7 +35,7 @@ from kvattn import generation, models
 
 def floor_step_fn(config):
     """The plain step without attention: `(weights, tokens (B,)) -> next tokens`."""
-    from kvattn.rope import apply_rope
+    from kvattn.math.rope import apply_rope
 
     def rms(x, weight):
         return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + config.norm_eps) * weight[None, :]

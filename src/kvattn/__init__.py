@@ -12,18 +12,18 @@ import importlib
 import typing
 
 if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the API docs' static reader
-    from kvattn.attention import MultiHeadAttention
+    from kvattn.layer.attention import MultiHeadAttention
     from kvattn.config import AttentionConfig
-    from kvattn.decoding import Decoder, Rollout, attend, decode, rollout
+    from kvattn.layer.decoding import Decoder, Rollout, attend, decode, rollout
     from kvattn.errors import (
         CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
         SnapshotError, UnsupportedConfigError,
     )
     from kvattn.generation.sampling import SamplingParams
     from kvattn.paging import PageBatch, PageManager
-    from kvattn.rope import RoPE
+    from kvattn.config import RoPE
     from kvattn.serving.llm import LLM
-    from kvattn.sharding import make_mesh, shard
+    from kvattn.layer.sharding import make_mesh, shard
     from kvattn.snapshots.cache import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
     from kvattn.snapshots.sequence import load_sequence, save_sequence
 
@@ -33,30 +33,30 @@ _EXPORTS = {
     "AttentionConfig": "kvattn.config",
     "CacheOverflowError": "kvattn.errors",
     "CheckpointError": "kvattn.errors",
-    "Decoder": "kvattn.decoding",
+    "Decoder": "kvattn.layer.decoding",
     "InvalidStateError": "kvattn.errors",
     "LLM": "kvattn.serving.llm",
     "KvattnError": "kvattn.errors",
     "MissingExtraError": "kvattn.errors",
-    "MultiHeadAttention": "kvattn.attention",
+    "MultiHeadAttention": "kvattn.layer.attention",
     "OutOfPagesError": "kvattn.errors",
     "PageBatch": "kvattn.paging",
     "PageManager": "kvattn.paging",
-    "RoPE": "kvattn.rope",
-    "Rollout": "kvattn.decoding",
+    "RoPE": "kvattn.config",
+    "Rollout": "kvattn.layer.decoding",
     "SamplingParams": "kvattn.generation.sampling",
     "SnapshotError": "kvattn.errors",
     "SnapshotInfo": "kvattn.snapshots.cache",
     "UnsupportedConfigError": "kvattn.errors",
-    "attend": "kvattn.decoding",
-    "decode": "kvattn.decoding",
+    "attend": "kvattn.layer.decoding",
+    "decode": "kvattn.layer.decoding",
     "load_cache": "kvattn.snapshots.cache",
     "load_sequence": "kvattn.snapshots.sequence",
-    "make_mesh": "kvattn.sharding",
-    "rollout": "kvattn.decoding",
+    "make_mesh": "kvattn.layer.sharding",
+    "rollout": "kvattn.layer.decoding",
     "save_cache": "kvattn.snapshots.cache",
     "save_sequence": "kvattn.snapshots.sequence",
-    "shard": "kvattn.sharding",
+    "shard": "kvattn.layer.sharding",
     "snapshot_info": "kvattn.snapshots.cache",
     "weights_fingerprint": "kvattn.snapshots.cache",
 }

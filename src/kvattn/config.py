@@ -19,10 +19,9 @@ from collections.abc import Iterable
 import jax.numpy as jnp
 import numpy as np
 
-from kvattn.rope import RoPE
-
 __all__ = [
-    "CACHE_DTYPES", "DECODE_KERNELS", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "default_length_buckets",
+    "CACHE_DTYPES", "DECODE_KERNELS", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "RoPE",
+    "default_length_buckets",
 ]
 
 # `pos` is int32: the most tokens a sequence may ever append, ring or not.
@@ -40,7 +39,7 @@ def blocks_spanned(num_tokens, page_size: int):
 # Storage name -> bytes per stored element.
 CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
-# Inside, a cache layout is named by the letters of its axes (legend in `kvattn.ops`); the words are what
+# Inside, a cache layout is named by the letters of its axes (legend in `kvattn.math.ops`); the words are what
 # callers pass as `cache_layout`, and `AttentionConfig.layout` turns them into the letters.
 SLOTS_MAJOR, HEADS_MAJOR = "BSKH", "BKSH"
 LAYOUTS = {"slots_major": SLOTS_MAJOR, "heads_major": HEADS_MAJOR}
@@ -55,6 +54,111 @@ _CACHE_RESIDENT_BYTES = 32 * 2**20
 def _recorded(default=dataclasses.MISSING):
     """A field a cache snapshot records: a cache only loads into a layer that agrees on it."""
     return dataclasses.field(default=default, metadata={"recorded": True})
+
+
+# Rotary position embedding's settings (the rotation is `kvattn.math.rope`).
+_SCALINGS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+
+
+@typing.no_type_check  # validated by hand in __post_init__, with the documented errors
+@dataclasses.dataclass(frozen=True)
+class RoPE:
+    """Rotary position embedding settings.
+
+    Args:
+      theta: the frequency base (`rope_theta`).
+      scaling: a Hugging Face `rope_scaling` dict, or None: `{"rope_type":
+        "linear", "factor": f}`, `{"rope_type": "llama3", "factor",
+        "low_freq_factor", "high_freq_factor",
+        "original_max_position_embeddings"}` or `{"rope_type": "yarn",
+        "factor", "original_max_position_embeddings", ...}` (`beta_fast`,
+        `beta_slow`, `mscale`, `mscale_all_dim`, `attention_factor`,
+        `truncate` as in transformers). The older key `"type"` is accepted
+        for `"rope_type"`.
+      rotary_dim: how many leading dims of each head rotate (even); None for
+        the whole head (GPT-NeoX and Phi rotate a part).
+      interleaved: pair dims (0, 1), (2, 3)... instead of rotate-half.
+
+    >>> RoPE(scaling={"rope_type": "linear", "factor": 2.0}).scaling_dict
+    {'factor': 2.0, 'rope_type': 'linear'}
+    """
+
+    theta: float = 10000.0
+    scaling: tuple | None = None
+    rotary_dim: int | None = None
+    interleaved: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float, np.number)) or not self.theta > 1:
+            raise ValueError(f"RoPE theta must be a number > 1, got {self.theta!r}")
+        object.__setattr__(self, "theta", float(self.theta))
+        if self.rotary_dim is not None:
+            if isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, (int, np.integer)):
+                raise TypeError(f"RoPE rotary_dim must be an even positive int or None, got {self.rotary_dim!r}")
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                raise ValueError(f"RoPE rotary_dim must be an even positive int or None, got {self.rotary_dim!r}")
+            object.__setattr__(self, "rotary_dim", int(self.rotary_dim))
+        object.__setattr__(self, "interleaved", bool(self.interleaved))
+        object.__setattr__(self, "scaling", _normalise_scaling(self.scaling))
+
+    @property
+    def scaling_dict(self) -> dict | None:
+        """`scaling` as the dict it came from (normalised: `rope_type`, floats)."""
+        return None if self.scaling is None else dict(self.scaling)
+
+    def to_json(self) -> dict:
+        return {"theta": self.theta, "scaling": self.scaling_dict, "rotary_dim": self.rotary_dim,
+                "interleaved": self.interleaved}
+
+    def rotated_dims(self, head_dim: int) -> int:
+        """How many dims of a `head_dim`-wide head rotate; raises if `rotary_dim` does not fit."""
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"RoPE rotary_dim ({rotary_dim}) must be even and at most head_dim ({head_dim})")
+        return rotary_dim
+
+
+def _normalise_scaling(scaling) -> tuple | None:
+    if scaling is None:
+        return None
+    if isinstance(scaling, tuple):
+        scaling = dict(scaling)
+    if not isinstance(scaling, dict):
+        raise TypeError(f"RoPE scaling must be a Hugging Face rope_scaling dict or None, got {scaling!r}")
+    scaling = dict(scaling)
+    kind = scaling.pop("rope_type", None) or scaling.pop("type", None)
+    scaling.pop("type", None)
+    if kind not in _SCALINGS:
+        raise ValueError(f"RoPE scaling rope_type must be one of {sorted(_SCALINGS)}, got {kind!r}")
+    allowed = set(_SCALINGS[kind]) | (set(_YARN_OPTIONAL) if kind == "yarn" else set())
+    missing = [key for key in _SCALINGS[kind] if scaling.get(key) is None]
+    unknown = sorted(set(scaling) - allowed)
+    if missing or unknown:
+        raise ValueError(
+            f"RoPE scaling of rope_type {kind!r} needs {list(_SCALINGS[kind])}"
+            + (f" (optional: {list(_YARN_OPTIONAL)})" if kind == "yarn" else "")
+            + f"; missing {missing}, unknown {unknown}"
+        )
+    normalised = {"rope_type": kind}
+    for key, value in scaling.items():
+        if value is None:
+            continue
+        if key == "truncate":
+            normalised[key] = bool(value)
+        elif isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+            raise ValueError(f"RoPE scaling {key} must be a finite number, got {value!r}")
+        else:
+            normalised[key] = float(value)
+    if normalised.get("factor", 1.0) <= 0:
+        raise ValueError(f"RoPE scaling factor must be positive, got {normalised['factor']}")
+    return tuple(sorted(normalised.items()))
+
 
 
 # Validated by hand in `__post_init__`, whose errors are the documented ones;
@@ -118,7 +222,7 @@ class AttentionConfig:
         `num_pages` pages of `page_size` tokens (`k_pages`, `v_pages`,
         `(P, page, K, H)`, or `(P, K, page, H)` heads-major) shared by the
         `batch_size` sequence slots, each holding up to `max_len` tokens
-        through its page table (see `kvattn.paging.device`). Every `step`/`prefill`
+        through its page table (see `kvattn.caches.paged`). Every `step`/`prefill`
         then takes `pages=`, the `PageBatch` a host `kvattn.PageManager`
         hands out, and any number of rows; `reset`, `truncate`, `fork` and
         `reorder` are the manager's. `window` may be given with `max_len`:
@@ -129,7 +233,7 @@ class AttentionConfig:
         Pallas GPU kernels when the backend is a GPU and they serve this
         layer, kvattn's native kernel on a CPU where it is built and serves
         this layer (a contiguous float32 heads-major cache, no soft-cap;
-        `kvattn.native`), else XLA; `"xla"` always XLA; `"pallas"` always the kernels,
+        `kvattn.kernels.native`), else XLA; `"xla"` always XLA; `"pallas"` always the kernels,
         refusing a layer or a backend they cannot serve; `"interpret"` the
         kernels in Pallas's interpret mode, on any backend (slow: for
         tests). See `kvattn.kernels`. A sharded layer (`data_axis` or

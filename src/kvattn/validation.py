@@ -5,7 +5,7 @@ Every check runs before any state changes and raises a `ValueError` or
 what was got. Integer arguments are range-checked on the caller's own values,
 before any cast to int32, so an int64 can never wrap onto a valid index.
 Under `jit` the values are traced and only shapes and dtypes can be checked;
-the in-graph contracts of `kvattn.forward` and `kvattn.cache` take over.
+the in-graph contracts of `kvattn.layer.forward` and `kvattn.caches.contiguous` take over.
 """
 
 from __future__ import annotations

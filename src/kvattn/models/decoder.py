@@ -21,7 +21,7 @@ concatenates, transposes or converts them: the query, key and value kernels
 side by side in one `qkv` kernel, Llama's gate and up kernels in one
 `gate_up`, each a single dot per step where the checkpoint has two or three;
 with `weights="int8"` every projection is an int8 kernel with per-output
-scales, multiplied int8 by int8 (`kvattn.quant`). `load_weight` stores a
+scales, multiplied int8 by int8 (`kvattn.math.quant`). `load_weight` stores a
 float weight in that form (what `kvattn.models.hf` calls for each tensor).
 """
 
@@ -35,17 +35,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn import norms, quant
+from kvattn.kernels import dots
+from kvattn.math import norms, quant
 from kvattn import validation as check
-from kvattn.attention import MultiHeadAttention
+from kvattn.layer.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
-from kvattn.forward import FusedWeights
+from kvattn.layer.forward import FusedWeights
 from kvattn.models.model_config import ModelConfig
 from kvattn.models.tokens import in_vocab, token_ids
 
 __all__ = ["WEIGHTS", "CausalLM"]
 
-# What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8", compact (`kvattn.quant`).
+# What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8", compact (`kvattn.math.quant`).
 WEIGHTS = (None, "int8")
 
 
@@ -76,20 +77,20 @@ class Linear(nnx.Module):
     """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout) or a laid-out one.
 
     Compact (`weights="int8"`), the kernel is int8 `(*outputs, prod(inputs))`
-    beside `kernel_scale` `outputs` (a `kvattn.quant.Int8Kernel` when read),
-    or, where `kvattn.quant.use_tiles` says the native int8 dot runs, those
-    values tiled for it (a `kvattn.quant.TiledInt8Kernel`; `tiled` is True).
+    beside `kernel_scale` `outputs` (a `kvattn.math.quant.Int8Kernel` when read),
+    or, where `kvattn.kernels.dots.use_tiles` says the native int8 dot runs, those
+    values tiled for it (a `kvattn.math.quant.TiledInt8Kernel`; `tiled` is True).
     A float32 kernel is stored as panels `(prod(outputs) / 16,
-    prod(inputs), 16)` where `kvattn.quant.use_panels` says the native
-    float32 dot runs (a `kvattn.quant.PanelKernel`; `paneled` is True).
+    prod(inputs), 16)` where `kvattn.kernels.dots.use_panels` says the native
+    float32 dot runs (a `kvattn.math.quant.PanelKernel`; `paneled` is True).
     """
 
     def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
                  rngs: nnx.Rngs | None):
         fan_in = math.prod(inputs)
         self.inputs = inputs
-        self.tiled = compact and quant.use_tiles(math.prod(outputs), fan_in)
-        self.paneled = not compact and quant.use_panels(math.prod(outputs), dtype)
+        self.tiled = compact and dots.use_tiles(math.prod(outputs), fan_in)
+        self.paneled = not compact and dots.use_panels(math.prod(outputs), dtype)
         self.outputs = outputs
         if compact:
             if rngs is None:  # zeros, as `_initial` gives, without quantizing them
@@ -106,7 +107,7 @@ class Linear(nnx.Module):
 
     @property
     def weight(self) -> jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel:
-        """The kernel as `kvattn.quant.dense` reads it."""
+        """The kernel as `kvattn.kernels.dots.dense` reads it."""
         if self.paneled:
             return quant.PanelKernel(self.kernel[...], self.outputs)
         if self.kernel_scale is None:
@@ -145,7 +146,7 @@ class Linear(nnx.Module):
         self.kernel_scale[...] = int8.scale
 
     def __call__(self, x):
-        y = quant.dense(x, self.weight)
+        y = dots.dense(x, self.weight)
         return y if self.bias is None else y + norms.along_last(self.bias[...], y)
 
 
@@ -164,12 +165,12 @@ class HeadScale(nnx.Module):
 
 
 class Attention(MultiHeadAttention):
-    """kvattn's attention layer with its projections stored as the step reads them (`kvattn.forward.FusedWeights`).
+    """kvattn's attention layer with its projections stored as the step reads them (`kvattn.layer.forward.FusedWeights`).
 
     `qkv` holds the query, key and value kernels side by side, `(D, N + 2K,
     H)` (biases `(N + 2K, H)`), so a step projects with one dot rather than
     three and no program concatenates them; `out` is `(N, H, D)`. With
-    `compact`, both are int8 with per-output scales (`kvattn.quant`). Every
+    `compact`, both are int8 with per-output scales (`kvattn.math.quant`). Every
     other part of the layer, its config, caches and methods, is
     `kvattn.MultiHeadAttention`'s.
     """
@@ -260,10 +261,10 @@ class CausalLM(nnx.Module):
         they are compact.
       weights: None for float weights in `dtype`, or `"int8"`: every
         projection (and a tied embedding table) in int8 with per-output
-        float32 scales, its dots int8 by int8 (`kvattn.quant`). An untied
+        float32 scales, its dots int8 by int8 (`kvattn.math.quant`). An untied
         embedding table, only ever gathered, stays float. Float32 kernels
         (and a tied table, the head's) are stored as panels where
-        `kvattn.quant.use_panels` says kvattn's float32 dot runs.
+        `kvattn.kernels.dots.use_panels` says kvattn's float32 dot runs.
       cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
       num_pages, page_size: a paged cache per layer (see
         `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence
@@ -290,9 +291,9 @@ class CausalLM(nnx.Module):
         hidden, vocab = config.hidden_size, config.vocab_size
         table = _initial((vocab, hidden), 1, rngs)
         # A tied int8 table is the head's kernel, one scale per token's row, tiled where `Linear`'s would be.
-        self.embed_tiled = compact and config.tie_embeddings and quant.use_tiles(vocab, hidden)
+        self.embed_tiled = compact and config.tie_embeddings and dots.use_tiles(vocab, hidden)
         # A tied float32 table is the head's kernel `(D, V)` too: stored as its panels where `Linear`'s would be.
-        self.embed_paneled = not compact and config.tie_embeddings and quant.use_panels(vocab, dtype)
+        self.embed_paneled = not compact and config.tie_embeddings and dots.use_panels(vocab, dtype)
         if compact and config.tie_embeddings:
             values, scale = quant.quantize_rows(table) if rngs else (table.astype(jnp.int8), jnp.ones((vocab, 1)))
             self.embed, self.embed_scale = nnx.Param(self._head_form(values)), nnx.Param(scale[:, 0])
@@ -305,7 +306,7 @@ class CausalLM(nnx.Module):
         )
         window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
         # Heads-major caches (and pages): a step's attention is then a plain batched dot over (B, K)
-        # that reads the cache in place; slots-major would cost K times the flops (see kvattn.ops).
+        # that reads the cache in place; slots-major would cost K times the flops (see kvattn.math.ops).
         # Measured with tools/model_floor.py: 53.0 -> 43.0 ms/token at B=8, 19.0 -> 17.8 at B=1.
         capacity = {"window": window} if window else {"max_len": max_len}
         if num_pages is not None:
@@ -414,9 +415,9 @@ class CausalLM(nnx.Module):
         if self.lm_head is not None:
             logits = self.lm_head(x)
         elif self.embed_scale is not None:
-            logits = quant.dense(x, self._int8_head())
+            logits = dots.dense(x, self._int8_head())
         elif self.embed_paneled:
-            logits = quant.dense(x, self._panel_head())
+            logits = dots.dense(x, self._panel_head())
         else:
             logits = x @ self.embed[...].T
         return logits.astype(jnp.float32)

@@ -271,7 +271,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       dtype: computation and weight dtype; defaults to float32.
       weights: None for float weights in `dtype`; `"int8"` for compact
         weights, every projection int8 with per-output scales, its dots int8
-        by int8 (`CausalLM`, `kvattn.quant`); `"bfloat16"`, bfloat16 weights
+        by int8 (`CausalLM`, `kvattn.math.quant`); `"bfloat16"`, bfloat16 weights
         and computation, only where the backend has fast bfloat16 dots (not
         on CPU: see `WEIGHTS_BACKENDS`).
       cache_dtype: the caches' storage; defaults to `dtype`.

@@ -23,7 +23,8 @@ from kvattn.errors import UnsupportedConfigError
 from kvattn.models.families import FAMILIES, MODEL_TYPES
 from kvattn.models.hf_config import positive_int
 from kvattn.models.spec import BlockSpec
-from kvattn.rope import RoPE, rope_tables
+from kvattn.config import RoPE
+from kvattn.math.rope import rope_tables
 
 __all__ = ["ModelConfig", "from_hf_config"]
 

@@ -1,7 +1,7 @@
 """The sequence manager: slots, page tables and lengths, copy-on-write and prefix caching, on a block pool.
 
 The device holds, per layer, a pool of `num_pages` pages of `page_size`
-positions (`kvattn.paging.device`). Each sequence lives in a slot, a row of the
+positions (`kvattn.caches.paged`). Each sequence lives in a slot, a row of the
 device batch; slot b's logical block j (positions `j * page_size` up to
 `(j + 1) * page_size - 1`) lives in page `tables[b, j]`, and every unmapped
 entry points at `NULL_PAGE`. The device only ever sees fixed-shape int32

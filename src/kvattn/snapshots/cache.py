@@ -50,7 +50,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn.attention import MultiHeadAttention
+from kvattn.layer.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
 from kvattn.errors import SnapshotError
 from kvattn.snapshots import files, pieces

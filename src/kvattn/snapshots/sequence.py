@@ -41,11 +41,11 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn.cache import Stored
+from kvattn.caches.contiguous import Stored
 from kvattn.config import NULL_PAGE, blocks_spanned
 from kvattn.errors import OutOfPagesError, SnapshotError
 from kvattn.paging import PageManager
-from kvattn.paging import device as paged
+from kvattn.caches import paged
 from kvattn.snapshots import files
 from kvattn.snapshots.cache import attention_layers, weights_fingerprint
 

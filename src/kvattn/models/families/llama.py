@@ -15,7 +15,7 @@ from kvattn.errors import UnsupportedConfigError
 from kvattn.models.hf_config import divide, positive_int, read, refuse
 from kvattn.models.spec import BlockSpec, Family
 from kvattn.models.table import Part, Row, transpose
-from kvattn.rope import RoPE
+from kvattn.config import RoPE
 
 __all__ = ["BLOCK", "FAMILY", "TABLE", "translate"]
 

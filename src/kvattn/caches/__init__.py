@@ -1,0 +1,1 @@
+"""The cache types: how keys and values are stored, written and read (`contiguous`, with its ring, and `paged`)."""

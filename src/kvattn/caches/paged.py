@@ -1,0 +1,395 @@
+"""The paged KV cache type: one pool of fixed-size pages shared by a batch, read through page tables.
+
+A `PagedKVCache` is the device half of paging (the host half, which decides
+which page holds what, is `kvattn.paging.PageManager`). Its arrays:
+
+- the pool: keys and values as `Stored` pages, `(P, page, K, H)`
+  ("slots_major") or `(P, K, page, H)` ("heads_major"), with int8's scales
+  `(P, page, K)` / `(P, K, page)`. Page 0 is the null page: table entries
+  that map nothing point at it, and nothing is ever written to it.
+- `table` `(B, M)` int32: sequence b's logical block j (positions
+  `j*page .. (j+1)*page - 1`) lives in page `table[b, j]`.
+- `pos` `(B,)` int32: tokens each sequence held before this call.
+- `copy_from`, `copy_to` `(C,)` int32: copy-on-write copies to make before
+  any write (a destination `>= P` is padding and dropped).
+
+All of them have fixed shapes, so one compiled program serves every mix of
+requests; only their values change as sequences come and go.
+
+Attention reads a sequence through *views*: a chunk of its blocks at a time
+gathered into a contiguous `(B, S, K, H)` buffer (or `(B, K, S, H)`), with
+every slot that holds no token of the sequence (unfilled, unmapped, outside
+the window) zeroed, so whatever a free page holds (NaN included) never
+reaches an output. The chunks go through `ops.chunked_cached_attention`,
+masked by the same `ops.masked_scores` as the contiguous cache. Positions
+are logical: slot s of a view starting at block f holds position
+`f*page + s`.
+
+`PagedKVCache` implements the same cache interface as `kvattn.caches.contiguous.KVCache`
+(`fits`, `attend`, `commit`; `variables`, `bind`, `unbind` on the layer's
+side): it always writes first, then reads. A decode step may read through
+jax's Pallas paged-attention kernel instead (`kvattn.kernels.route`), which
+reads the pool where it lies, whole pages at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from kvattn import kernels
+from kvattn.math import ops
+from kvattn import validation as check
+from kvattn.caches.contiguous import Stored, capacity_ok, encode
+from kvattn.config import NULL_PAGE, AttentionConfig, blocks_spanned
+from kvattn.math.ops import SLOTS_MAJOR
+
+__all__ = [
+    "NULL_PAGE",
+    "PagedKVCache",
+    "append",
+    "apply_copies",
+    "bind",
+    "chunk_sizes",
+    "empty_pool",
+    "first_block",
+    "mapped",
+    "read_sequence",
+    "unbind",
+    "variables",
+    "view",
+    "write_sequence",
+    "zero_page_tails",
+]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("k", "v", "table", "pos", "copy_from", "copy_to"),
+    meta_fields=("layout", "window", "kernel"),
+)
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A page pool bound to one call's page tables, positions and pending copies.
+
+    `layout` names the axes of a gathered view (`"BSKH"` for a pool
+    `(P, page, K, H)`, `"BKSH"` for `(P, K, page, H)`); `window`, if set,
+    limits what a query sees to the last `window` positions (pages that fall
+    out of it are freed by the host, not overwritten in a ring); `kernel` is
+    `AttentionConfig.decode_kernel` (see `kvattn.kernels`).
+    """
+
+    k: Any
+    v: Any
+    table: Any
+    pos: Any
+    copy_from: Any = None
+    copy_to: Any = None
+    layout: str = SLOTS_MAJOR
+    window: int | None = None
+    kernel: str = "auto"
+
+    @property
+    def page_size(self) -> int:
+        return self.k.values.shape[1 if self.layout == SLOTS_MAJOR else 2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.values.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence may hold: its table's blocks times the page size."""
+        return self.table.shape[1] * self.page_size
+
+    def replace(self, **changes) -> PagedKVCache:
+        return dataclasses.replace(self, **changes)
+
+    # ---------------------------------------------- the interface of a cache type
+
+    def fits(self, lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
+        """Which sequences may append `lengths` tokens: valid, within capacity, and every block they write mapped."""
+        return capacity_ok(self.pos, lengths, min(capacity, self.capacity)) & mapped(self, lengths)
+
+    def attend(self, q, k, v, lengths, written, *, options: dict, length_buckets, write_first: bool):
+        """Writes the new tokens (a pool is always written first), then attends over each sequence's pages.
+
+        Reads each sequence's blocks a chunk at a time, as many chunks as the
+        batch's longest sequence needs (`ops.chunked_cached_attention`): short
+        chunks while the longest chunk would hold it whole, else long ones.
+        """
+        old_pos = self.pos
+        cache = append(self, k, v, written)
+        filled = old_pos + written
+        path = "xla" if q.shape[1] > 1 else kernels.route(
+            self.kernel, kernels.paged_limits(self.k.values, self.layout, window=self.window)
+        )
+        if path != "xla":
+            cache = zero_page_tails(cache, filled, written)
+            ctx = kernels.paged_step(
+                q, written, cache.k.values, cache.v.values, cache.table, filled, cache.layout, k_scale=cache.k.scale,
+                v_scale=cache.v.scale, logit_softcap=options["logit_softcap"], interpret=path == "interpret",
+            )
+            return ctx, cache
+        first = first_block(cache, old_pos)
+        needed = jnp.max(blocks_spanned(filled, cache.page_size) - first)
+        sizes = chunk_sizes(cache)
+
+        def read(chunk):
+            def attend(cache):
+                def read_chunk(index):
+                    (k, k_scale), (v, v_scale), slot_positions = view(cache, chunk, first + index * chunk, filled)
+                    return k, v, k_scale, v_scale, slot_positions
+
+                num_chunks = (needed + chunk - 1) // chunk
+                return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
+
+            return attend
+
+        if len(sizes) == 1:
+            return read(sizes[0])(cache), cache
+        return jax.lax.cond(needed > sizes[-1], read(sizes[-1]), read(sizes[0]), cache), cache
+
+    def commit(self, k, v, written, *, after, write_first: bool) -> PagedKVCache:
+        """Nothing left to write: `attend` wrote first."""
+        return self
+
+
+def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str = SLOTS_MAJOR):
+    """Zeroed key and value pools (`Stored`, with int8 scales)."""
+    shape = (num_pages, page_size, num_kv_heads) if layout == SLOTS_MAJOR else (num_pages, num_kv_heads, page_size)
+
+    def one():
+        scale = jnp.zeros(shape, jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
+        return Stored(jnp.zeros((*shape, head_dim), dtype), scale)
+
+    return one(), one()
+
+
+def apply_copies(cache: PagedKVCache) -> PagedKVCache:
+    """Makes the pending copy-on-write copies (`copy_to[i] <- copy_from[i]`) and clears them."""
+    if cache.copy_from is None:
+        return cache
+
+    def copy(pool):
+        return pool.at[cache.copy_to].set(pool[cache.copy_from], mode="drop")
+
+    return cache.replace(
+        k=jax.tree.map(copy, cache.k), v=jax.tree.map(copy, cache.v), copy_from=None, copy_to=None
+    )
+
+
+def mapped(cache: PagedKVCache, lengths: Int[Array, " B"]) -> Bool[Array, " B"]:
+    """Whether every block sequence b writes (positions `pos[b] .. pos[b] + lengths[b] - 1`) has a page.
+
+    The host reserves pages before a call; a sequence it did not reserve
+    for writes nothing and gets NaN outputs rather than writing to the null
+    page (never a silent skip).
+    """
+    blocks = jnp.arange(cache.table.shape[1])[None, :]
+    first = cache.pos[:, None] // cache.page_size
+    last = (cache.pos[:, None] + lengths[:, None] - 1) // cache.page_size
+    written = (blocks >= first) & (blocks <= last)
+    return jnp.all(~written | (cache.table != NULL_PAGE), axis=1)
+
+
+def _slots(cache: PagedKVCache, positions: Int[Array, "B T"], keep: Bool[Array, "B T"]):
+    """Pages and in-page offsets of `positions`; positions not kept go to page `P` (dropped)."""
+    blocks = jnp.clip(positions // cache.page_size, 0, cache.table.shape[1] - 1)
+    pages = jnp.take_along_axis(cache.table, blocks, axis=1)
+    keep = keep & (pages != NULL_PAGE)
+    return jnp.where(keep, pages, cache.num_pages), positions % cache.page_size
+
+
+def _put(cache: PagedKVCache, stored: Stored, pages, slots, new: Stored) -> Stored:
+    """`stored` with rows `new` (`(B, T, K[, H])`) written at `pages`, `slots` (`(B*T,)`; page `P` is dropped)."""
+    new = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), new)  # (B*T, K[, H])
+    if cache.layout == SLOTS_MAJOR:
+        return jax.tree.map(lambda pool, x: pool.at[pages, slots].set(x, mode="drop"), stored, new)
+    return jax.tree.map(lambda pool, x: pool.at[pages, :, slots].set(x, mode="drop"), stored, new)
+
+
+def append(cache: PagedKVCache, k_new, v_new, lengths: Int[Array, " B"]) -> PagedKVCache:
+    """Writes the first `lengths[b]` new keys and values `(B, T, K, H)` of each sequence and advances `pos`.
+
+    Pending copies are made first. The caller has checked capacity and
+    mapping and passes zero `lengths` for sequences that must not change.
+    """
+    cache = apply_copies(cache)
+    offsets = jnp.arange(k_new.shape[1])[None, :]
+    pages, slots = _slots(cache, cache.pos[:, None] + offsets, offsets < lengths[:, None])
+    pages, slots = pages.reshape(-1), slots.reshape(-1)
+
+    def put(stored: Stored, new):
+        return _put(cache, stored, pages, slots, encode(new, stored.values.dtype))
+
+    return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new), pos=cache.pos + lengths)
+
+
+def zero_page_tails(cache: PagedKVCache, filled: Int[Array, " B"], written: Int[Array, " B"]) -> PagedKVCache:
+    """Zeroes the slots past position `filled[b] - 1` in the page each writing sequence wrote last.
+
+    Those slots hold no token of the sequence (a page's earlier owner may
+    have left anything there, NaN included). A kernel that reads whole pages
+    weighs them exactly zero, and zero times NaN is not zero. The page was
+    just written, so it is the sequence's alone (copy-on-write).
+    """
+    offsets = jnp.arange(cache.page_size)[None, :]
+    positions = filled[:, None] + offsets
+    same_page = positions // cache.page_size == (filled[:, None] - 1) // cache.page_size
+    pages, slots = _slots(cache, positions, same_page & (written[:, None] > 0))
+    pages, slots = pages.reshape(-1), slots.reshape(-1)
+    values = cache.k.values
+    zeros = jnp.zeros((*positions.shape, values.shape[2 if cache.layout == SLOTS_MAJOR else 1], values.shape[-1]))
+
+    def put(stored: Stored):
+        return _put(cache, stored, pages, slots, encode(zeros, stored.values.dtype))
+
+    return cache.replace(k=put(cache.k), v=put(cache.v))
+
+
+# Attention reads a sequence in chunks of pages gathered into a view: short
+# chunks while the batch's sequences are short (a chunk is gathered whole), long
+# ones past that (fewer loop iterations). Measured on the benchmarks page (docs/benchmarks).
+CHUNK_TOKENS = (256, 1024)
+
+
+def chunk_sizes(cache: PagedKVCache) -> tuple[int, ...]:
+    """Blocks per chunk of each chunked reading, increasing (at most the table's width)."""
+    width = cache.table.shape[1]
+    return tuple(sorted({max(1, min(width, tokens // cache.page_size)) for tokens in CHUNK_TOKENS}))
+
+
+def first_block(cache: PagedKVCache, query_start: Int[Array, " B"]) -> Int[Array, " B"]:
+    """The first block a query at `query_start[b]` can see: 0, or the window's first."""
+    if cache.window is None:
+        return jnp.zeros_like(query_start)
+    return jnp.maximum(query_start - cache.window + 1, 0) // cache.page_size
+
+
+def view(cache: PagedKVCache, num_blocks: int, first: Int[Array, " B"], filled: Int[Array, " B"]):
+    """Blocks `first[b] .. first[b] + num_blocks - 1` of each sequence gathered into a contiguous view.
+
+    Slots that hold no token (at or past `filled[b]`, past the table, or in
+    an unmapped block) are zeroed, so whatever a free page holds never
+    reaches an output.
+
+    Returns:
+      `(k, v, slot_positions)`: `Stored` views `(B, S, K, H)` (or
+      `(B, K, S, H)`), `S = num_blocks * page`, and int32 `(B, S)`.
+    """
+    page, width = cache.page_size, cache.table.shape[1]
+    blocks = first[:, None] + jnp.arange(num_blocks)[None, :]  # B nb
+    pages = jnp.take_along_axis(cache.table, jnp.clip(blocks, 0, width - 1), axis=1)
+    pages = jnp.where(blocks < width, pages, NULL_PAGE)
+    slot_positions = (blocks[:, :, None] * page + jnp.arange(page)[None, None, :]).reshape(blocks.shape[0], -1)
+    holds = (slot_positions < filled[:, None]) & jnp.repeat(pages != NULL_PAGE, page, axis=1)
+
+    def gather(pool):
+        taken = pool[pages]  # B nb page K [H]  or  B nb K page [H]
+        if cache.layout != SLOTS_MAJOR:
+            taken = jnp.moveaxis(taken, 2, 1)  # B K nb page [H]
+            merged = taken.reshape(taken.shape[0], taken.shape[1], -1, *taken.shape[4:])
+            mask = holds[:, None, :]
+        else:
+            merged = taken.reshape(taken.shape[0], -1, *taken.shape[3:])
+            mask = holds
+        mask = mask.reshape(mask.shape + (1,) * (merged.ndim - mask.ndim))
+        return jnp.where(mask, merged, jnp.zeros((), merged.dtype))
+
+    return jax.tree.map(gather, cache.k), jax.tree.map(gather, cache.v), slot_positions
+
+
+def read_sequence(stored: Stored, pages, length: int, layout: str = SLOTS_MAJOR) -> Stored:
+    """The first `length` tokens held in `pages` (a sequence's table entries), as `(length, K, H)` (scales `(length, K)`).
+
+    Host-side sizes (`length` is a Python int); the layout of the result
+    never depends on the pool's.
+    """
+    def take(pool):
+        taken = pool[jnp.asarray(pages)]  # n page K [H]  or  n K page [H]
+        if layout != SLOTS_MAJOR:
+            taken = jnp.swapaxes(taken, 1, 2)
+        return taken.reshape(-1, *taken.shape[2:])[:length]
+
+    return jax.tree.map(take, stored)
+
+
+def write_sequence(stored: Stored, pages, values: Stored, layout: str = SLOTS_MAJOR) -> Stored:
+    """`stored` with `values` (`(length, K, H)`, as `read_sequence` gives) written into `pages`, from their start."""
+    length = values.values.shape[0]
+    page_size = stored.values.shape[1 if layout == SLOTS_MAJOR else 2]
+    positions = jnp.arange(length)
+    page = jnp.asarray(pages)[positions // page_size]
+
+    def put(pool, new):
+        if layout == SLOTS_MAJOR:
+            return pool.at[page, positions % page_size].set(new.astype(pool.dtype))
+        return pool.at[page, :, positions % page_size].set(new.astype(pool.dtype))
+
+    return jax.tree.map(put, stored, values)
+
+
+# ------------------------------------------------------------ the layer's side
+
+
+def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtype]]:
+    """The `nnx.Cache` arrays of a paged layer: one pool for the whole batch, name -> (shape, mesh axes, dtype).
+
+    Pages `(P, page, K, H)` (heads-major `(P, K, page, H)`), and int8's scales.
+    """
+    if config.layout == SLOTS_MAJOR:
+        pages, axes = (config.num_pages, config.page_size, config.num_kv_heads), (None, None, config.model_axis)
+    else:
+        pages, axes = (config.num_pages, config.num_kv_heads, config.page_size), (None, config.model_axis, None)
+    dtype = jnp.dtype(config.cache_dtype)
+    specs = {
+        "k_pages": ((*pages, config.head_dim), (*axes, None), dtype),
+        "v_pages": ((*pages, config.head_dim), (*axes, None), dtype),
+    }
+    if config.cache_dtype == "int8":
+        specs["k_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
+        specs["v_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
+    return specs
+
+
+def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, batched: bool = True,
+         operation: str = "this call") -> PagedKVCache:
+    """The pool bound to one call's `PageBatch` (checked, with `lengths`, before any state changes).
+
+    A pool is always batched (`batched` is for the contiguous cache's views).
+
+    Without `pages` there is no sequence to speak of: `reset`, `truncate`,
+    `fork` and `reorder` belong to the host `PageManager`, and are refused.
+    """
+    if pages is None:
+        if lengths is None:
+            raise ValueError(
+                f"{operation} is not a paged layer's operation: its sequences live in pages that the host "
+                "kvattn.PageManager owns (use its free/truncate/fork/reorder), and each call gets a PageBatch"
+            )
+        raise ValueError("a paged layer needs pages=: the PageBatch that PageManager.reserve(counts) returns")
+    table, pos, copy_from, copy_to = check.page_batch(config, pages, lengths, lengths.shape[0])
+    return bound_pool(config, arrays, table, pos, copy_from, copy_to)
+
+
+def bound_pool(config: AttentionConfig, arrays: dict, table, pos, copy_from=None, copy_to=None) -> PagedKVCache:
+    """The pool's arrays as a `PagedKVCache` bound to tables, positions and copies, unchecked."""
+    return PagedKVCache(
+        k=Stored(arrays["k_pages"], arrays.get("k_page_scale")), v=Stored(arrays["v_pages"], arrays.get("v_page_scale")),
+        table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=config.layout, window=config.window,
+        kernel=kernels.cache_kernel(config),
+    )
+
+
+def unbind(config: AttentionConfig, cache: PagedKVCache) -> dict:
+    """The pool's arrays to store, by variable name."""
+    arrays = {"k_pages": cache.k.values, "v_pages": cache.v.values}
+    if cache.k.scale is not None:
+        arrays.update(k_page_scale=cache.k.scale, v_page_scale=cache.v.scale)
+    return arrays

@@ -1,0 +1,135 @@
+// kvattn's decode attention for XLA:CPU: one query per sequence and head over a contiguous float32 cache.
+//
+// For each sequence b, kv head k and query g of its group, over slots
+// s < visible[b] of the heads-major caches (B, K, S, H):
+//   score[s] = q[b, k, g] . keys[b, k, s]
+//   top      = max_s score[s]
+//   total    = sum_s exp(score[s] - top)
+//   o        = sum_s exp(score[s] - top) values[b, k, s]
+// unnormalised, as jax's Pallas decode kernel returns them with its
+// residuals, so `kvattn.kernels.contiguous_step` folds in the new token and
+// divides alike for both. Slots at or past visible[b] are never read; with
+// none visible, o and total are 0 and top is -inf (exp: `kvattn::Exp`). A
+// NaN or inf among the visible scores spreads as in a float64 softmax: top
+// NaN or +inf, weights NaN.
+//
+// XLA's own path for this step reads a cache bucket under a `cond`, with a
+// scores dot, a masked softmax and a values dot as separate thunks; this
+// reads the visible slots once per (b, k), splitting the pairs over XLA's
+// intra-op thread pool.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kvattn/kernels/native/native.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using kvattn::Failed;
+using kvattn::HasAvx512;
+
+namespace {
+
+#ifdef KVATTN_X86
+
+using kvattn::Exp;
+
+// One (b, k) pair: G queries of H (a multiple of 16) over `visible` slots of `keys` and `values` (S, H).
+KVATTN_AVX512 void Pair(const float* q, const float* keys, const float* values, int64_t visible, int64_t G,
+                        int64_t H, float* o, float* total, float* top, std::vector<float>& scores) {
+  const int64_t chunks = H / 16;
+  const int64_t padded = (visible + 15) / 16 * 16;
+  scores.assign(G * padded, -std::numeric_limits<float>::infinity());
+  for (int64_t s = 0; s < visible; ++s) {
+    const float* key = keys + s * H;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * H + 16 * c), _mm512_loadu_ps(key + 16 * c), acc);
+      }
+      scores[g * padded + s] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores.data() + g * padded;
+    __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 unordered = 0;
+    for (int64_t s = 0; s < padded; s += 16) kvattn::Fold(_mm512_loadu_ps(row + s), 0xFFFF, best, unordered);
+    // A NaN or +inf score makes top NaN or +inf, so every weight is NaN, as in a float64 softmax; so do
+    // scores all -inf (-inf - -inf). Nothing visible: top -inf and no weights.
+    const float high = visible ? kvattn::Maximum(best, unordered) : -std::numeric_limits<float>::infinity();
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < padded; s += 16) {  // padding slots hold -inf; their weights are masked to 0
+      const __mmask16 real = visible - s >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - s)) - 1);
+      const __m512 w = _mm512_maskz_mov_ps(real, Exp(_mm512_sub_ps(_mm512_loadu_ps(row + s), _mm512_set1_ps(high))));
+      _mm512_storeu_ps(row + s, w);
+      sum = _mm512_add_ps(sum, w);
+    }
+    top[g] = high;
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* weights = scores.data() + g * padded;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t s = 0; s < visible; ++s) {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[s]), _mm512_loadu_ps(values + s * H + 16 * c), acc);
+      }
+      _mm512_storeu_ps(o + g * H + 16 * c, acc);
+    }
+  }
+}
+
+#else
+
+void Pair(const float*, const float*, const float*, int64_t, int64_t, int64_t, float*, float*, float*,
+          std::vector<float>&) {}
+
+#endif  // KVATTN_X86
+
+using Rank4 = ffi::Buffer<ffi::F32, 4>;
+using Rank3 = ffi::Buffer<ffi::F32, 3>;
+using Lengths = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Lengths visible, ffi::Result<Rank4> o,
+                   ffi::Result<Rank3> total, ffi::Result<Rank3> top) {
+  if (!HasAvx512()) return Failed("kvattn's decode attention needs AVX512F, which this CPU lacks");
+  const auto qd = q.dimensions(), kd = keys.dimensions();
+  const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], S = kd[2];
+  const auto vd = values.dimensions();
+  if (kd[0] != B || kd[1] != K || kd[3] != H || vd[0] != B || vd[1] != K || vd[2] != S || vd[3] != H ||
+      visible.dimensions()[0] != B || H % 16 != 0) {
+    return Failed("kvattn decode attention: q (B, K, G, H), caches (B, K, S, H), visible (B,), H % 16 == 0");
+  }
+  const float* qp = q.typed_data();
+  const float* kp = keys.typed_data();
+  const float* vp = values.typed_data();
+  const int32_t* seen = visible.typed_data();
+  float* op = o->typed_data();
+  float* tp = total->typed_data();
+  float* mp = top->typed_data();
+  return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
+    std::vector<float> scores;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t n = std::clamp<int64_t>(seen[pair / K], 0, S);
+      Pair(qp + pair * G * H, kp + pair * S * H, vp + pair * S * H, n, G, H, op + pair * G * H, tp + pair * G,
+           mp + pair * G, scores);
+    }
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnDecodeAttention, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Lengths>()
+                                  .Ret<Rank4>()
+                                  .Ret<Rank3>()
+                                  .Ret<Rank3>());

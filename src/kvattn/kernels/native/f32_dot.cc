@@ -1,0 +1,124 @@
+// kvattn's float32 dot for XLA:CPU: out[m, n] = sum_k a[m, k] * w[k, n], over weights laid out in panels.
+//
+// Weights `(N / 16, K, 16)`: panel t holds outputs 16t..16t+15 for every k, so a panel is one contiguous
+// stream (`kvattn.math.quant.panel` lays them out). XLA:CPU's dot reads a `(K, N)` kernel row by row; a step's
+// few rows are then a strided read, well below the bandwidth the same bytes stream at in panels. Three
+// panels are read side by side, so each k is 3 vector loads and 8 x 3 fused multiply-adds into 24
+// accumulators: the same kernel serves a step (bandwidth bound) and a prefill's rows (compute bound, and
+// there too faster than XLA's dot).
+//
+// Each output is one float32 sum over k in order, whatever M is and whichever rows share a block, so a
+// row's result does not depend on the rows beside it. A block's eight rows are read where they are
+// (copying them k-major first was slower). Work is split over XLA's
+// intra-op thread pool by panels; the handler returns a future completed by the last part.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kvattn/kernels/native/native.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using kvattn::Failed;
+using kvattn::HasAvx512;
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // float32 lanes of a 512-bit vector: a panel's width
+constexpr int64_t kBlockRows = 8;
+constexpr int64_t kAhead = 4096;  // bytes read ahead of a panel's stream
+
+using Panels = ffi::Buffer<ffi::F32, 3>;  // (N / 16, K, 16)
+
+#ifdef KVATTN_X86
+
+// Rows [0, MR) of `a` (row stride K) by panels [t, t + NT), into out (row stride ldo).
+template <int MR, int NT>
+KVATTN_AVX512 void Panel(const float* a, int64_t K, const float* w, int64_t t, float* out, int64_t ldo) {
+  const float* panels[NT];
+  __m512 acc[MR][NT];
+  for (int j = 0; j < NT; ++j) {
+    panels[j] = w + (t + j) * K * kLanes;
+    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 b[NT];
+    for (int j = 0; j < NT; ++j) {
+      const float* at = panels[j] + k * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
+      b[j] = _mm512_loadu_ps(at);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * K + k]);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_fmadd_ps(x, b[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NT; ++j) _mm512_storeu_ps(out + i * ldo + (t + j) * kLanes, acc[i][j]);
+  }
+}
+
+template <int MR>
+void Block(const float* a, int64_t K, const float* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+  constexpr int kSideBySide = 3;  // 32 registers: MR * 3 accumulators, 3 panels' vectors, a broadcast
+  int64_t t = t0;
+  for (; t + kSideBySide <= t1; t += kSideBySide) Panel<MR, kSideBySide>(a, K, w, t, out, ldo);
+  for (; t < t1; ++t) Panel<MR, 1>(a, K, w, t, out, ldo);
+}
+
+// Every block of rows by panels [t0, t1): the blocks of a panel group follow each other, so the group's
+// panels stay in cache while every row reads them.
+void Part(const float* a, int64_t M, int64_t K, const float* w, float* out, int64_t N, int64_t t0,
+          int64_t t1) {
+  constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 256 k
+  for (int64_t g = t0; g < t1; g += kGroup) {
+    const int64_t g1 = std::min(t1, g + kGroup);
+    for (int64_t m = 0; m < M; m += kBlockRows) {
+      const float* block = a + m * K;
+      float* rows = out + m * N;
+      switch (std::min(kBlockRows, M - m)) {
+        case 1: Block<1>(block, K, w, rows, N, g, g1); break;
+        case 2: Block<2>(block, K, w, rows, N, g, g1); break;
+        case 3: Block<3>(block, K, w, rows, N, g, g1); break;
+        case 4: Block<4>(block, K, w, rows, N, g, g1); break;
+        case 5: Block<5>(block, K, w, rows, N, g, g1); break;
+        case 6: Block<6>(block, K, w, rows, N, g, g1); break;
+        case 7: Block<7>(block, K, w, rows, N, g, g1); break;
+        default: Block<8>(block, K, w, rows, N, g, g1); break;
+      }
+    }
+  }
+}
+
+#else
+
+void Part(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, int64_t) {}
+
+#endif  // KVATTN_X86
+
+ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, Panels w, ffi::ResultBuffer<ffi::F32> out) {
+  if (!HasAvx512()) return Failed("kvattn's float32 dot needs AVX512F, which this CPU lacks");
+  const auto dims = w.dimensions();
+  const auto shape = a.dimensions();
+  const int64_t panels = dims[0], K = dims[1], N = panels * kLanes;
+  int64_t M = 1;
+  for (size_t d = 0; d + 1 < shape.size(); ++d) M *= shape[d];
+  if (dims[2] != kLanes || shape.size() == 0 || shape.back() != K || out->element_count() != M * N) {
+    return Failed("kvattn's float32 dot: rows (..., K) and panels (N / 16, K, 16) into (..., N) expected");
+  }
+  float* result = out->typed_data();
+  const float* rows = a.typed_data();
+  const float* weights = w.typed_data();
+  return kvattn::Split(pool, panels, panels / 3, [=](int64_t first, int64_t last) {
+    Part(rows, M, K, weights, result, N, first, last);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnF32Dot, Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<Panels>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,143 @@
+// kvattn's int8 dot for XLA:CPU: out[m, n] = sum_k a[m, k] * w[n, k], int8 by int8 into int32, exactly.
+//
+// XLA:CPU's own int8 dot (YNNPACK's, jaxlib 0.10) widens both operands to
+// int16 (vpmaddwd) and repacks the weights on every call. This one reads
+// weights laid out once in AVX512-VNNI's order and multiplies with vpdpbusd
+// (uint8 by int8, four products summed per 32-bit lane). The weights are
+// stored as uint8 w + 128, the rows stay int8, and each row's shift is taken
+// back once: sum_k (w + 128) a = sum_k w a + 128 sum_k a. Sums are exact in
+// int32, so the result equals XLA's dot bit for bit.
+//
+// Weights: uint8 `(N / 16, K / 4, 16, 4)`, tile t holding outputs 16t..16t+15,
+// each 64-byte group their four consecutive k (`kvattn.math.quant.tile` lays them
+// out). Rows: int8 `(..., K)`. Work is split over XLA's intra-op thread pool
+// by output tiles; the handler returns a future completed by the last part.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "kvattn/kernels/native/native.h"
+#include "xla/ffi/api/ffi.h"
+
+#ifdef KVATTN_X86
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+using kvattn::Failed;
+using kvattn::HasAvx512Vnni;
+
+namespace {
+
+constexpr int64_t kTileOutputs = 16;  // int32 lanes of a 512-bit vector
+constexpr int64_t kGroup = 4;         // int8 products summed per lane by vpdpbusd
+
+using TiledWeights = ffi::Buffer<ffi::U8, 4>;  // w + 128, (N / 16, K / 4, 16, 4)
+
+#ifdef KVATTN_X86
+
+// Rows [0, MR) of `a` (row stride `lda`) by tiles [t, t + NT), read side by side; `shift[i]` is
+// 128 * sum_k a[i, k], the part of the products that the weights' + 128 added.
+template <int MR, int NT>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void Tiles(const int8_t* a, int64_t lda,
+                                                                    const uint8_t* w, int64_t K,
+                                                                    const int32_t* shift, int32_t* out,
+                                                                    int64_t ldo, int64_t t) {
+  const int64_t groups = K / kGroup;
+  const int64_t tile_bytes = K * kTileOutputs;
+  const uint8_t* tiles[NT];
+  __m512i acc[MR][NT];
+  for (int j = 0; j < NT; ++j) {
+    tiles[j] = w + (t + j) * tile_bytes;
+    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_setzero_si512();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i b[NT];
+    for (int j = 0; j < NT; ++j) b[j] = _mm512_loadu_si512(tiles[j] + g * 64);
+    for (int i = 0; i < MR; ++i) {
+      int32_t four;
+      std::memcpy(&four, a + i * lda + g * kGroup, sizeof(four));
+      const __m512i x = _mm512_set1_epi32(four);
+      for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], b[j], x);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m512i taken = _mm512_set1_epi32(shift[i]);
+    for (int j = 0; j < NT; ++j) {
+      _mm512_storeu_si512(out + i * ldo + (t + j) * kTileOutputs, _mm512_sub_epi32(acc[i][j], taken));
+    }
+  }
+}
+
+template <int MR>
+void Rows(const int8_t* a, int64_t lda, const uint8_t* w, int64_t K, const int32_t* shift, int32_t* out,
+          int64_t ldo, int64_t t0, int64_t t1) {
+  constexpr int kSideBySide = MR <= 2 ? 4 : 2;  // 32 registers: MR * NT accumulators, NT tiles, a row
+  int64_t t = t0;
+  for (; t + kSideBySide <= t1; t += kSideBySide) Tiles<MR, kSideBySide>(a, lda, w, K, shift, out, ldo, t);
+  for (; t < t1; ++t) Tiles<MR, 1>(a, lda, w, K, shift, out, ldo, t);
+}
+
+// Every row by tiles [t0, t1), eight rows at a time.
+void Part(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const int32_t* shift, int32_t* out,
+          int64_t N, int64_t t0, int64_t t1) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const int8_t* rows = a + m * K;
+    const int32_t* taken = shift + m;
+    int32_t* outs = out + m * N;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: Rows<1>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      case 2: Rows<2>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      case 3: Rows<3>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      case 4: Rows<4>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      case 5: Rows<5>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      case 6: Rows<6>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      case 7: Rows<7>(rows, K, w, K, taken, outs, N, t0, t1); break;
+      default: Rows<8>(rows, K, w, K, taken, outs, N, t0, t1); break;
+    }
+  }
+}
+
+#else
+
+void Part(const int8_t*, int64_t, int64_t, const uint8_t*, const int32_t*, int32_t*, int64_t, int64_t,
+          int64_t) {}
+
+#endif  // KVATTN_X86
+
+ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
+  if (!HasAvx512Vnni()) {
+    return Failed("kvattn's int8 dot needs AVX512F, AVX512BW and AVX512-VNNI, which this CPU lacks");
+  }
+  const auto dims = w.dimensions();
+  const int64_t tiles = dims[0], K = dims[1] * kGroup, N = tiles * kTileOutputs;
+  if (dims[2] != kTileOutputs || dims[3] != kGroup || a.dimensions().size() == 0 || a.dimensions().back() != K ||
+      out->element_count() != a.element_count() / std::max<int64_t>(K, 1) * N) {
+    return Failed("kvattn's int8 dot: rows (..., K) and tiles (N / 16, K / 4, 16, 4) into (..., N) expected");
+  }
+  const int64_t M = K ? a.element_count() / K : 0;
+  const int8_t* rows = a.typed_data();
+  // 128 * sum_k a[m, k] per row, which the weights' + 128 added to every product sum.
+  auto shift = std::shared_ptr<int32_t[]>(new int32_t[std::max<int64_t>(M, 1)]);
+  for (int64_t m = 0; m < M; ++m) {
+    int32_t total = 0;
+    for (int64_t k = 0; k < K; ++k) total += rows[m * K + k];
+    shift[m] = 128 * total;
+  }
+  const uint8_t* weights = w.typed_data();
+  int32_t* result = out->typed_data();
+  return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
+    Part(rows, M, K, weights, shift.get(), result, N, first, last);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnInt8Dot, Dot,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<TiledWeights>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());

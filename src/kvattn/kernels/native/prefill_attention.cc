@@ -1,0 +1,213 @@
+// kvattn's chunk attention for XLA:CPU: a prefill's new tokens over the filled cache and causally over
+// themselves, float32, heads-major cache.
+//
+// Sequence b held cache_len[b] tokens and appends the first new_len[b] of its T new tokens. New token
+// t < new_len[b], query head n = k G + g, sees the keys
+//   k_cache[b, k, s] for s < cache_len[b], then k_new[b, u, k] for u <= t,
+// and gets sum_j softmax_j(q . key_j / sqrt(H)) value_j over them: `kvattn.math.ops.attention` without a
+// window or a soft-cap (q scaled by a float32 1/sqrt(H) first, as there). Padding queries
+// (t >= new_len[b]) get zeros; nothing past the visible keys is read.
+//
+// XLA's path forms the scores, the masked softmax and two batched dots as separate thunks with
+// transposes between them. This does one (b, k) pair at a time, the pairs split over XLA's intra-op
+// thread pool: the pair's keys are transposed once into blocks of 16 (H x 16), so four query rows
+// against 32 keys take 8 FMAs per head dim; each row's softmax is exact (its maximum first, then exp
+// and sum over its visible keys); values are mixed four rows at a time, 64 head dims per pass.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvattn/kernels/native/native.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using kvattn::Failed;
+using kvattn::HasAvx512;
+
+namespace {
+
+struct Shape {
+  int64_t B, T, K, G, H, S;
+  float scale;  // 1/sqrt(H), rounded to float32 as kvattn.math.ops rounds it
+};
+
+struct Scratch {
+  std::vector<float> keys;            // (blocks, H, 16): the pair's visible keys, transposed
+  std::vector<const float*> values;   // a row pointer per visible key
+  std::vector<float> scores;          // (4, padded): scores, then weights, of one block of rows
+  std::vector<float> queries;         // (4, H): one block's queries, scaled
+};
+
+constexpr int64_t kRows = 4;   // query rows per block
+constexpr int64_t kLanes = 16;  // floats per vector
+
+#ifdef KVATTN_X86
+
+using kvattn::Exp;
+
+// acc[i] += weights[i][j] * values[j][column : column + 16 C] over the keys j < seen[i] that row i sees
+// (seen rising with i); then out[i] = acc[i] * inv[i] for the first `rows`. A key a row does not see is
+// skipped, not weighted by 0: 0 * a NaN or inf value is NaN, and it must not reach an earlier token.
+template <int C>
+KVATTN_AVX512 void Mix(const float* const* values, int64_t column, const int64_t* seen, const float* weights,
+                       int64_t padded, const float* inv, float* const* out, int64_t rows) {
+  __m512 acc[kRows][C];
+  for (int i = 0; i < kRows; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values[j] + column + kLanes * c);
+    const bool every_row = j < seen[0];
+    for (int i = 0; i < kRows; ++i) {
+      const __m512 w = _mm512_set1_ps(weights[i * padded + j]);
+      const __mmask16 sees = every_row || j < seen[i] ? 0xFFFF : 0;
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mask3_fmadd_ps(w, v[c], acc[i][c], sees);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 scale = _mm512_set1_ps(inv[i]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[i] + column + kLanes * c, _mm512_mul_ps(acc[i][c], scale));
+  }
+}
+
+KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
+                        const float* k_cache, const float* v_cache, int64_t cached, int64_t fresh, float* out,
+                        Scratch& scratch) {
+  const int64_t T = d.T, K = d.K, G = d.G, H = d.H, S = d.S, N = K * G;
+  const int64_t visible = cached + fresh;
+  const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: two blocks per pass
+  scratch.keys.assign(blocks * H * kLanes, 0.0f);
+  scratch.values.resize(visible);
+  for (int64_t j = 0; j < visible; ++j) {
+    const bool old = j < cached;
+    const int64_t at = old ? ((b * K + k) * S + j) * H : ((b * T + j - cached) * K + k) * H;
+    const float* key = (old ? k_cache : k_new) + at;
+    scratch.values[j] = (old ? v_cache : v_new) + at;
+    float* column = scratch.keys.data() + (j / kLanes) * H * kLanes + j % kLanes;
+    for (int64_t h = 0; h < H; ++h) column[h * kLanes] = key[h];
+  }
+  auto row_of = [&](auto* base, int64_t t, int64_t g) { return base + ((b * T + t) * N + k * G + g) * H; };
+  for (int64_t t = fresh; t < T; ++t)  // padding queries
+    for (int64_t g = 0; g < G; ++g) std::fill_n(row_of(out, t, g), H, 0.0f);
+
+  const int64_t rows = fresh * G;  // (t, g), t-major: a block's last row sees the most keys
+  for (int64_t first = 0; first < rows; first += kRows) {
+    const int64_t n = std::min(kRows, rows - first);
+    const float* qs[kRows];
+    float* outs[kRows];
+    int64_t seen[kRows];
+    scratch.queries.resize(kRows * H);
+    for (int64_t i = 0; i < kRows; ++i) {  // rows past the end repeat the last one
+      const int64_t r = first + std::min(i, n - 1);
+      float* scaled = scratch.queries.data() + i * H;
+      std::transform(row_of(q, r / G, r % G), row_of(q, r / G, r % G) + H, scaled,
+                     [&](float x) { return x * d.scale; });
+      qs[i] = scaled;
+      outs[i] = row_of(out, r / G, r % G);
+      seen[i] = cached + r / G + 1;
+    }
+    const int64_t reach = seen[kRows - 1];
+    const int64_t padded = (reach + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
+    scratch.scores.resize(kRows * padded);
+    float* scores = scratch.scores.data();
+    for (int64_t block = 0; block < padded / kLanes; block += 2) {
+      const float* k0 = scratch.keys.data() + block * H * kLanes;
+      const float* k1 = k0 + H * kLanes;
+      __m512 acc[kRows][2];
+      for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; ++h) {
+        const __m512 a = _mm512_loadu_ps(k0 + h * kLanes), c = _mm512_loadu_ps(k1 + h * kLanes);
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 x = _mm512_set1_ps(qs[i][h]);
+          acc[i][0] = _mm512_fmadd_ps(x, a, acc[i][0]);
+          acc[i][1] = _mm512_fmadd_ps(x, c, acc[i][1]);
+        }
+      }
+      for (int i = 0; i < kRows; ++i) {
+        _mm512_storeu_ps(scores + i * padded + block * kLanes, acc[i][0]);
+        _mm512_storeu_ps(scores + i * padded + (block + 1) * kLanes, acc[i][1]);
+      }
+    }
+    float inv[kRows];
+    for (int64_t i = 0; i < kRows; ++i) {  // softmax over the row's visible keys; weight 0 past them
+      float* row = scores + i * padded;
+      auto mask = [&](int64_t j) {
+        const int64_t left = seen[i] - j;
+        return left >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                              : static_cast<__mmask16>(left <= 0 ? 0 : (1u << left) - 1);
+      };
+      __m512 top = _mm512_set1_ps(-__builtin_inff());
+      __mmask16 unordered = 0;  // a NaN score makes the row NaN, as in a float64 softmax
+      for (int64_t j = 0; j < seen[i]; j += kLanes) kvattn::Fold(_mm512_loadu_ps(row + j), mask(j), top, unordered);
+      const __m512 high = _mm512_set1_ps(kvattn::Maximum(top, unordered));
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < padded; j += kLanes) {
+        const __m512 w = _mm512_maskz_mov_ps(mask(j), Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), high)));
+        _mm512_storeu_ps(row + j, w);
+        sum = _mm512_add_ps(sum, w);
+      }
+      inv[i] = 1.0f / _mm512_reduce_add_ps(sum);  // at least the row's own key: sum >= 1, or NaN
+    }
+    for (int64_t column = 0; column < H; column += 4 * kLanes) {
+      switch (std::min<int64_t>(4, (H - column) / kLanes)) {
+        case 4: Mix<4>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+        case 3: Mix<3>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+        case 2: Mix<2>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+        default: Mix<1>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
+      }
+    }
+  }
+}
+
+#else
+
+void Pair(const Shape&, int64_t, int64_t, const float*, const float*, const float*, const float*, const float*,
+          int64_t, int64_t, float*, Scratch&) {}
+
+#endif  // KVATTN_X86
+
+using Rank4 = ffi::Buffer<ffi::F32, 4>;
+using Lengths = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank4 k_cache, Rank4 v_cache,
+                   Lengths cache_len, Lengths new_len, ffi::Result<Rank4> out) {
+  if (!HasAvx512()) return Failed("kvattn's prefill attention needs AVX512F, which this CPU lacks");
+  const auto qd = q.dimensions(), nd = k_new.dimensions(), cd = k_cache.dimensions();
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = nd[2], S = cd[2];
+  const auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
+  if (nd[0] != B || nd[1] != T || nd[3] != H || K == 0 || N % K != 0 || !same(nd, v_new.dimensions()) ||
+      cd[0] != B || cd[1] != K || cd[3] != H || !same(cd, v_cache.dimensions()) ||
+      cache_len.dimensions()[0] != B || new_len.dimensions()[0] != B || H % kLanes != 0) {
+    return Failed("kvattn prefill attention: q (B, T, N, H), new keys and values (B, T, K, H) with K dividing N, "
+                  "caches (B, K, S, H), lengths (B,), H % 16 == 0");
+  }
+  const Shape shape{B, T, K, N / K, H, S, static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)))};
+  const float *qp = q.typed_data(), *knp = k_new.typed_data(), *vnp = v_new.typed_data();
+  const float *kcp = k_cache.typed_data(), *vcp = v_cache.typed_data();
+  const int32_t *held = cache_len.typed_data(), *added = new_len.typed_data();
+  float* op = out->typed_data();
+  return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
+    Scratch scratch;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t b = pair / K;
+      Pair(shape, b, pair % K, qp, knp, vnp, kcp, vcp, std::clamp<int64_t>(held[b], 0, S),
+           std::clamp<int64_t>(added[b], 0, T), op, scratch);
+    }
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnPrefillAttention, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Rank4>()
+                                  .Arg<Lengths>()
+                                  .Arg<Lengths>()
+                                  .Ret<Rank4>());

@@ -1,0 +1,213 @@
+"""The pure decoding step: project, append, attend, project out, over a config, weights and a cache.
+
+The NNX layer (`kvattn.layer.attention`) and the fast drivers (`kvattn.layer.decoding`)
+both call `extend`; nothing here holds state. Axis letters follow
+`kvattn.math.ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvattn.kernels import dots
+from kvattn.math import norms, ops, quant
+from kvattn.caches.contiguous import KVCache
+from kvattn.config import AttentionConfig
+from kvattn.caches.paged import PagedKVCache
+from kvattn.math.rope import apply_rope
+
+__all__ = ["FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "output", "project_qkv"]
+
+
+class Weights(NamedTuple):
+    """The layer's parameters as plain arrays (None where a bias or a norm is absent)."""
+
+    query_kernel: jax.Array
+    query_bias: jax.Array | None
+    key_kernel: jax.Array
+    key_bias: jax.Array | None
+    value_kernel: jax.Array
+    value_bias: jax.Array | None
+    out_kernel: jax.Array
+    out_bias: jax.Array | None
+    query_ln: jax.Array | None = None
+    """Scale `(H,)` of the per-head query norm (`normalize_qk`)."""
+    key_ln: jax.Array | None = None
+
+    def fused(self) -> FusedWeights:
+        """The query, key and value kernels side by side, for one matmul instead of three."""
+        kernels = (self.query_kernel, self.key_kernel, self.value_kernel)
+        biases = (self.query_bias, self.key_bias, self.value_bias)
+        if all(b is None for b in biases):
+            bias = None
+        else:  # a projection without a bias adds zeros
+            bias = jnp.concatenate(
+                [jnp.zeros(k.shape[1:], k.dtype) if b is None else b for k, b in zip(kernels, biases, strict=True)]
+            )
+        return FusedWeights(
+            jnp.concatenate(kernels, axis=1), bias, self.out_kernel, self.out_bias, self.query_ln, self.key_ln
+        )
+
+
+class FusedWeights(NamedTuple):
+    """`Weights` with the query, key and value projections fused into one kernel `(D, N + 2K, H)`.
+
+    On one token the projections are three mat-vecs; XLA:CPU pays a fixed
+    cost per dot, so one wider dot is cheaper per step. Inside a compiled
+    loop the concatenation is loop-invariant (XLA hoists it); the decoding
+    drivers fuse once, ahead of their loops, and a layer may store its
+    weights fused (`kvattn.models`).
+
+    Either kernel may be laid out (`kvattn.math.quant.is_laid_out`): compact
+    (`kvattn.math.quant.Int8Kernel`, or tiled), the fused one with values
+    `(N + 2K, H, D)`, the out one with values `(D, N * H)`; or float32
+    panels (`kvattn.math.quant.PanelKernel`) of the same kernels.
+    """
+
+    qkv_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel
+    qkv_bias: jax.Array | None
+    out_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel
+    out_bias: jax.Array | None
+    query_ln: jax.Array | None = None
+    key_ln: jax.Array | None = None
+
+    def fused(self) -> FusedWeights:
+        """Already fused: itself (so the drivers take either form)."""
+        return self
+
+    def heads(self) -> tuple[int, int]:
+        """`(N, K)`: the out kernel's query heads, and the rest of the fused heads axis halved."""
+        qkv, out = self.qkv_kernel, self.out_kernel
+        if quant.is_laid_out(qkv):
+            fused_heads, head_dim = qkv.features[:2]
+            num_heads = out.inputs // head_dim
+        else:
+            fused_heads, num_heads = qkv.shape[1], out.shape[0]
+        return num_heads, (fused_heads - num_heads) // 2
+
+
+def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
+    """Queries, keys and values `(B, T, N|K, H)` of tokens `(B, T, D)`.
+
+    With `heads_split` (heads sharded over devices) the projections stay
+    apart: a fused kernel would interleave the three head axes across devices.
+    """
+    if isinstance(weights, Weights):
+        if heads_split:
+            return (
+                ops.project(xs, weights.query_kernel, weights.query_bias),
+                ops.project(xs, weights.key_kernel, weights.key_bias),
+                ops.project(xs, weights.value_kernel, weights.value_bias),
+            )
+        weights = weights.fused()
+    num_heads, num_kv_heads = weights.heads()
+    if quant.is_laid_out(weights.qkv_kernel):
+        qkv = dots.dense(xs, weights.qkv_kernel)
+        qkv = qkv if weights.qkv_bias is None else qkv + weights.qkv_bias[None, None]
+    else:
+        qkv = ops.project(xs, weights.qkv_kernel, weights.qkv_bias)
+    return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=2)
+
+
+def compute_dtype(config: AttentionConfig, xs) -> jnp.dtype:
+    """The projections' dtype: `config.dtype`, else promoted from the inputs and the weights (as in Flax)."""
+    return jnp.dtype(config.dtype) if config.dtype is not None else jnp.result_type(xs.dtype, config.param_dtype)
+
+
+def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, xs, positions):
+    """Queries, keys and values `(B, T, N|K, H)` of tokens `(B, T, D)` at `positions` `(B, T)`, in float32.
+
+    Projected in the computation dtype, then normalised per head
+    (`normalize_qk`) and rotated (`rope`): what attention reads and what the
+    cache stores, so a cached key is never rotated again.
+    """
+    dtype = compute_dtype(config, xs)
+    # Compact kernels are read as they are stored: converting one would write it out in full every call.
+    weights = jax.tree.map(lambda w: w if quant.is_laid_out(w) else w.astype(dtype), weights,
+                           is_leaf=quant.is_laid_out)
+    q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
+    if config.normalize_qk:
+        norm = norms.rms_norm if config.normalize_qk == "rms" else norms.layer_norm
+        q, k = norm(q, weights.query_ln, config.qk_norm_eps), norm(k, weights.key_ln, config.qk_norm_eps)
+    if config.rope is not None:
+        q, k = apply_rope(q, positions, config.rope), apply_rope(k, positions, config.rope)
+    return q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+
+
+def output(config: AttentionConfig, weights: Weights | FusedWeights, ctx, xs):
+    """The `out` projection of float32 attention values `(B, T, N, H)`, in the computation dtype."""
+    dtype = compute_dtype(config, xs)
+    bias = None if weights.out_bias is None else weights.out_bias.astype(dtype)
+    if quant.is_laid_out(weights.out_kernel):
+        batch, num_new = ctx.shape[:2]
+        ys = dots.dense(ctx.astype(dtype).reshape(batch, num_new, -1), weights.out_kernel)
+        return ys if bias is None else ys + bias[None, None]
+    return ops.project_out(ctx.astype(dtype), weights.out_kernel.astype(dtype), bias)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def causal_self_attention(weights: Weights | FusedWeights, xs, *, config: AttentionConfig):
+    """Full causal self-attention of tokens `(B, T, D)`, no cache: the training path.
+
+    Token t sits at position t; with a window it sees the last `window` tokens.
+    """
+    positions = jnp.broadcast_to(jnp.arange(xs.shape[1]), xs.shape[:2])
+    q, k, v = attention_inputs(config, weights, xs, positions)
+    lengths = jnp.full(xs.shape[:1], xs.shape[1], jnp.int32)
+    ctx = ops.attention(q, k, v, lengths, window=config.window, logit_softcap=config.logit_softcap)
+    return output(config, weights, ctx, xs)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "write_first"))
+def extend(
+    weights: Weights | FusedWeights,
+    cache: KVCache | PagedKVCache,
+    xs,
+    lengths,
+    *,
+    config: AttentionConfig,
+    write_first: bool = False,
+):
+    """Appends tokens to a batch of caches and attends: step and prefill as one pure function.
+
+    Sequence b appends its first `lengths[b]` tokens of `xs` `(B, T, D)` at
+    positions `cache.pos[b] ..`, each attending to the cache and causally to
+    the chunk. A sequence without room for them (or poisoned, `pos < 0`, or,
+    paged, without a page for a block it writes) writes nothing, keeps its
+    `pos` and gets NaN outputs: the in-graph half of the overflow contract.
+    Padding tokens `t >= lengths[b]` are zeroed before anything reads them,
+    so whatever they hold (NaN included) never reaches an output, and their
+    outputs are zeros.
+
+    The cache chooses its own path (`fits`, `attend`, `commit`: see
+    `kvattn.caches.contiguous.KVCache` and `kvattn.caches.paged.PagedKVCache`). `write_first`
+    asks a contiguous cache to write the chunk before attention reads it,
+    one pass with fewer ops per step, which the decoding drivers use on the
+    buffers they own; by default it reads first and writes last, tied to the
+    output, so XLA updates donated buffers in place under any surrounding
+    `jit`. `config` gives the capacity, the length buckets and whether heads
+    are split over devices; the cache carries its own layout and window.
+
+    Returns:
+      `(ys, cache)`: outputs `(B, T, D)` and the advanced cache.
+    """
+    real = jnp.arange(xs.shape[1])[None, :] < lengths[:, None]
+    xs = jnp.where(real[:, :, None], xs, jnp.zeros((), xs.dtype))
+    fits = cache.fits(lengths, config.capacity)
+    written = jnp.where(fits, lengths, 0)
+    q, k, v = attention_inputs(config, weights, xs, cache.pos[:, None] + jnp.arange(xs.shape[1])[None, :])
+    options = dict(
+        layout=cache.layout, window=cache.window, block_diagonal=not config.heads_split,
+        logit_softcap=config.logit_softcap,
+    )
+    ctx, cache = cache.attend(
+        q, k, v, lengths, written, options=options, length_buckets=config.length_buckets, write_first=write_first
+    )
+    ys = output(config, weights, ctx, xs)
+    ys = jnp.where(real[:, :, None], ys, jnp.zeros((), ys.dtype))  # padding tokens
+    ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
+    return ys, cache.commit(k, v, written, after=ys, write_first=write_first)

@@ -1,0 +1,331 @@
+"""Modern attention options on every path: rotary positions, QK-norm, soft-capping, mixed precision, Flax's shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvattn
+from kvattn.config import RoPE
+from kvattn.math.rope import apply_rope
+from tests.helpers import assert_same_bits, cache_arrays, stream
+from tests.reference import ReferenceCache, assert_close, causal_attention, rope_frequencies, rotate, weights_of
+
+D = 16
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+ROPES = {
+    "none": None,
+    "half": RoPE(),
+    "interleaved": RoPE(theta=500.0, interleaved=True),
+    "partial": RoPE(rotary_dim=2),
+    "linear": RoPE(scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama3": RoPE(theta=1000.0, scaling=LLAMA3),
+    "yarn": RoPE(theta=1000.0, scaling=YARN),
+}
+
+
+def perturbed(layer, seed=7):
+    """Non-trivial norm scales and biases, so that a missing one would show."""
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    for name in ("query_ln", "key_ln"):
+        if hasattr(layer, name):
+            scale = getattr(layer, name).scale
+            scale[...] = 1 + 0.3 * jax.random.normal(next(keys), scale[...].shape)
+    for name in ("query", "key", "value", "out"):
+        bias = getattr(layer, name).bias
+        if bias is not None:
+            bias[...] = 0.2 * jax.random.normal(next(keys), bias[...].shape)
+    return layer
+
+
+# ---------------------------------------------------------- closed-form cases
+
+
+def test_rotation_by_a_known_angle():
+    """One pair at frequency 1 turns by its position in radians; pairs at lower frequencies by less."""
+    x = jnp.array([[[[1.0, 0.0]]]])  # B T heads H
+    for position in (0, 1, 3):
+        got = apply_rope(x, jnp.array([[position]]), RoPE())
+        np.testing.assert_allclose(got[0, 0, 0], [np.cos(position), np.sin(position)], atol=1e-6)
+    # H = 4, rotate-half: dims (0, 2) at frequency 1, dims (1, 3) at theta ** -1/2 = 0.01.
+    y = apply_rope(jnp.array([[[[1.0, 1.0, 0.0, 0.0]]]]), jnp.array([[2]]), RoPE(theta=10000.0))
+    np.testing.assert_allclose(y[0, 0, 0], [np.cos(2), np.cos(0.02), np.sin(2), np.sin(0.02)], atol=1e-6)
+    # Interleaved pairs (0, 1) and (2, 3) instead.
+    z = apply_rope(jnp.array([[[[1.0, 0.0, 1.0, 0.0]]]]), jnp.array([[2]]), RoPE(theta=10000.0, interleaved=True))
+    np.testing.assert_allclose(z[0, 0, 0], [np.cos(2), np.sin(2), np.cos(0.02), np.sin(0.02)], atol=1e-6)
+    # Partial: the dims past rotary_dim pass through untouched.
+    w = apply_rope(jnp.array([[[[1.0, 0.0, 5.0, 6.0]]]]), jnp.array([[1]]), RoPE(rotary_dim=2))
+    np.testing.assert_allclose(w[0, 0, 0], [np.cos(1), np.sin(1), 5.0, 6.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "llama3", "yarn"])
+def test_scores_depend_only_on_the_distance_between_positions(name):
+    rope = ROPES[name]
+    q, k = (jax.random.normal(jax.random.key(i), (1, 1, 1, 8)) for i in (1, 2))
+
+    def score(query_pos, key_pos):
+        rotated_q = apply_rope(q, jnp.array([[query_pos]]), rope)
+        rotated_k = apply_rope(k, jnp.array([[key_pos]]), rope)
+        return float(jnp.sum(rotated_q * rotated_k))
+
+    for shift in (1, 7, 100):
+        assert score(5 + shift, 2 + shift) == pytest.approx(score(5, 2), rel=1e-4, abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "linear", "llama3", "yarn"])
+def test_rotation_equals_the_reference(name):
+    rope = ROPES[name]
+    x = jax.random.normal(jax.random.key(0), (1, 5, 3, 8))
+    positions = jnp.array([[0, 1, 9, 40, 1000]])
+    as_dict = dict(theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved)
+    assert_close(apply_rope(x, positions, rope)[0], rotate(x[0], positions[0], as_dict), rtol=1e-4, atol=2e-4)
+
+
+def test_scaled_frequencies_follow_the_published_rules():
+    """Spot values of llama3 and yarn scaling, worked by hand from their definitions."""
+    freqs, factor = rope_frequencies(8, 1000.0, LLAMA3, None)
+    plain = 1000.0 ** (-np.arange(4) / 4)
+    # Wavelengths 2 pi / plain: 6.3 (between 16 / 4 and 16 / 1: blended), then 35, 199, 1117 (past 16: divided by 4).
+    blend = (16 / (2 * np.pi) - 1.0) / (4.0 - 1.0)
+    assert freqs[0] == pytest.approx((1 - blend) * plain[0] / 4 + blend * plain[0])
+    np.testing.assert_allclose(freqs[1:], plain[1:] / 4)
+    assert rope_frequencies(8, 1000.0, {**LLAMA3, "original_max_position_embeddings": 64}, None)[0][0] == plain[0]
+    assert factor == 1.0
+    _, attention_factor = rope_frequencies(8, 1000.0, YARN, None)
+    assert attention_factor == pytest.approx(0.1 * np.log(4.0) + 1.0)
+
+
+# ---------------------------------------------------- every path, every option
+
+
+OPTIONS = st.fixed_dictionaries(
+    {
+        "rope": st.sampled_from(sorted(ROPES)),
+        "normalize_qk": st.sampled_from([False, True, "rms"]),
+        "logit_softcap": st.sampled_from([None, 3.0]),
+        "num_kv_heads": st.sampled_from([4, 2, 1]),
+        "use_bias": st.sampled_from([True, False, ("query", "key", "value")]),
+        "window": st.sampled_from([None, 4]),
+    }
+)
+
+
+def modern_layer(options, batch_size=2, **overrides):
+    options = dict(options)
+    window = options.pop("window")
+    capacity = dict(window=window) if window else dict(max_len=24)
+    return perturbed(kvattn.MultiHeadAttention(
+        4, D, batch_size=batch_size, rope=ROPES[options.pop("rope")], rngs=nnx.Rngs(0),
+        **capacity, **options, **overrides,
+    ))
+
+
+@settings(max_examples=7)  # each example compiles every path anew: kept small for CI's 2 cores
+@given(options=OPTIONS, data=st.data())
+def test_every_path_equals_the_reference(options, data):
+    """Ragged prefill at an offset, steps, a Decoder, decode and generate all equal the float64 reference."""
+    layer = modern_layer(options)
+    reference = ReferenceCache(weights_of(layer), 2, options["window"])
+    xs = stream((2, 12), seed=data.draw(st.integers(0, 50)), in_features=D)
+
+    def expect(ys, sequence_tokens):
+        for b, tokens in enumerate(sequence_tokens):
+            for t, token in tokens:
+                assert_close(ys[b, t], reference.append(b, token))
+
+    # A first chunk, ragged.
+    lengths = [3, 1]
+    ys = layer.prefill(xs[:, :3], jnp.array(lengths))
+    expect(ys, [[(t, xs[b, t]) for t in range(lengths[b])] for b in range(2)])
+    # A step for one sequence only, then a chunk at different offsets.
+    y = layer.step(xs[:, 3], jnp.array([False, True]))
+    expect(y[:, None], [[], [(0, xs[1, 3])]])
+    ys = layer.prefill(xs[:, 4:7])
+    expect(ys, [[(t, xs[b, 4 + t]) for t in range(3)] for b in range(2)])
+    # The compiled drivers continue from there.
+    decoder = kvattn.Decoder(layer)
+    y = decoder.step(xs[:, 7])
+    expect(y[:, None], [[(0, xs[b, 7])] for b in range(2)])
+    decoder.sync()
+    ys = kvattn.decode(layer, xs[:, 8:10])
+    expect(ys, [[(t, xs[b, 8 + t]) for t in range(2)] for b in range(2)])
+    # The uncached forward of a whole history (no window: windowed histories are checked token by token above).
+    if not options["window"]:
+        history = np.stack(reference.histories[0])
+        assert_close(layer(jnp.asarray(history, jnp.float32)), causal_attention(weights_of(layer), history))
+
+
+@settings(max_examples=3)
+@given(options=OPTIONS)
+def test_generate_feeds_each_output_back(options):
+    layer = modern_layer(options, batch_size=None)
+    reference = ReferenceCache(weights_of(layer), 1, options["window"])
+    x = stream((), in_features=D)
+    layer.prefill(stream((3,), seed=3, in_features=D))
+    for token in stream((3,), seed=3, in_features=D):
+        reference.append(0, token)
+    outputs = kvattn.rollout(layer, x, 4, jnp.tanh).outputs
+    for y in outputs:
+        assert_close(y, reference.append(0, x))
+        x = jnp.tanh(y)
+
+
+def test_fork_reorder_truncate_reset_keep_rotary_positions():
+    layer = modern_layer({"rope": "llama3", "normalize_qk": "rms", "logit_softcap": None, "num_kv_heads": 2,
+                          "use_bias": True, "window": None}, batch_size=3)
+    reference = ReferenceCache(weights_of(layer), 3)
+    xs = stream((3, 8), in_features=D)
+    layer.prefill(xs[:, :5], jnp.array([5, 2, 0]))
+    for b, length in enumerate([5, 2, 0]):
+        for t in range(length):
+            reference.append(b, xs[b, t])
+    layer.fork(0, [2])
+    reference.fork(0, [2])
+    layer.reorder(jnp.array([1, 0, 2]))
+    reference.reorder([1, 0, 2])
+    layer.truncate(jnp.array([2, 3, 4]))
+    reference.truncate([2, 3, 4])
+    layer.reset([0])
+    reference.reset([0])
+    y = layer.step(xs[:, 5])
+    for b in range(3):
+        assert_close(y[b], reference.append(b, xs[b, 5]))
+
+
+def test_a_ring_keeps_counting_rotary_positions_past_its_slots():
+    layer = kvattn.MultiHeadAttention(4, D, window=3, rope=RoPE(), rngs=nnx.Rngs(0))
+    xs = stream((11,), in_features=D)
+    ys = kvattn.decode(layer, xs)
+    weights = weights_of(layer)
+    for t in range(11):
+        start = max(0, t - 2)
+        assert_close(ys[t], causal_attention(weights, xs[start : t + 1], start=start)[-1])
+
+
+def test_snapshots_record_every_option(tmp_path):
+    layer = modern_layer({"rope": "yarn", "normalize_qk": True, "logit_softcap": 3.0, "num_kv_heads": 2,
+                          "use_bias": ("query", "key", "value"), "window": None})
+    layer.prefill(stream((2, 3), in_features=D))
+    path = tmp_path / "c.safetensors"
+    kvattn.save_cache(layer, path)
+    config = kvattn.snapshot_info(path).config
+    assert config["rope"]["scaling"]["rope_type"] == "yarn" and config["normalize_qk"] is True
+    assert config["use_bias"] == ["key", "query", "value"] and config["logit_softcap"] == 3.0
+    same = modern_layer({"rope": "yarn", "normalize_qk": True, "logit_softcap": 3.0, "num_kv_heads": 2,
+                         "use_bias": ("query", "key", "value"), "window": None})
+    kvattn.load_cache(same, path)
+    assert_same_bits(cache_arrays(same), cache_arrays(layer))
+    other = modern_layer({"rope": "llama3", "normalize_qk": True, "logit_softcap": 3.0, "num_kv_heads": 2,
+                          "use_bias": ("query", "key", "value"), "window": None})
+    with pytest.raises(kvattn.SnapshotError, match="differently configured layer: rope="):
+        kvattn.load_cache(other, path)
+
+
+# ------------------------------------------------------ precision and shapes
+
+
+def test_bfloat16_computation_stays_close_to_the_float32_reference():
+    """dtype=bfloat16 runs the projections in bfloat16; softmax stays float32. Measured error bound."""
+    layer = perturbed(kvattn.MultiHeadAttention(
+        4, D, max_len=16, dtype=jnp.bfloat16, rope=RoPE(), normalize_qk="rms", rngs=nnx.Rngs(0)))
+    xs = stream((8,), in_features=D)
+    ys = kvattn.decode(layer, xs)
+    assert ys.dtype == jnp.bfloat16
+    expected = causal_attention(weights_of(layer), xs)
+    error = np.abs(np.asarray(ys, np.float64) - expected).max() / np.abs(expected).max()
+    assert error < 3e-2
+
+
+def test_bfloat16_parameters_are_stored_as_such():
+    layer = kvattn.MultiHeadAttention(4, D, max_len=8, param_dtype=jnp.bfloat16, normalize_qk=True, rngs=nnx.Rngs(0))
+    assert layer.query.kernel[...].dtype == jnp.bfloat16 and layer.query_ln.scale[...].dtype == jnp.bfloat16
+    assert layer.step(jnp.ones(D)).dtype == jnp.float32  # promoted with the float32 input, as in Flax
+
+
+def test_flax_shape_options():
+    """qkv_features, out_features, out_kernel_init/out_bias_init, biases per projection, leading batch axes."""
+    layer = kvattn.MultiHeadAttention(
+        2, 3, qkv_features=6, out_features=5, max_len=8, use_bias=("query", "key", "value"),
+        out_kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0),
+    )
+    assert layer.head_dim == 3 and layer.out.kernel[...].shape == (2, 3, 5) and layer.out.bias is None
+    np.testing.assert_array_equal(layer.out.kernel[...], 1.0)
+    xs = jax.random.normal(jax.random.key(0), (2, 3, 7, 3))
+    ys = layer(xs)
+    assert ys.shape == (2, 3, 7, 5)
+    assert_close(ys[1, 2], causal_attention(weights_of(layer), xs[1, 2]))
+    assert layer.prefill(xs[0, 0]).shape == (7, 5)
+    with pytest.raises(ValueError, match=r"qkv_features \(6\) must equal num_heads \* head_dim \(2 \* 2\)"):
+        kvattn.MultiHeadAttention(2, 3, qkv_features=6, head_dim=2, max_len=8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="use_bias names projections among"):
+        kvattn.MultiHeadAttention(2, 4, max_len=8, use_bias=("q",), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="RoPE rotary_dim"):
+        kvattn.MultiHeadAttention(2, 4, max_len=8, rope=RoPE(rotary_dim=4), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="RoPE scaling of rope_type 'yarn' needs"):
+        RoPE(scaling={"rope_type": "yarn", "factor": 2.0})
+
+
+# ----------------------------------------------------- Flax's own tests, ported
+
+
+def flax_twin(layer, **kwargs):
+    """`nnx.MultiHeadAttention` holding the kvattn layer's weights (same paths and shapes)."""
+    twin = nnx.MultiHeadAttention(
+        layer.num_heads, layer.in_features, qkv_features=layer.qkv_features, out_features=layer.out_features,
+        decode=False, rngs=nnx.Rngs(1), **kwargs,
+    )
+    nnx.update(twin, nnx.state(layer, nnx.Param))
+    return twin
+
+
+def test_flax_basic_shapes():
+    """Flax's `test_basic`: qkv_features=6, out_features=6 on (1, 7, 3)."""
+    layer = kvattn.MultiHeadAttention(2, 3, qkv_features=6, out_features=6, max_len=8, rngs=nnx.Rngs(0))
+    assert layer(jnp.ones((1, 7, 3))).shape == (1, 7, 6)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("normalize_qk", [True, False])
+@pytest.mark.parametrize("dtype, param_dtype", [(None, jnp.float32), (jnp.float16, jnp.float32), (None, jnp.float16)])
+def test_flax_attention_equivalence(use_bias, normalize_qk, dtype, param_dtype):
+    """Flax's `test_nnx_attention_equivalence`, against kvattn: the same weights give Flax's causal outputs."""
+    layer = kvattn.MultiHeadAttention(
+        2, 3, qkv_features=6, out_features=6, max_len=8, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+        normalize_qk=normalize_qk, rngs=nnx.Rngs(42),
+    )
+    twin = flax_twin(layer, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, normalize_qk=normalize_qk)
+    xs = jax.random.normal(jax.random.key(0), (2, 5, 3)).astype(param_dtype)
+    expected = twin(xs, mask=nnx.make_causal_mask(jnp.ones((2, 5))), decode=False)
+    got = layer(xs)
+    assert got.dtype == expected.dtype
+    # Flax's softmax runs in the computation dtype, kvattn's in float32: half precision differs by its rounding.
+    tolerance = 1e-5 if (dtype or param_dtype) == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32), atol=tolerance, rtol=tolerance)
+    # And the cache agrees with the uncached forward.
+    cached = jnp.stack([layer.step(x) for x in xs[0]])
+    np.testing.assert_allclose(np.asarray(cached, np.float32), np.asarray(got[0], np.float32), atol=tolerance, rtol=tolerance)
+
+
+def test_flax_autoregressive_decode_with_x64():
+    """Flax's `test_autoregressive_decode_with_x64`: decoding works with x64 enabled."""
+    with jax.enable_x64(True):
+        layer = kvattn.MultiHeadAttention(2, 4, qkv_features=4, max_len=4, batch_size=1, rngs=nnx.Rngs(0))
+        x = jnp.ones((1, 4, 4))
+        assert layer.k_cache[...].shape == (1, 4, 2, 2)
+        y1, y2 = layer.step(x[:, 0]), layer.step(x[:, 1])
+        assert y1.shape == y2.shape == (1, 4)
+        assert np.asarray(layer.pos[...]).tolist() == [2]
+
+
+def test_complex_inputs_are_refused_clearly():
+    layer = kvattn.MultiHeadAttention(2, 4, max_len=4, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="xs must have a floating dtype, got complex64"):
+        layer(jnp.ones((3, 4), jnp.complex64))
