@@ -28,7 +28,7 @@ demo: $(STAMP)
 # runs a test file per core (pytest-xdist), so a file's compiled programs stay
 # shared between its tests.
 test: plain-install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 	$(MAKE) docs
 
 # The documentation site, into site/; --strict turns every warning (a broken

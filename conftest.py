@@ -38,3 +38,35 @@ settings.register_profile(
 # (four JAX processes in test_multihost): HYPOTHESIS_PROFILE=wide make test
 settings.register_profile("wide", parent=settings.get_profile("kvattn"), derandomize=False, max_examples=60)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "kvattn"))
+
+# The suite's longest files, longest first. pytest-xdist hands out whole files (`--dist loadfile`), by default
+# in order of their number of tests, which leaves a long file of few tests (the multi-host run, a benchmark's
+# end-to-end run) to start last while the other worker idles. `make test` turns that order off
+# (`--no-loadscope-reorder`) and these start first instead; every other file follows in collection order.
+LONGEST_FIRST = (
+    "tests/benchmarks/test_bench.py",
+    "tests/serving/test_server.py",
+    "tests/layer/test_sharding.py",
+    "tests/layer/test_multihost.py",
+    "tests/serving/test_llm.py",
+    "tests/layer/test_decoding.py",
+    "tests/serving/test_http.py",
+    "tests/layer/test_forward.py",
+    "tests/models/test_hf_equivalence.py",
+    "tests/benchmarks/test_speculative.py",
+    "tests/caches/test_state_machine.py",
+    "tests/generation/test_speculative.py",
+    "tests/layer/test_attention.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    import pathlib
+
+    import pytest
+
+    root = pathlib.Path(__file__).parent
+    if missing := [path for path in LONGEST_FIRST if not (root / path).is_file()]:
+        raise pytest.UsageError(f"conftest.LONGEST_FIRST names files that are gone: {missing}")
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

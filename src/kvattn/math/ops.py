@@ -153,10 +153,35 @@ def attention(
     scores, visible = jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1)
     weights = masked_softmax(scores, visible, real, logit_softcap)
 
-    ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights[..., -num_new:], v_new)
+    ctx = _mix_new_values(weights[..., -num_new:], v_new, real, window)
     if k_cache is not None:
         ctx = ctx + _read_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
+
+
+def _mix_new_values(weights, v_new, real, window):
+    """The chunk's values mixed by `weights` `(B, T, K, G, U)`, where each query sees only `u <= t` (and the window).
+
+    A weight of 0 times a NaN or infinite value is NaN, so a non-finite value
+    at a later token would reach every earlier query through the dot. The
+    dot reads the finite values only; each query then takes the NaN and
+    infinities it sees back from running counts over the tokens, as float64
+    arithmetic gives them (a NaN, or +inf beside -inf, is NaN; else the
+    infinity), linear in the chunk's length. A visible infinite value whose
+    weight underflows to exactly 0 gives the infinity, where float64 would
+    give NaN.
+    """
+    finite = jnp.isfinite(v_new)
+    ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights, jnp.where(finite, v_new, 0.0))
+    kinds = jnp.stack([jnp.isnan(v_new), v_new == jnp.inf, v_new == -jnp.inf]).astype(jnp.int32)  # 3 B U K H
+    seen = jnp.cumsum(kinds, axis=2)  # tokens u <= t
+    if window is not None and window < v_new.shape[1]:  # less those that left the window, u <= t - W
+        seen = seen - jnp.pad(seen, ((0, 0), (0, 0), (window, 0), (0, 0), (0, 0)))[:, :, : v_new.shape[1]]
+    seen = (seen > 0) & real[None, :, :, None, None]
+    nan, plus, minus = (x[:, :, :, None, :] for x in seen)  # B T K 1 H, against ctx's B T K G H
+    ctx = jnp.where(plus, jnp.inf, ctx)
+    ctx = jnp.where(minus, -jnp.inf, ctx)
+    return jnp.where(nan | (plus & minus), jnp.nan, ctx)
 
 
 def cached_attention(
