@@ -14,7 +14,8 @@ an einsum: `SLOTS_MAJOR = "BSKH"` stores `(max_len, K, H)` per sequence,
 
 Both attention orders (`attention`: read the cache and the chunk apart;
 `cached_attention`: the chunk is already written) build their scores and
-visibility, then share one `masked_softmax` and one reading of the cache.
+visibility, then share one `masked_softmax` and one reading of the cache
+(`kvattn.math.reads`).
 """
 
 from __future__ import annotations
@@ -28,16 +29,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from kvattn.config import HEADS_MAJOR, LAYOUTS, SLOTS_MAJOR
+from kvattn.math import reads
 
 __all__ = [
     "HEADS_MAJOR", "LAYOUTS", "SLOTS_MAJOR", "attention", "bucket_index", "bucketed", "cached_attention",
     "chunked_cached_attention", "grouped_queries", "masked_scores", "masked_softmax", "project", "project_out",
 ]
-
-# Up to this many new tokens per call, slots-major attention reads the cache
-# through the block-diagonal formulation below; longer chunks amortise the
-# transpose that a plain batched dot needs.
-_BLOCK_DIAGONAL_MAX_TOKENS = 8
 
 
 def project(
@@ -148,14 +145,14 @@ def attention(
     visible = [jnp.broadcast_to(see_new, (batch, num_new, num_new))]
     if k_cache is not None:
         query_pos = cache_len[:, None] + query_t[:, :, 0]
-        visible.insert(0, _slot_visibility(cache_len, query_pos, k_cache.shape[layout.index("S")], window))
-        scores.insert(0, _read_scores(q, k_cache, k_scale, layout, block_diagonal))
+        visible.insert(0, reads.visible_slots(cache_len, query_pos, k_cache.shape[layout.index("S")], window))
+        scores.insert(0, reads.scores(q, k_cache, k_scale, layout, block_diagonal))
     scores, visible = jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1)
     weights = masked_softmax(scores, visible, real, logit_softcap)
 
     ctx = _mix_new_values(weights[..., -num_new:], v_new, real, window)
     if k_cache is not None:
-        ctx = ctx + _read_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
+        ctx = ctx + reads.mixed_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -237,9 +234,9 @@ def cached_attention(
     query_t = jnp.arange(num_new)[None, :]
     real = query_t < new_len[:, None]  # B T
     num_slots = k_cache.shape[layout.index("S")]
-    visible = _slot_visibility(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window, slot_positions)
-    weights = masked_softmax(_read_scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
-    ctx = _read_values(weights, v_cache, v_scale, layout, block_diagonal)
+    visible = reads.visible_slots(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window, slot_positions)
+    weights = masked_softmax(reads.scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
+    ctx = reads.mixed_values(weights, v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -306,15 +303,15 @@ def chunked_cached_attention(
     def body(chunk, carry):
         running_max, total, values = carry
         k, v, k_scale, v_scale, slot_positions = read_chunk(chunk)
-        visible = _slot_visibility(cache_len + new_len, query_pos, None, window, slot_positions)
-        scores = masked_scores(_read_scores(q, k, k_scale, layout, block_diagonal), visible, real, logit_softcap)
+        visible = reads.visible_slots(cache_len + new_len, query_pos, None, window, slot_positions)
+        scores = masked_scores(reads.scores(q, k, k_scale, layout, block_diagonal), visible, real, logit_softcap)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
         # A row that has seen nothing yet keeps -inf: shift by 0 there, so exp gives exact zeros, never NaN.
         shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         weights = jnp.exp(scores - shift[..., None])
         rescale = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - shift), 0.0)
         total = total * rescale + jnp.sum(weights, axis=-1)
-        values = values * rescale[..., None] + _read_values(weights, v, v_scale, layout, block_diagonal)
+        values = values * rescale[..., None] + reads.mixed_values(weights, v, v_scale, layout, block_diagonal)
         return new_max, total, values
 
     carry = (
@@ -327,17 +324,6 @@ def chunked_cached_attention(
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
-def _read_scores(q, k_cache, k_scale, layout, block_diagonal):
-    """Scores `(B, T, K, G, S)` of grouped queries against every cache slot, int8 scales applied."""
-    scores = _cache_scores(q, k_cache.astype(q.dtype), layout, block_diagonal)
-    return scores if k_scale is None else scores * _scale_per_score(k_scale, layout)
-
-
-def _read_values(weights, v_cache, v_scale, layout, block_diagonal):
-    """Cached values mixed by `weights` `(B, T, K, G, S)`; int8 scales fold into the weights."""
-    if v_scale is not None:
-        weights = weights * _scale_per_score(v_scale, layout)
-    return _cache_values(weights, v_cache.astype(weights.dtype), layout, block_diagonal)
 
 
 def grouped_queries(q, num_kv_heads):
@@ -346,87 +332,6 @@ def grouped_queries(q, num_kv_heads):
     q = q.reshape(batch, num_new, num_kv_heads, num_heads // num_kv_heads, head_dim)
     return q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
 
-
-def _slot_visibility(filled, query_pos, num_slots, window, slot_positions=None):
-    """Which cache slots `(B, T, S)` queries at positions `query_pos` `(B, T)` see.
-
-    `filled[b]` tokens have been written. Without a window, slot s holds
-    position s and is filled when `s < filled`. In a ring of W slots, slot s
-    holds the latest position `p < filled` with `p % W == s`, filled when
-    that p >= 0. Given `slot_positions` `(B, S)`, slot s holds that position
-    (a paged view), filled when it is `< filled`. A query at position q sees
-    filled positions `p <= q`, and with a window only those with `p > q - W`.
-    """
-    filled = filled[:, None, None]
-    query_pos = query_pos[:, :, None]
-    if slot_positions is not None:
-        position = slot_positions[:, None, :]
-        visible = (position < filled) & (position <= query_pos)
-        return visible if window is None else visible & (position > query_pos - window)
-    slot = jnp.arange(num_slots)[None, None, :]
-    if window is None:
-        return (slot < filled) & (slot <= query_pos)
-    position = filled - 1 - (filled - 1 - slot) % window
-    return (position >= 0) & (position <= query_pos) & (position > query_pos - window)
-
-
-def _scale_per_score(scale, layout):
-    """Per-slot scales `(B, S, K)` or `(B, K, S)` broadcast against scores `(B, T, K, G, S)`."""
-    if layout == SLOTS_MAJOR:
-        scale = scale.transpose(0, 2, 1)
-    return scale[:, None, :, None, :]
-
-
-def _cache_scores(q, k_cache, layout, block_diagonal):
-    """Scores `(B, T, K, G, S)` of scaled queries `(B, T, K, G, H)` against every slot."""
-    batch, num_new, num_kv_heads, group, head_dim = q.shape
-    if layout == HEADS_MAJOR:
-        # Rows R = (T, G) of one kv head are gathered first, so the product
-        # is a plain batched matmul over (B, K) that reads the cache in place.
-        rows = q.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_new * group, head_dim)
-        scores = jnp.einsum("BKRH,BKSH->BKRS", rows, k_cache)
-        scores = scores.reshape(batch, num_kv_heads, num_new, group, -1)
-        return scores.transpose(0, 2, 1, 3, 4)
-    if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
-        k_flat = k_cache.reshape(batch, -1, num_kv_heads * head_dim)
-        scores = jnp.einsum("BRE,BSE->BRS", _block_diagonal(q), k_flat)
-        return scores.reshape(batch, num_new, num_kv_heads, group, -1)
-    return jnp.einsum("BTKGH,BSKH->BTKGS", q, k_cache)
-
-
-def _cache_values(weights, v_cache, layout, block_diagonal):
-    """Mixes cached values `(B, T, K, G, H)` with weights `(B, T, K, G, S)`."""
-    batch, num_new, num_kv_heads, group, num_slots = weights.shape
-    head_dim = v_cache.shape[-1]
-    if layout == HEADS_MAJOR:
-        rows = weights.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_new * group, num_slots)
-        mixed = jnp.einsum("BKRS,BKSH->BKRH", rows, v_cache)
-        mixed = mixed.reshape(batch, num_kv_heads, num_new, group, head_dim)
-        return mixed.transpose(0, 2, 1, 3, 4)
-    if block_diagonal and num_new <= _BLOCK_DIAGONAL_MAX_TOKENS:
-        v_flat = v_cache.reshape(batch, num_slots, num_kv_heads * head_dim)
-        rows = weights.reshape(batch, num_new * num_kv_heads * group, num_slots)
-        mixed = jnp.einsum("BRS,BSE->BRE", rows, v_flat)
-        mixed = mixed.reshape(batch, num_new, num_kv_heads, group, num_kv_heads, head_dim)
-        return (mixed * _eye(num_kv_heads, mixed.dtype)).sum(axis=4)
-    return jnp.einsum("BTKGS,BSKH->BTKGH", weights, v_cache)
-
-
-def _eye(num_kv_heads, dtype):
-    return jnp.eye(num_kv_heads, dtype=dtype).reshape(1, 1, num_kv_heads, 1, num_kv_heads, 1)
-
-
-def _block_diagonal(q):
-    """Spreads queries `(B, T, K, G, H)` over a block-diagonal `(B, T*K*G, K*H)`.
-
-    A dot over a `(B, S, K, H)` cache that batches over K must first transpose
-    the whole cache on XLA:CPU. Flattening `K H` into one contraction axis
-    reads the cache in place instead; the multiplications by zero cost a
-    factor K in flops on a step that is bound by memory, not flops.
-    """
-    batch, num_new, num_kv_heads, group, head_dim = q.shape
-    blocks = q[:, :, :, :, None, :] * _eye(num_kv_heads, q.dtype)
-    return blocks.reshape(batch, num_new * num_kv_heads * group, num_kv_heads * head_dim)
 
 
 def bucket_index(buckets: tuple[int, ...], needed: Int[Array, ""]) -> Int[Array, ""]:
