@@ -76,7 +76,7 @@ def _fresh_cache(layer, pages, start: int):
     import jax
     import jax.numpy as jnp
 
-    from kvattn.caches import paged as paged
+    from kvattn.caches import paged
 
     config = layer.config
     if config.paged:

@@ -140,7 +140,7 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
     from flax import nnx
 
     import kvattn
-    from kvattn.caches import paged as paged
+    from kvattn.caches import paged
     batch, max_len, page_size, burst = sizes["batch_size"], sizes["max_len"], sizes["page_size"], sizes["burst"]
     num_pages = 1 + batch * math.ceil(max_len / page_size)
 

@@ -9,7 +9,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "src" / "kvattn").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py"))
+SOURCES = sorted((ROOT / "src" / "kvattn").rglob("*.py")) + sorted((ROOT / "benchmarks").rglob("*.py"))
 
 
 def module_name(path: pathlib.Path) -> str:
