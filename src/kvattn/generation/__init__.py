@@ -7,10 +7,11 @@ Both draw every token through `kvattn.generation.sampling` and speculate
 through `kvattn.generation.speculation`.
 """
 
+from kvattn.generation.drafters import DraftModel, PromptLookup
 from kvattn.generation.generate import Generated, generate, stream
 from kvattn.generation.sampling import Sampling, SamplingParams
 from kvattn.generation.speculation import Policy
-from kvattn.generation.speculative import DraftModel, PromptLookup, Speculated, speculate
+from kvattn.generation.speculative import Speculated, speculate
 
 __all__ = [
     "DraftModel",

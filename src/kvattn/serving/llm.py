@@ -23,7 +23,7 @@ import numpy as np
 from kvattn.config import blocks_spanned
 from kvattn.extra import require
 from kvattn.generation.sampling import SamplingParams
-from kvattn.generation.speculative import PromptLookup
+from kvattn.generation.drafters import PromptLookup
 from kvattn.models.hf import checkpoint_config, eos_token_ids, from_pretrained
 from kvattn.serving.requests import Completion, Token
 from kvattn.serving.server import Server

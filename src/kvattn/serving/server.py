@@ -37,7 +37,7 @@ import numpy as np
 
 from kvattn import validation as check
 from kvattn.generation.sampling import RowSampling, Sampling, SamplingParams
-from kvattn.generation.speculative import DraftModel, PromptLookup
+from kvattn.generation.drafters import DraftModel, PromptLookup
 from kvattn.models.decoder import CausalLM
 from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.paging import PageManager

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 from kvattn import models
 from kvattn.config import blocks_spanned
-from kvattn.generation.speculative import PromptLookup
+from kvattn.generation.drafters import PromptLookup
 from kvattn.serving.engine import Engine
 from kvattn.serving.openai.app import create_app
 from kvattn.serving.openai.metrics import Metrics
