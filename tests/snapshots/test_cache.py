@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import kvattn
 from kvattn.errors import SnapshotError
-from kvattn.snapshots import files, load_cache, save_cache, snapshot_info, weights_fingerprint
+from kvattn.snapshots import atomic, load_cache, save_cache, snapshot_info, weights_fingerprint
 from tests.helpers import assert_same_bits, cache_arrays, replace_once
 
 CONFIG = dict(num_heads=4, in_features=8, max_len=12, num_kv_heads=2, batch_size=3)
@@ -492,13 +492,13 @@ def test_a_failed_save_leaves_no_partial_file(tmp_path, monkeypatch, earlier_fil
 
     layer = fill(make_layer())
     if failure == "mid_write":
-        monkeypatch.setattr(files, "write_and_sync", _half_then_fail)
+        monkeypatch.setattr(atomic, "write_and_sync", _half_then_fail)
     elif failure == "fsync":
-        monkeypatch.setattr(files.os, "fsync", fail)
+        monkeypatch.setattr(atomic.os, "fsync", fail)
     elif failure == "replace":
-        monkeypatch.setattr(files.os, "replace", fail)
+        monkeypatch.setattr(atomic.os, "replace", fail)
     else:
-        monkeypatch.setattr(files, "write_and_sync", interrupt)
+        monkeypatch.setattr(atomic, "write_and_sync", interrupt)
     with pytest.raises(KeyboardInterrupt if failure == "interrupt" else OSError):
         save_cache(layer, path)
     monkeypatch.undo()

@@ -86,7 +86,7 @@ KILLED_SAVE = """
 import os, sys, time
 from flax import nnx
 import kvattn
-from kvattn.snapshots import files
+from kvattn.snapshots import atomic
 
 path, temp = sys.argv[1:]
 if temp == "named":  # as where O_TMPFILE is missing
@@ -98,7 +98,7 @@ def half_then_hang(file, payload):
     print("half written", flush=True)
     time.sleep(60)
 
-files.write_and_sync = half_then_hang
+atomic.write_and_sync = half_then_hang
 kvattn.save_cache(kvattn.MultiHeadAttention(4, 8, max_len=12, num_kv_heads=2, batch_size=3, rngs=nnx.Rngs(0)), path)
 """
 

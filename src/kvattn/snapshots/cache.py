@@ -50,10 +50,10 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn.layer.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
 from kvattn.errors import SnapshotError
-from kvattn.snapshots import files, pieces
+from kvattn.layer.attention import MultiHeadAttention
+from kvattn.snapshots import atomic, files, pieces
 from kvattn.validation import host
 
 __all__ = [
@@ -157,7 +157,7 @@ def save_cache(layer: nnx.Module, path: str | os.PathLike) -> None:
         return
     tensors = {name: np.asarray(array) for name, array in arrays.items()}
     metadata["tensors"] = files.dumps({name: files.tensor_spec(array) for name, array in tensors.items()})
-    files.write_atomically(path, safetensors.numpy.save(tensors, metadata=files.sealed(metadata)))
+    atomic.write_atomically(path, safetensors.numpy.save(tensors, metadata=files.sealed(metadata)))
 
 
 def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_mismatch: bool = False) -> None:

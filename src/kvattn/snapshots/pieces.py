@@ -31,7 +31,7 @@ import safetensors.numpy
 from jax.experimental import multihost_utils
 
 from kvattn.errors import SnapshotError
-from kvattn.snapshots import files
+from kvattn.snapshots import atomic, files
 
 __all__ = ["PIECES_FORMAT", "PIECES_FORMAT_VERSION", "piece_file_names", "read_pieces", "write_pieces"]
 
@@ -70,12 +70,12 @@ def write_pieces(path: Path, arrays: dict[str, jax.Array], metadata: dict) -> No
     names = piece_file_names(path, jax.process_count())
     own = {"format": PIECES_FORMAT, "format_version": str(PIECES_FORMAT_VERSION), "index": files.dumps(index)}
     payload = safetensors.numpy.save(pieces, metadata=files.sealed(own))
-    files.write_atomically(path.parent / names[jax.process_index()], payload)
+    atomic.write_atomically(path.parent / names[jax.process_index()], payload)
     multihost_utils.sync_global_devices(f"kvattn.save_cache pieces {path}")
     if jax.process_index() == 0:
         specs = {name: {"dtype": np.dtype(a.dtype).name, "shape": list(a.shape)} for name, a in arrays.items()}
         listing = {**metadata, "tensors": files.dumps(specs), "pieces": files.dumps(names)}
-        files.write_atomically(path, safetensors.numpy.save({}, metadata=files.sealed(listing)))
+        atomic.write_atomically(path, safetensors.numpy.save({}, metadata=files.sealed(listing)))
     multihost_utils.sync_global_devices(f"kvattn.save_cache done {path}")
 
 

@@ -46,7 +46,7 @@ from kvattn.config import NULL_PAGE, blocks_spanned
 from kvattn.errors import OutOfPagesError, SnapshotError
 from kvattn.paging import PageManager
 from kvattn.caches import paged
-from kvattn.snapshots import files
+from kvattn.snapshots import atomic, files
 from kvattn.snapshots.cache import attention_layers, weights_fingerprint
 
 __all__ = ["load_sequence", "save_sequence"]
@@ -106,7 +106,7 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
         "tensors": files.dumps({name: files.tensor_spec(array) for name, array in tensors.items()}),
         "weights_fingerprint": weights_fingerprint(module),
     }
-    files.write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=files.sealed(metadata)))
+    atomic.write_atomically(Path(path), safetensors.numpy.save(tensors, metadata=files.sealed(metadata)))
 
 
 def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathLike, *,
