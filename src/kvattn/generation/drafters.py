@@ -6,7 +6,7 @@ carry of `kvattn.generation.speculative`'s while loop, which both read.
 The checks that a model can be rolled back, and a draft can draft for a
 target, are here too.
 
-Axis letters: B batch, K drafted tokens per round (`num_tokens`), V
+Axis letters (`kvattn.math.ops`): B batch, R drafted tokens per round (`num_tokens`), V
 vocabulary, S history slots.
 """
 
@@ -46,7 +46,7 @@ class PromptLookup:
     match drafts nothing that round.
 
     Args:
-      num_tokens: K, the most tokens drafted per round, at most `MAX_DRAFT_TOKENS`.
+      num_tokens: R, the most tokens drafted per round, at most `MAX_DRAFT_TOKENS`.
       max_ngram: the longest suffix looked up (any positive int: the
         lookup's cost grows with the history, not with this).
       policy: when rounds are tried (`kvattn.generation.speculation.Policy`).
@@ -89,7 +89,7 @@ class DraftModel:
 
     Args:
       draft: a `CausalLM` with contiguous caches.
-      num_tokens: K, the most tokens drafted per round, at most `MAX_DRAFT_TOKENS`.
+      num_tokens: R, the most tokens drafted per round, at most `MAX_DRAFT_TOKENS`.
       policy: when rounds are tried (`kvattn.generation.speculation.Policy`).
     """
 
@@ -136,7 +136,7 @@ def split_keys(key, count: int, sampling: Sampling):
 
 @dataclasses.dataclass(frozen=True)
 class DraftSteps:
-    """A draft model's side of the loop: static (its graph, K, its vocabulary); its arrays travel apart."""
+    """A draft model's side of the loop: static (its graph, R, its vocabulary); its arrays travel apart."""
 
     graphdef: Any
     num_tokens: int
@@ -155,8 +155,8 @@ class DraftSteps:
         """Feeds the draft the tokens it lacks, then drafts `widths` tokens per sequence.
 
         The draft lacks one token (the pending one) after a round that kept
-        fewer than K drafts, two after one that kept all K (it never saw the
-        last), and more after plain steps: it takes them in chunks of K + 1,
+        fewer than R drafts, two after one that kept all R (it never saw the
+        last), and more after plain steps: it takes them in chunks of R + 1,
         the last chunk's logits drafting the first token.
         """
         chunk = self.num_tokens + 1

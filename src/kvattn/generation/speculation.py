@@ -10,7 +10,7 @@ copies). `Policy` decides when a round is worth trying. The fixed-batch loop
 serving engine runs `lookup` and `verify` in its device programs and the
 policy per request on the host.
 
-Axis letters: B rows, K drafted tokens, K1 = K + 1, V vocabulary, S history slots.
+Axis letters (`kvattn.math.ops`): B rows, R drafted tokens, R1 = R + 1, V vocabulary, S history slots.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Policy:
 
 
 def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int, max_ngram: int
-           ) -> tuple[Int[Array, "B K"], Int[Array, " B"]]:
+           ) -> tuple[Int[Array, "B R"], Int[Array, " B"]]:
     """Prompt lookup's drafts: what followed the latest earlier occurrence of each sequence's last tokens.
 
     The longest suffix of at most `max_ngram` tokens that occurred before
@@ -87,12 +87,12 @@ def lookup(history: Int[Array, "B S"], filled: Int[Array, " B"], num_tokens: int
     Args:
       history: each sequence's tokens; those after `filled` are ignored.
       filled: per sequence, the index of its last known token (the pending one).
-      num_tokens: K, the most tokens drafted.
+      num_tokens: R, the most tokens drafted.
       max_ngram: the longest suffix looked up.
 
     Returns:
-      `(drafts, widths)`: the drafted tokens (fewer than K known ones repeat,
-      as a loop would); `widths` K, or 0 without a match.
+      `(drafts, widths)`: the drafted tokens (fewer than R known ones repeat,
+      as a loop would); `widths` R, or 0 without a match.
     """
     slots = history.shape[1]
     ends = jnp.arange(slots)[None, :]  # where an earlier occurrence ends: a known token must follow it
@@ -123,20 +123,20 @@ def probabilities(logits: Float[Array, "*rows V"], sampling) -> Float[Array, "*r
     return jax.nn.softmax(filtered(logits.reshape(-1, shape[-1]), sampling), axis=-1).reshape(shape)
 
 
-def _accepts(p: Float[Array, "B K"], q: Float[Array, "B K"], uniform: Float[Array, "B K"]) -> Bool[Array, "B K"]:
+def _accepts(p: Float[Array, "B R"], q: Float[Array, "B R"], uniform: Float[Array, "B R"]) -> Bool[Array, "B R"]:
     """Speculative sampling's test: keep a draft with probability min(1, p / q) (q > 0: the draft was drawn from q)."""
     return uniform * q < p
 
 
-def _leading(flags: Bool[Array, "B K"]) -> Int[Array, " B"]:
+def _leading(flags: Bool[Array, "B R"]) -> Int[Array, " B"]:
     """Per row, how many of the first flags are all true."""
     return jnp.where(jnp.all(flags, axis=1), flags.shape[1], jnp.argmin(flags, axis=1)).astype(jnp.int32)
 
 
-def verify(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], widths: Int[Array, " B"],
+def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: Int[Array, " B"],
            temperature: Float[Array, " B"] | None, top_k: Int[Array, " B"] | None, top_p: Float[Array, " B"] | None,
-           keys: jax.Array | None, q: Float[Array, "B K V"] | None = None
-           ) -> tuple[Int[Array, " B"], Int[Array, " B"], Float[Array, "B K1 V"]]:
+           keys: jax.Array | None, q: Float[Array, "B R V"] | None = None
+           ) -> tuple[Int[Array, " B"], Int[Array, " B"], Float[Array, "B R1 V"]]:
     """How many drafts each sequence keeps, and the target's token after them.
 
     Row b samples at `temperature[b]` (0: greedy) among its `top_k[b]` /
@@ -190,7 +190,7 @@ def verify(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], widths: In
     return kept, jnp.where(sampling, drawn, greedy_token).astype(jnp.int32), scaled
 
 
-def verify_rows(logits: Float[Array, "B K1 V"], drafts: Int[Array, "B K"], widths: Int[Array, " B"],
+def verify_rows(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: Int[Array, " B"],
                 settings: RowSampling):
     """`verify` for rows that each sample with their own `RowSampling` (copied drafts), with log-probabilities.
 

@@ -1,7 +1,7 @@
 """Speculative decoding: several tokens per call of the target model, exactly the tokens (or the distribution) of `generate`.
 
-A round drafts up to K tokens per sequence, then the target scores the
-pending token and the drafts in one `prefill` chunk of K + 1 tokens. Each
+A round drafts up to R tokens per sequence, then the target scores the
+pending token and the drafts in one `prefill` chunk of R + 1 tokens. Each
 sequence keeps the drafts the target agrees with, plus one token of the
 target's own (the correction at the first disagreement, or a bonus token
 after a fully kept run), and `truncate` rolls every cache, target and draft,
@@ -32,7 +32,7 @@ as `generate` does, and tries a round again after `Policy.probe_every` steps
 (twice as long after each try that did not pay). A draft model drafts one
 token more than rounds have lately kept.
 
-The whole generation is one compiled program, compiled once per batch, K
+The whole generation is one compiled program, compiled once per batch, R
 and prompt bucket (and, as `generate`'s, per `max_new_tokens`, sampling and
 stop tokens): a `lax.while_loop` whose body runs rounds while they are
 wanted, then plain steps until a round is, each in a loop of its own (a
@@ -45,7 +45,7 @@ when rounds pay, are in `kvattn.generation.speculation`, which the serving
 engine runs too; the drafters and their side of the loop in
 `kvattn.generation.drafters`.
 
-Axis letters: B batch, K drafted tokens per round (`num_tokens`), V
+Axis letters (`kvattn.math.ops`): B batch, R drafted tokens per round (`num_tokens`), V
 vocabulary, S history slots.
 """
 
@@ -82,7 +82,7 @@ class Speculated(NamedTuple):
     counts: jax.Array
     """`(B,)` int32: tokens each sequence produced, its stop token included."""
     rounds: jax.Array
-    """int32: verify calls, each one `prefill` of K + 1 tokens by the target."""
+    """int32: verify calls, each one `prefill` of R + 1 tokens by the target."""
     steps: jax.Array
     """int32: plain steps, taken while rounds did not pay."""
     drafted: jax.Array

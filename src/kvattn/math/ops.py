@@ -3,10 +3,13 @@
 Nothing here holds state; every function is a plain JAX function of its
 arguments, so each can be tested alone against the float64 reference.
 
-Axis legend used in every einsum of the package:
-  B batch, T new tokens (queries), U new tokens as keys, S cache slots,
-  N query heads, K kv heads, G query heads per kv head (N = K * G),
-  H head dim, D model dim.
+The package's one axis legend (einsums, shape annotations, docstrings):
+  B batch (sequences), T new tokens (queries), U new tokens as keys,
+  S cache slots, N query heads, K kv heads, G query heads per kv head
+  (N = K * G), H head dim, D model dim;
+  M rows of a weight dot (tokens, flattened), F a weight's output features;
+  P pages of a pool, J blocks of a sequence's page table;
+  V vocabulary, R tokens drafted per round (R1 = R + 1).
 
 A cache layout is named by the letters of its axes, so it can be spliced into
 an einsum: `SLOTS_MAJOR = "BSKH"` stores `(max_len, K, H)` per sequence,
