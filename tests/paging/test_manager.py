@@ -1,11 +1,11 @@
 """The host page manager, checked against a model of what each sequence holds and a simulated page pool.
 
-The model keeps, per slot, the token ids the sequence holds (every reserved
+The model keeps, per sequence, the token ids the sequence holds (every reserved
 position gets a fresh id) and the first position whose page is still held
 (a window releases earlier ones). The simulated pool `memory[page, offset]`
 is written exactly as the device would: copies first, then each new token at
 its page and offset; free pages are filled with garbage (-1). After every
-step each live slot must read its model tokens back through its table, so a
+step each live sequence must read its model tokens back through its table, so a
 wrong copy-on-write, a shared page written, or a page reused while in use
 shows up as a wrong id.
 """
@@ -60,8 +60,8 @@ def blocks_spanned(length, page_size: int):
     return -(-length // page_size)
 
 
-def held_pages(manager: PageManager, slot: int) -> list[int]:
-    row = manager.tables[slot]
+def held_pages(manager: PageManager, seq: int) -> list[int]:
+    row = manager.tables[seq]
     return row[row != NULL_PAGE].tolist()
 
 
@@ -84,13 +84,13 @@ class PageMachine(RuleBasedStateMachine):
         self.memory = np.full((num_pages, page_size), GARBAGE)
         self.next_id = 1
         self.prompts: list[tuple[tuple[int, ...], bytes]] = []
-        # Start from busy slots rather than an empty pool, where most rules have nothing to act on.
+        # Start from busy sequences rather than an empty pool, where most rules have nothing to act on.
         for _ in range(max_sequences):
             self.manager.add()
         self.reserve_and_check(np.minimum(np.arange(max_sequences) * page_size + 1, self.manager.capacity))
 
-    def live_slots(self) -> list[int]:
-        """Live slots, longest first: hypothesis favours the first, and long sequences have the most to share."""
+    def live_seqs(self) -> list[int]:
+        """Live sequences, longest first: hypothesis favours the first, and long sequences have the most to share."""
         live = np.flatnonzero(self.manager.live)
         return live[np.argsort(-self.manager.lengths[live], kind="stable")].tolist()
 
@@ -98,15 +98,15 @@ class PageMachine(RuleBasedStateMachine):
         self.next_id += count
         return list(range(self.next_id - count, self.next_id))
 
-    def forget(self, slot: int) -> None:
-        self.tokens[slot], self.held_from[slot] = [], 0
+    def forget(self, seq: int) -> None:
+        self.tokens[seq], self.held_from[seq] = [], 0
 
     @rule(data=st.data())
     def admit(self, data):
-        """A new request: a slot (a finished one's if need be), its cached prefix, then the rest of its prompt."""
+        """A new request: a sequence (a finished one's if need be), its cached prefix, then the rest of its prompt."""
         manager, page_size = self.manager, self.manager.page_size
         # Longest first, and whole rather than cut: the draws hypothesis favours are the likely hits.
-        known = [*self.prompts, *((tuple(self.tokens[b]), self.salts[b]) for b in self.live_slots())]
+        known = [*self.prompts, *((tuple(self.tokens[b]), self.salts[b]) for b in self.live_seqs())]
         prompt, salt = data.draw(st.sampled_from(sorted(known, key=lambda known: -len(known[0])) or [((), b"")]))
         prompt = prompt[: len(prompt) - data.draw(st.integers(0, len(prompt)))]
         prompt = [*prompt, *self.fresh_ids(data.draw(st.sampled_from([1, 2, 0, 2 * page_size])))][: manager.capacity]
@@ -116,44 +116,44 @@ class PageMachine(RuleBasedStateMachine):
         assert_same_state(before, manager)
         assert hit % page_size == 0 and 0 <= hit <= max(len(prompt) - 1, 0)
         if manager.live.all():
-            finished = data.draw(st.sampled_from(self.live_slots()))
+            finished = data.draw(st.sampled_from(self.live_seqs()))
             manager.free(finished)
             self.forget(finished)
-        slot = manager.add()
-        assert manager.lengths[slot] == 0 and not manager.tables[slot].any()
-        assert manager.attach(slot, prompt, salt) == hit
+        seq = manager.add()
+        assert manager.lengths[seq] == 0 and not manager.tables[seq].any()
+        assert manager.attach(seq, prompt, salt) == hit
         event(f"admit hit {hit // page_size} pages")
-        self.tokens[slot], self.held_from[slot], self.salts[slot] = prompt[:hit], 0, salt
+        self.tokens[seq], self.held_from[seq], self.salts[seq] = prompt[:hit], 0, salt
         counts = np.zeros(manager.max_sequences, np.int64)
-        counts[slot] = len(prompt) - hit
-        if self.reserve_and_check(counts, {slot: prompt[hit:]}):
-            self.register_prefix(slot, len(prompt))
+        counts[seq] = len(prompt) - hit
+        if self.reserve_and_check(counts, {seq: prompt[hit:]}):
+            self.register_prefix(seq, len(prompt))
 
     @precondition(lambda self: self.manager.live.any())
     @rule(data=st.data())
     def decode(self, data):
-        """One token for some of the slots with room, as a scheduler would ask."""
+        """One token for some of the sequences with room, as a scheduler would ask."""
         manager = self.manager
         live = np.flatnonzero(manager.live).tolist()
         writes = data.draw(st.lists(st.sampled_from([True, False]), min_size=len(live), max_size=len(live)))
-        self.step([slot for slot, write in zip(live, writes) if write])
+        self.step([seq for seq, write in zip(live, writes) if write])
 
     @precondition(lambda self: self.manager.live.any())
     @rule(data=st.data())
     def reserve(self, data):
-        """Any counts, failures included: past the capacity, past the pool, or for a dead slot."""
+        """Any counts, failures included: past the capacity, past the pool, or for a dead sequence."""
         manager = self.manager
         counts = np.zeros(manager.max_sequences, np.int64)
-        for slot in self.live_slots():
-            counts[slot] = min(data.draw(st.sampled_from([3, 1, 5, 0])), manager.capacity - manager.lengths[slot])
+        for seq in self.live_seqs():
+            counts[seq] = min(data.draw(st.sampled_from([3, 1, 5, 0])), manager.capacity - manager.lengths[seq])
         if data.draw(st.integers(0, 3)) == 0:  # a long prompt, sometimes past the capacity
-            counts[data.draw(st.sampled_from(self.live_slots()))] = data.draw(st.integers(0, manager.capacity + 1))
+            counts[data.draw(st.sampled_from(self.live_seqs()))] = data.draw(st.integers(0, manager.capacity + 1))
         dead = np.flatnonzero(~manager.live).tolist()
         if dead and data.draw(st.integers(0, 9)) == 0:
-            slot = data.draw(st.sampled_from(dead))
-            counts[slot] = 1
+            seq = data.draw(st.sampled_from(dead))
+            counts[seq] = 1
             before = state_of(manager)
-            expected = rf"counts must be 0 for slots not in use; got \[1\] for slots \[{slot}\]"
+            expected = rf"counts must be 0 for sequences not in use; got \[1\] for sequences \[{seq}\]"
             with pytest.raises(ValueError, match=expected):
                 manager.reserve(counts)
             assert_same_state(before, manager)
@@ -196,7 +196,7 @@ class PageMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(batch.table, manager.tables)
         for array in batch:
             assert array.dtype == np.int32
-        # A slot not written keeps its table: a forked parent never sees its child's pages.
+        # A sequence not written keeps its table: a forked parent never sees its child's pages.
         untouched = counts == 0
         np.testing.assert_array_equal(manager.tables[untouched], tables_before[untouched])
         copies = batch.copy_to != manager.num_pages
@@ -206,9 +206,9 @@ class PageMachine(RuleBasedStateMachine):
         # References before the call, less those of blocks leaving a window in it: pages that must stay put.
         references = refcount_before.copy()
         if manager.window is not None:
-            for slot in np.flatnonzero(counts).tolist():
-                first_seen = max(0, lengths[slot] - manager.window + 1) // page_size
-                np.subtract.at(references, tables_before[slot, :first_seen], 1)
+            for seq in np.flatnonzero(counts).tolist():
+                first_seen = max(0, lengths[seq] - manager.window + 1) // page_size
+                np.subtract.at(references, tables_before[seq, :first_seen], 1)
         references[NULL_PAGE] = 0
         in_use = set(np.flatnonzero(references > 0).tolist())
         remapped = (manager.tables != tables_before) & (manager.tables != NULL_PAGE)
@@ -216,36 +216,36 @@ class PageMachine(RuleBasedStateMachine):
         assert not allocated & in_use, f"pages {allocated & in_use} were handed out while in use"
         assert set(batch.copy_to[copies].tolist()) <= allocated
         assert set(batch.copy_from[copies].tolist()) <= in_use
-        for slot in np.flatnonzero(counts).tolist():
-            for position in range(lengths[slot], lengths[slot] + counts[slot]):
-                page = manager.tables[slot, position // page_size]
+        for seq in np.flatnonzero(counts).tolist():
+            for position in range(lengths[seq], lengths[seq] + counts[seq]):
+                page = manager.tables[seq, position // page_size]
                 assert page != NULL_PAGE
                 shared = manager.refcount[page]
-                assert shared == 1, f"slot {slot} writes into page {page}, shared {shared} ways"
-                assert manager.pool.key_of(int(page)) is None, f"slot {slot} writes into the registered page {page}"
+                assert shared == 1, f"sequence {seq} writes into page {page}, shared {shared} ways"
+                assert manager.pool.key_of(int(page)) is None, f"sequence {seq} writes into the registered page {page}"
             if manager.window is not None:
-                first_seen = max(0, lengths[slot] - manager.window + 1) // page_size
-                assert (manager.tables[slot, :first_seen] == NULL_PAGE).all()
-                if counts[slot] == 1:
-                    assert len(held_pages(manager, slot)) <= math.ceil(manager.window / page_size) + 1
+                first_seen = max(0, lengths[seq] - manager.window + 1) // page_size
+                assert (manager.tables[seq, :first_seen] == NULL_PAGE).all()
+                if counts[seq] == 1:
+                    assert len(held_pages(manager, seq)) <= math.ceil(manager.window / page_size) + 1
 
     def apply_to_memory(self, lengths, counts, batch, given):
         """What the device does with the batch: every copy, then every write."""
         page_size, copies = self.manager.page_size, batch.copy_to != self.manager.num_pages
         self.memory[batch.copy_to[copies]] = self.memory[batch.copy_from[copies]]
-        for slot in np.flatnonzero(counts).tolist():
-            ids = given.get(slot) or self.fresh_ids(int(counts[slot]))
-            for position, token in enumerate(ids, start=lengths[slot]):
-                self.memory[batch.table[slot, position // page_size], position % page_size] = token
-            self.tokens[slot] += ids
+        for seq in np.flatnonzero(counts).tolist():
+            ids = given.get(seq) or self.fresh_ids(int(counts[seq]))
+            for position, token in enumerate(ids, start=lengths[seq]):
+                self.memory[batch.table[seq, position // page_size], position % page_size] = token
+            self.tokens[seq] += ids
             if self.manager.window is not None:
-                first_seen = max(0, lengths[slot] - self.manager.window + 1) // page_size
-                self.held_from[slot] = max(self.held_from[slot], first_seen * page_size)
+                first_seen = max(0, lengths[seq] - self.manager.window + 1) // page_size
+                self.held_from[seq] = max(self.held_from[seq], first_seen * page_size)
 
     @precondition(lambda self: self.manager.live.any() and self.manager.max_sequences > 1)
     @rule(data=st.data())
     def fork(self, data):
-        source = data.draw(st.sampled_from(self.live_slots()))
+        source = data.draw(st.sampled_from(self.live_seqs()))
         target = data.draw(st.sampled_from([b for b in range(self.manager.max_sequences) if b != source]))
         pages_before = self.manager.num_free + self.manager.num_cached
         self.manager.fork(source, target)
@@ -259,36 +259,36 @@ class PageMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.manager.live.any())
     @rule(data=st.data())
     def free(self, data):
-        slot = data.draw(st.sampled_from(self.live_slots()))
-        self.manager.free(slot)
-        self.forget(slot)
+        seq = data.draw(st.sampled_from(self.live_seqs()))
+        self.manager.free(seq)
+        self.forget(seq)
 
     @precondition(lambda self: self.manager.live.any())
     @rule(data=st.data())
     def truncate(self, data):
         manager, page_size = self.manager, self.manager.page_size
-        slot = data.draw(st.sampled_from(self.live_slots()))
-        keep = len(self.tokens[slot]) - data.draw(st.integers(0, len(self.tokens[slot])))
+        seq = data.draw(st.sampled_from(self.live_seqs()))
+        keep = len(self.tokens[seq]) - data.draw(st.integers(0, len(self.tokens[seq])))
         blocks = math.ceil(keep / page_size)
         first_needed = 0 if manager.window is None else max(0, keep - manager.window + 1) // page_size
-        if first_needed < blocks and first_needed * page_size < self.held_from[slot]:
+        if first_needed < blocks and first_needed * page_size < self.held_from[seq]:
             event("truncate refused: window")
             before = state_of(manager)
             with pytest.raises(ValueError, match=f"cannot keep {keep} tokens: with window {manager.window}"):
-                manager.truncate(slot, keep)
+                manager.truncate(seq, keep)
             assert_same_state(before, manager)
             return
-        manager.truncate(slot, keep)
-        self.tokens[slot] = self.tokens[slot][:keep]
-        self.held_from[slot] = min(self.held_from[slot], blocks * page_size)
+        manager.truncate(seq, keep)
+        self.tokens[seq] = self.tokens[seq][:keep]
+        self.held_from[seq] = min(self.held_from[seq], blocks * page_size)
 
     @precondition(lambda self: self.manager.live.any())
     @rule(data=st.data())
     def reorder(self, data):
-        live = self.live_slots()
+        live = self.live_seqs()
         order = np.arange(self.manager.max_sequences)
-        for slot in live:
-            order[slot] = data.draw(st.sampled_from(live))
+        for seq in live:
+            order[seq] = data.draw(st.sampled_from(live))
         self.manager.reorder(order)
         self.tokens = [list(self.tokens[source]) for source in order]
         self.held_from = [self.held_from[source] for source in order]
@@ -296,11 +296,11 @@ class PageMachine(RuleBasedStateMachine):
         if data.draw(st.sampled_from(["step", "wait"])) == "step":  # beam search: every beam writes next
             self.step(live)
 
-    def step(self, slots: list[int]) -> None:
-        """One token for each of `slots` that has room; preempts the largest slot if out of pages."""
+    def step(self, seqs: list[int]) -> None:
+        """One token for each of `sequences` that has room; preempts the largest sequence if out of pages."""
         manager = self.manager
         counts = np.zeros(manager.max_sequences, np.int64)
-        counts[slots] = 1
+        counts[seqs] = 1
         counts[manager.lengths >= manager.capacity] = 0
         if not self.reserve_and_check(counts):
             largest = int(np.argmax((manager.tables != NULL_PAGE).sum(axis=1)))
@@ -311,15 +311,15 @@ class PageMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.manager.live.any())
     @rule(data=st.data())
     def register(self, data):
-        slot = data.draw(st.sampled_from(self.live_slots()))
-        self.register_prefix(slot, len(self.tokens[slot]) - data.draw(st.integers(0, len(self.tokens[slot]))))
+        seq = data.draw(st.sampled_from(self.live_seqs()))
+        self.register_prefix(seq, len(self.tokens[seq]) - data.draw(st.integers(0, len(self.tokens[seq]))))
 
-    def register_prefix(self, slot: int, length: int) -> None:
-        tokens, salt = self.tokens[slot][:length], self.salts[slot]
-        self.manager.register(slot, tokens, salt)
+    def register_prefix(self, seq: int, length: int) -> None:
+        tokens, salt = self.tokens[seq][:length], self.salts[seq]
+        self.manager.register(seq, tokens, salt)
         self.prompts.append((tuple(tokens), salt))
         if self.manager.window is None:
-            # Every full block is now findable: in this slot's page or in another holding the same tokens.
+            # Every full block is now findable: in this sequence's page or in another holding the same tokens.
             whole = min(len(tokens) // self.manager.page_size, self.manager.max_pages_per_sequence)
             assert self.manager.lookup([*tokens, 0], salt) == whole * self.manager.page_size
 
@@ -328,17 +328,17 @@ class PageMachine(RuleBasedStateMachine):
         manager, page_size = self.manager, self.manager.page_size
         manager.check()
         self.memory[manager.pool._free] = GARBAGE
-        for slot in range(manager.max_sequences):
-            tokens = self.tokens[slot]
-            assert manager.lengths[slot] == len(tokens)
-            if not manager.live[slot]:
+        for seq in range(manager.max_sequences):
+            tokens = self.tokens[seq]
+            assert manager.lengths[seq] == len(tokens)
+            if not manager.live[seq]:
                 assert tokens == []
                 continue
-            held_from = self.held_from[slot]
-            assert (manager.tables[slot, : held_from // page_size] == NULL_PAGE).all()
+            held_from = self.held_from[seq]
+            assert (manager.tables[seq, : held_from // page_size] == NULL_PAGE).all()
             positions = np.arange(held_from, len(tokens))
-            read = self.memory[manager.tables[slot, positions // page_size], positions % page_size]
-            np.testing.assert_array_equal(read, tokens[held_from:], err_msg=f"slot {slot} reads wrong tokens")
+            read = self.memory[manager.tables[seq, positions // page_size], positions % page_size]
+            np.testing.assert_array_equal(read, tokens[held_from:], err_msg=f"sequence {seq} reads wrong tokens")
 
 
 TestPageMachine = PageMachine.TestCase
@@ -396,24 +396,24 @@ def test_a_registered_page_about_to_change_leaves_the_prefix_cache():
     assert manager.lookup(range(9)) == 8
     manager.truncate(0, 6)
     batch = manager.reserve([1])
-    assert (batch.copy_to == manager.num_pages).all(), "a page only this slot holds needs no copy"
+    assert (batch.copy_to == manager.num_pages).all(), "a page only this sequence holds needs no copy"
     assert manager.lookup(range(9)) == 4, "page 2 now holds other tokens, so it must not be found"
     manager.check()
 
 
-# Slots: add, fork, reorder.
+# Sequences: add, fork, reorder.
 
 
-def test_add_claims_the_lowest_free_slot_and_says_when_there_is_none():
+def test_add_claims_the_lowest_free_sequence_and_says_when_there_is_none():
     manager = PageManager(num_pages=4, page_size=2, max_sequences=2, max_pages_per_sequence=2)
     assert [manager.add(), manager.add()] == [0, 1]
-    with pytest.raises(OutOfPagesError, match="no free sequence slot: all 2 are in use"):
+    with pytest.raises(OutOfPagesError, match="no free sequence: all 2 are in use"):
         manager.add()
     manager.free(0)
     assert manager.add() == 0
 
 
-def test_fork_into_a_live_slot_releases_its_own_pages():
+def test_fork_into_a_live_sequence_releases_its_own_pages():
     manager = PageManager(num_pages=6, page_size=2, max_sequences=2, max_pages_per_sequence=2)
     manager.add()
     manager.add()
@@ -442,13 +442,13 @@ def test_reorder_moves_beams_and_frees_the_pages_no_beam_keeps():
 
 
 def prefilled(manager: PageManager, tokens, salt: bytes = b"") -> int:
-    """A slot holding `tokens`, registered."""
-    slot = manager.add()
+    """A sequence holding `tokens`, registered."""
+    seq = manager.add()
     counts = np.zeros(manager.max_sequences, np.int64)
-    counts[slot] = len(tokens)
+    counts[seq] = len(tokens)
     manager.reserve(counts)
-    manager.register(slot, tokens, salt)
-    return slot
+    manager.register(seq, tokens, salt)
+    return seq
 
 
 def test_attach_maps_the_registered_pages_of_the_longest_hit():
@@ -457,11 +457,11 @@ def test_attach_maps_the_registered_pages_of_the_longest_hit():
     assert [manager.lookup(range(n)) for n in (0, 1, 4, 5, 8, 9, 10, 13)] == [0, 0, 0, 4, 4, 8, 8, 8]
     assert manager.lookup([0, 1, 2, 3, 4, 5, 6, 99, 8]) == 4
     assert manager.lookup([99, 1, 2, 3, 4, 5, 6, 7, 8]) == 0, "a block is only found after its whole prefix"
-    slot = manager.add()
-    assert manager.attach(slot, [*range(8), 50, 51]) == 8
-    np.testing.assert_array_equal(manager.tables[slot], [1, 2, 0, 0])
+    seq = manager.add()
+    assert manager.attach(seq, [*range(8), 50, 51]) == 8
+    np.testing.assert_array_equal(manager.tables[seq], [1, 2, 0, 0])
     np.testing.assert_array_equal(manager.refcount[1:4], [2, 2, 1])
-    assert manager.lengths[slot] == 8
+    assert manager.lengths[seq] == 8
     manager.check()
 
 
@@ -469,8 +469,8 @@ def test_a_freed_registered_page_stays_findable_until_evicted():
     manager = PageManager(num_pages=4, page_size=2, max_sequences=2, max_pages_per_sequence=3)
     manager.free(prefilled(manager, range(6)))
     assert (manager.num_free, manager.num_cached, manager.num_live) == (0, 3, 0)
-    slot = manager.add()
-    assert manager.attach(slot, range(5)) == 4
+    seq = manager.add()
+    assert manager.attach(seq, range(5)) == 4
     assert (manager.num_cached, manager.num_live) == (1, 2)
     manager.check()
 
@@ -498,10 +498,10 @@ def test_a_digest_collision_never_serves_other_tokens(monkeypatch, digest):
     prefilled(manager, [1, 2, 3, 4, 5, 6])
     prefilled(manager, [7, 8, 3, 4, 5, 6], salt=b"other")
     for prompt, salt in [([9, 9, 3, 4, 5, 6, 0], b""), ([7, 8, 3, 4, 5, 6, 0], b""), ([1, 2, 3, 4, 0], b"other")]:
-        slot = manager.add()
-        hit = manager.attach(slot, prompt, salt)
+        seq = manager.add()
+        hit = manager.attach(seq, prompt, salt)
         assert hit == 0, f"{prompt} with salt {salt!r} was served {hit} tokens of another prompt"
-        manager.free(slot)
+        manager.free(seq)
     assert manager.lookup([7, 8, 3, 4, 5, 6, 0], b"other") <= 2, "later blocks were registered under another prefix"
     prefilled(manager, [5, 5, 3, 4])
     assert manager.lookup([5, 5, 3, 4, 0]) <= 2, "block [3, 4] is cached only after [1, 2]"
@@ -518,14 +518,14 @@ def test_eviction_takes_the_least_recently_released_page_and_a_sequence_from_its
     manager.free(second)
     assert list(manager.pool._cached) == [3, 2, 1, 5, 4]
     assert manager.num_free == 1
-    slot = manager.add()
+    seq = manager.add()
     counts = np.zeros(3, np.int64)
-    counts[slot] = 4
+    counts[seq] = 4
     batch = manager.reserve(counts)  # the free page 6, then the oldest cached page, 3
-    np.testing.assert_array_equal(batch.table[slot, :2], [6, 3])
+    np.testing.assert_array_equal(batch.table[seq, :2], [6, 3])
     assert manager.lookup([10, 11, 12, 13, 14, 15, 0]) == 4, "only the evicted last block is lost"
     assert manager.lookup([20, 21, 22, 23, 0]) == 4
-    counts[slot] = 2
+    counts[seq] = 2
     manager.reserve(counts)  # evicts page 2, so the first prompt's second block is gone too
     assert manager.lookup([10, 11, 12, 13, 14, 15, 0]) == 2
     manager.check()
@@ -555,7 +555,7 @@ def test_admission():
     prefilled(manager, range(8))
     assert (manager.admission(8), manager.admission(9)) == ("now", "later")
     manager.add()
-    assert manager.admission(0) == "later", "no free slot"
+    assert manager.admission(0) == "later", "no free sequence"
     windowed = PageManager(num_pages=3, page_size=4, max_sequences=1, max_pages_per_sequence=8, window=4)
     assert [windowed.pages_for(n) for n in (0, 1, 4, 5, 8, 9, 32)] == [0, 1, 1, 2, 2, 2, 2]
     assert windowed.admission(32) == "now", "a window of 4 holds at most 2 pages"
@@ -571,7 +571,7 @@ def test_admission_of_a_request_of_n_choices_grown_a_chunk_at_a_time():
     assert manager.admission(5, sequences=3) == "now" and manager.admission(4, sequences=4) == "never"
     manager.add()
     manager.add()
-    assert manager.admission(4, sequences=2) == "later", "one free slot"
+    assert manager.admission(4, sequences=2) == "later", "one free sequence"
     windowed = PageManager(num_pages=9, page_size=4, max_sequences=1, max_pages_per_sequence=8, window=4)
     assert windowed.pages_for(32) == 2 and windowed.pages_for(32, chunk=8) == 4  # 8 tokens beside the 3 before
     assert windowed.pages_for(6, chunk=8) == 2, "never more than the whole sequence's pages"
@@ -594,12 +594,12 @@ def test_a_windowed_sequence_keeps_only_the_pages_its_window_sees(window):
         manager.check()
 
 
-def test_a_window_releases_pages_other_slots_can_use_in_the_same_call():
+def test_a_window_releases_pages_other_sequences_can_use_in_the_same_call():
     manager = PageManager(num_pages=4, page_size=2, max_sequences=2, max_pages_per_sequence=8, window=2)
     manager.add()
     manager.add()
     manager.reserve([5, 0])  # pages 1, 2, 3: the pool is full
-    batch = manager.reserve([1, 1])  # slot 0's first query sees positions 4 and 5 only: pages 1 and 2 go
+    batch = manager.reserve([1, 1])  # sequence 0's first query sees positions 4 and 5 only: pages 1 and 2 go
     np.testing.assert_array_equal(batch.table[:, :3], [[0, 0, 3], [1, 0, 0]])
     assert manager.num_free == 1
     manager.check()
@@ -610,37 +610,37 @@ def test_a_window_releases_pages_other_slots_can_use_in_the_same_call():
 
 def test_errors_say_what_was_expected_and_what_was_got():
     manager = PageManager(num_pages=4, page_size=2, max_sequences=2, max_pages_per_sequence=4)
-    slot = manager.add()
-    with pytest.raises(ValueError, match=r"counts must be integers of shape \(2,\), one per slot; got int64 \(3,\)"):
+    seq = manager.add()
+    with pytest.raises(ValueError, match=r"counts must be integers of shape \(2,\), one per sequence; got int64 \(3,\)"):
         manager.reserve(np.zeros(3, np.int64))
     with pytest.raises(ValueError, match=r"counts must be >= 0, got \[-1, 0\]"):
         manager.reserve([-1, 0])
-    with pytest.raises(OutOfPagesError, match=r"slot 0 would hold 9 tokens, past its capacity of 8 \(4 pages of 2\)"):
+    with pytest.raises(OutOfPagesError, match=r"sequence 0 would hold 9 tokens, past its capacity of 8 \(4 pages of 2\)"):
         manager.reserve([9, 0])
     with pytest.raises(OutOfPagesError, match=r"needs 4 new pages but only 3 can be had \(3 free, 0 cached"):
         manager.reserve([8, 0])
-    with pytest.raises(ValueError, match="slot 1 is not in use; call add"):
+    with pytest.raises(ValueError, match="sequence 1 is not in use; call add"):
         manager.free(1)
-    with pytest.raises(ValueError, match="slot must be from 0 to 1, got 2"):
+    with pytest.raises(ValueError, match="sequence must be from 0 to 1, got 2"):
         manager.free(2)
-    with pytest.raises(ValueError, match="fork needs two different slots, got source = target = 0"):
-        manager.fork(slot, slot)
+    with pytest.raises(ValueError, match="fork needs two different sequences, got source = target = 0"):
+        manager.fork(seq, seq)
     manager.reserve([3, 0])
-    with pytest.raises(ValueError, match="keep must be from 0 to the slot's length 3, got 4"):
-        manager.truncate(slot, 4)
-    with pytest.raises(ValueError, match=r"attach needs an empty slot, but slot 0 holds 3 tokens"):
-        manager.attach(slot, [1, 2, 3])
-    with pytest.raises(ValueError, match="slot 0 holds 3 tokens, fewer than the 4 to register"):
-        manager.register(slot, [1, 2, 3, 4])
-    with pytest.raises(ValueError, match=r"slots \[0\] map to \[1\] \(live: \[0\]\)"):
+    with pytest.raises(ValueError, match="keep must be from 0 to the sequence's length 3, got 4"):
+        manager.truncate(seq, 4)
+    with pytest.raises(ValueError, match=r"attach needs an empty sequence, but sequence 0 holds 3 tokens"):
+        manager.attach(seq, [1, 2, 3])
+    with pytest.raises(ValueError, match="sequence 0 holds 3 tokens, fewer than the 4 to register"):
+        manager.register(seq, [1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"sequences \[0\] map to \[1\] \(live: \[0\]\)"):
         manager.reorder([1, 1])
     with pytest.raises(ValueError, match=r"1-D sequence of integer ids, got shape \(2,\) dtype float64"):
         manager.lookup([1.0, 2.0])
     with pytest.raises(ValueError, match="num_pages .page 0 is the null page. must be an integer from 2 to"):
         PageManager(1, 2, 1, 1)
-    manager.register(slot, [1, 2])
-    with pytest.raises(ValueError, match="slot 0 block 0 .page 1. was registered with other tokens or salt"):
-        manager.register(slot, [1, 2], b"x")
+    manager.register(seq, [1, 2])
+    with pytest.raises(ValueError, match="sequence 0 block 0 .page 1. was registered with other tokens or salt"):
+        manager.register(seq, [1, 2], b"x")
 
 
 def test_a_windowed_truncate_that_needs_released_pages_says_how_much_to_keep():
@@ -667,7 +667,7 @@ def test_check_names_a_broken_invariant():
 
 
 def test_reserve_costs_do_not_grow_with_the_pool():
-    """A decode step touches only its slots and pages: a huge pool costs no more than a small one."""
+    """A decode step touches only its sequences and pages: a huge pool costs no more than a small one."""
     seconds = {}
     for num_pages in (1_000, 1_000_000):
         manager = PageManager(num_pages, page_size=16, max_sequences=8, max_pages_per_sequence=64)

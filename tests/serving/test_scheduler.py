@@ -40,7 +40,7 @@ def test_admission_follows_the_page_manager_oldest_first():
     for index, length in ((1, 9), (2, 2)):  # 3 pages: later; then one that would fit waits behind it
         plan.add(request(index, list(range(1, length + 1))))
     plan.admit()
-    assert [r.index if r else None for r in plan.slots] == [0, None, None] and len(plan.queue) == 2
+    assert [r.index if r else None for r in plan.seqs] == [0, None, None] and len(plan.queue) == 2
     assert plan.prefills() == [0] and plan.next_chunk(0) == (8, 9)
     assert plan.stats().waiting == 2 and plan.stats().running == 1
 
@@ -51,12 +51,12 @@ def test_the_prefill_budget_takes_the_oldest_admitted_first():
         plan.add(request(index, [1, 2, 3 + index]))
     plan.admit()
     first = plan.prefills()
-    assert len(first) == 1 and plan.slots[first[0]].index == 0
+    assert len(first) == 1 and plan.seqs[first[0]].index == 0
     counts = np.zeros(3, np.int32)
     counts[first[0]] = 3
     plan.reserve(counts)
     assert plan.held(first[0]) == 3 and not plan.prefilling(first[0])
-    assert [plan.slots[s].index for s in plan.prefills()] == [1]
+    assert [plan.seqs[s].index for s in plan.prefills()] == [1]
 
 
 def test_running_short_of_pages_preempts_the_youngest_request():
@@ -65,13 +65,13 @@ def test_running_short_of_pages_preempts_the_youngest_request():
     plan.admit()
     plan.add(request(1, [1, 2, 3]))  # 1 page
     plan.admit()
-    assert sum(r is not None for r in plan.slots) == 2
+    assert sum(r is not None for r in plan.seqs) == 2
     counts = np.zeros(3, np.int32)
-    for slot, request_ in enumerate(plan.slots):
+    for seq, request_ in enumerate(plan.seqs):
         if request_ is not None:
-            counts[slot] = len(request_.context) + (8 if request_.index == 0 else 0)  # the elder grows past the pool
+            counts[seq] = len(request_.context) + (8 if request_.index == 0 else 0)  # the elder grows past the pool
     plan.reserve(counts)
-    assert [r.index for r in plan.slots if r is not None] == [0]
+    assert [r.index for r in plan.seqs if r is not None] == [0]
     assert [r.index for r in plan.queue] == [1] and plan.queue[0].preemptions == 1
     assert int(np.count_nonzero(counts)) == 1, "the victim's count is zeroed for the caller"
     plan.manager.check()
@@ -81,14 +81,14 @@ def test_choices_start_together_and_fork_after_the_prompt():
     plan = scheduler(num_pages=9)
     plan.add(request(0, [1, 2, 3, 4, 5], n=3))
     plan.admit()
-    slots = [s for s, r in enumerate(plan.slots) if r is not None]
-    assert len(slots) == 3 and plan.prefills() == [slots[0]]  # only the leader prefills
+    seqs = [s for s, r in enumerate(plan.seqs) if r is not None]
+    assert len(seqs) == 3 and plan.prefills() == [seqs[0]]  # only the leader prefills
     counts = np.zeros(3, np.int32)
-    counts[slots[0]] = 5
+    counts[seqs[0]] = 5
     plan.reserve(counts)
-    plan.prefilled(slots[0])
-    assert [plan.held(s) for s in slots] == [5, 5, 5] and plan.decoding() == slots
-    assert all(plan.slots[s].leader is None for s in slots) and plan.prefills() == []
+    plan.prefilled(seqs[0])
+    assert [plan.held(s) for s in seqs] == [5, 5, 5] and plan.decoding() == seqs
+    assert all(plan.seqs[s].leader is None for s in seqs) and plan.prefills() == []
     plan.manager.check()
 
 
@@ -98,9 +98,9 @@ def test_abort_retire_and_recover_leave_consistent_books():
         plan.add(request(index, [1, 2, 3], max_new_tokens=2))
     plan.admit()
     assert plan.abort(1).finish_reason == "abort" and plan.abort(1) is None
-    done_early = next(r for r in plan.slots if r is not None and r.index == 0)
+    done_early = next(r for r in plan.seqs if r is not None and r.index == 0)
     done_early.generated += [5, 6]
-    stopped = next(r for r in plan.slots if r is not None and r.index == 2)
+    stopped = next(r for r in plan.seqs if r is not None and r.index == 2)
     stopped.generated.append(99)
     finished = plan.retire_finished()
     assert sorted((c.request, c.finish_reason) for c in finished) == [(0, "length"), (2, "stop")]
@@ -109,7 +109,7 @@ def test_abort_retire_and_recover_leave_consistent_books():
     plan.admit()
     plan.recover()  # a failed device call: back to the queue, books afresh
     assert [r.index for r in plan.queue] == [3] and plan.queue[0].preemptions == 1
-    assert plan.manager.num_live == 0 and all(s is None for s in plan.slots)
+    assert plan.manager.num_live == 0 and all(s is None for s in plan.seqs)
     plan.manager.check()
 
 

@@ -173,7 +173,7 @@ def test_abort_frees_pages_at_once_and_streams_every_token(monkeypatch):
     seen = []
     running = server.submit(list(range(1, 12)), SamplingParams(max_tokens=12),
                             on_token=lambda i, token: seen.append((i, token.id)))
-    queued = [server.submit([1, 2, 3], SamplingParams(max_tokens=12)) for _ in range(4)]  # three slots: the last two wait
+    queued = [server.submit([1, 2, 3], SamplingParams(max_tokens=12)) for _ in range(4)]  # three sequences: the last two wait
     server.step()
     server.step()
     assert server.stats.running == 3 and server.stats.waiting == 2 and len(seen) == 2

@@ -17,23 +17,23 @@ from tests.helpers import random_tokens as tokens
 
 
 def test_a_saved_sequence_continues_in_another_pool(tmp_path):
-    """Saved from a slots-major pool of 8-token pages, loaded into a heads-major one of 1-token pages: same steps."""
+    """Saved from a sequences-major pool of 8-token pages, loaded into a heads-major one of 1-token pages: same steps."""
     source, _ = layers(8, num_pages=16)
     target, _ = layers(1, num_pages=33, cache_layout="heads_major")
     rng = np.random.default_rng(5)
     managers = [manager_for(source), manager_for(target)]
-    slot = managers[0].add()
+    seq = managers[0].add()
     counts = np.zeros(BATCH, np.int32)
-    counts[slot] = CHUNK
+    counts[seq] = CHUNK
     source.prefill(tokens(rng, BATCH, CHUNK), jnp.asarray(counts), pages=managers[0].reserve(counts))
     path = tmp_path / "sequence.safetensors"
-    kvattn.save_sequence(source, managers[0], slot, path, tokens=[7, 8, 9])
-    managers[1].add()  # the restored sequence lands in another slot
+    kvattn.save_sequence(source, managers[0], seq, path, tokens=[7, 8, 9])
+    managers[1].add()  # the restored sequence lands in another sequence
     restored, recorded = kvattn.load_sequence(target, managers[1], path)
     assert restored == 1 and recorded == [7, 8, 9] and managers[1].lengths[restored] == CHUNK
     managers[1].check()
     x = jnp.broadcast_to(tokens(rng, 1), (BATCH, IN_FEATURES))  # the same token in every row
-    for layer, manager, row in ((source, managers[0], slot), (target, managers[1], restored)):
+    for layer, manager, row in ((source, managers[0], seq), (target, managers[1], restored)):
         counts = np.zeros(BATCH, np.int32)
         counts[row] = 1
         got = layer.step(x, jnp.asarray(counts > 0), pages=manager.reserve(counts))
@@ -46,12 +46,12 @@ def test_a_saved_sequence_continues_in_another_pool(tmp_path):
 def test_a_bad_sequence_snapshot_changes_nothing(tmp_path):
     source, _ = layers(8, num_pages=16)
     manager = manager_for(source)
-    slot = manager.add()
+    seq = manager.add()
     counts = np.zeros(BATCH, np.int32)
-    counts[slot] = 2
+    counts[seq] = 2
     source.prefill(tokens(np.random.default_rng(6), BATCH, CHUNK), jnp.asarray(counts), pages=manager.reserve(counts))
     path = tmp_path / "sequence.safetensors"
-    kvattn.save_sequence(source, manager, slot, path)
+    kvattn.save_sequence(source, manager, seq, path)
     data = bytearray(path.read_bytes())
     data[-1] ^= 1  # a flipped bit in the last tensor
     path.write_bytes(bytes(data))
@@ -62,13 +62,13 @@ def test_a_bad_sequence_snapshot_changes_nothing(tmp_path):
     before = state()
     with pytest.raises(kvattn.SnapshotError, match="sha256|checksum"):
         kvattn.load_sequence(source, manager, path)
-    kvattn.save_sequence(source, manager, slot, path)
+    kvattn.save_sequence(source, manager, seq, path)
     other = PageManager(16, 4, BATCH, 4)
     with pytest.raises(ValueError, match="is not layer"):
         kvattn.load_sequence(source, other, path)  # a manager of another pool
     for _ in range(BATCH - 1):
         manager.add()
-    with pytest.raises(OutOfPagesError, match="free slot"):
+    with pytest.raises(OutOfPagesError, match="free sequence"):
         kvattn.load_sequence(source, manager, path)
     for b in range(1, BATCH):
         manager.free(b)
@@ -82,12 +82,12 @@ def saved_sequence(tmp_path, token_ids=(7, 8)):
     """A paged layer, a manager holding a 2-token sequence, and the path of its snapshot."""
     layer, _ = layers(8, num_pages=16)
     manager = manager_for(layer)
-    slot = manager.add()
+    seq = manager.add()
     counts = np.zeros(BATCH, np.int32)
-    counts[slot] = 2
+    counts[seq] = 2
     layer.prefill(tokens(np.random.default_rng(6), BATCH, CHUNK), jnp.asarray(counts), pages=manager.reserve(counts))
     path = tmp_path / "sequence.safetensors"
-    kvattn.save_sequence(layer, manager, slot, path, tokens=token_ids)
+    kvattn.save_sequence(layer, manager, seq, path, tokens=token_ids)
     return layer, manager, path
 
 

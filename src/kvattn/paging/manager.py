@@ -1,28 +1,28 @@
-"""The sequence manager: slots, page tables and lengths, copy-on-write and prefix caching, on a block pool.
+"""The sequence manager: sequences, page tables and lengths, copy-on-write and prefix caching, on a block pool.
 
 The device holds, per layer, a pool of `num_pages` pages of `page_size`
-positions (`kvattn.caches.paged`). Each sequence lives in a slot, a row of the
-device batch; slot b's logical block j (positions `j * page_size` up to
+positions (`kvattn.caches.paged`). Each sequence lives in a row of the
+device batch; sequence b's logical block j (positions `j * page_size` up to
 `(j + 1) * page_size - 1`) lives in page `tables[b, j]`, and every unmapped
 entry points at `NULL_PAGE`. The device only ever sees fixed-shape int32
 arrays (a `PageBatch`), so one compiled step serves every mix of requests.
 Which page is free, shared or cached is the `BlockPool`'s to know; which
 leading blocks a sequence may release is its window policy's.
 
-A page shared by several slots (after `fork`, `reorder` or `attach`) is
-never written: `reserve` gives the slot about to write into it a private
+A page shared by several sequences (after `fork`, `reorder` or `attach`) is
+never written: `reserve` gives the sequence about to write into it a private
 copy first (`kvattn.paging.reservation` says what the device does with the
 `PageBatch` it returns). Every method checks its arguments and capacity
 before touching any state, so a call that raises leaves the manager exactly
 as it was.
 
 >>> manager = PageManager(num_pages=8, page_size=4, max_sequences=2, max_pages_per_sequence=4)
->>> slot = manager.add()
+>>> seq = manager.add()
 >>> batch = manager.reserve([6, 0])  # a 6-token prompt: 2 pages
->>> batch.table[slot].tolist(), batch.pos.tolist()
+>>> batch.table[seq].tolist(), batch.pos.tolist()
 ([1, 2, 0, 0], [0, 0])
->>> manager.fork(slot, 1)  # shares both pages
->>> batch = manager.reserve([0, 1])  # slot 1 writes into the shared page 2: copied first
+>>> manager.fork(seq, 1)  # shares both pages
+>>> batch = manager.reserve([0, 1])  # seq 1 writes into the shared page 2: copied first
 >>> batch.copy_from[:1].tolist(), batch.copy_to[:1].tolist(), batch.table[1].tolist()
 ([2], [3], [1, 3, 0, 0])
 """
@@ -53,8 +53,8 @@ class PageManager:
     Args:
         num_pages: pages in the device pool, the null page included.
         page_size: positions per page.
-        max_sequences: slots, the device batch size.
-        max_pages_per_sequence: table width; a slot holds at most this many pages' worth of tokens.
+        max_sequences: sequences, the device batch size.
+        max_pages_per_sequence: table width; a sequence holds at most this many pages' worth of tokens.
         window: if set, a query sees only the last `window` positions, and blocks that fall wholly
             out of the window are released by `reserve`.
     """
@@ -95,7 +95,7 @@ class PageManager:
 
     @property
     def refcount(self) -> np.ndarray:
-        """`(num_pages,)` table entries of live slots pointing at each page (the pool's own array)."""
+        """`(num_pages,)` table entries of live sequences pointing at each page (the pool's own array)."""
         return self.pool.refcount
 
     @property
@@ -110,7 +110,7 @@ class PageManager:
 
     @property
     def num_live(self) -> int:
-        """Pages referenced by at least one live slot."""
+        """Pages referenced by at least one live sequence."""
         return self.pool.num_live
 
     def pages_for(self, num_tokens: int, *, chunk: int = 1) -> int:
@@ -128,7 +128,7 @@ class PageManager:
 
         Returns:
             `"never"` if it cannot fit even in an empty pool, `"now"` if enough
-            slots and free or evictable pages are available right now, else `"later"`.
+            sequences and free or evictable pages are available right now, else `"later"`.
         """
         sequences = _size("sequences", sequences)
         pages = self.pages_for(num_tokens, chunk=chunk) + (sequences - 1) * bool(num_tokens % self.page_size)
@@ -139,23 +139,23 @@ class PageManager:
         return "later"
 
     def add(self) -> int:
-        """Claims a free slot, live and empty.
+        """Claims a free sequence, live and empty.
 
         Returns:
-            the slot's index.
+            the sequence's index.
         """
         if self.live.all():
             raise OutOfPagesError(
-                f"no free sequence slot: all {self.max_sequences} are in use; free a finished sequence first"
+                f"no free sequence: all {self.max_sequences} are in use; free a finished sequence first"
             )
-        slot = int(np.argmin(self.live))
-        self.live[slot] = True
-        return slot
+        seq = int(np.argmin(self.live))
+        self.live[seq] = True
+        return seq
 
     def reserve(self, counts) -> PageBatch:
-        """Maps pages for the tokens each slot appends in the next device call, all or nothing.
+        """Maps pages for the tokens each sequence appends in the next device call, all or nothing.
 
-        For each slot written: the blocks its first new query can no longer see
+        For each sequence written: the blocks its first new query can no longer see
         (with a window) are released; a shared partial last page is replaced by
         a private copy (a registered one written in place leaves the prefix
         cache); fresh pages are mapped for the blocks it grows into. New pages
@@ -163,8 +163,8 @@ class PageManager:
         cached page; a referenced page is never taken.
 
         Args:
-            counts: `(max_sequences,)` tokens each slot appends (0 for slots not written,
-                which dead slots must be).
+            counts: `(max_sequences,)` tokens each sequence appends (0 for sequences not written,
+                which dead sequences must be).
 
         Returns:
             the `PageBatch` of the call; `lengths` grow by `counts`.
@@ -177,10 +177,10 @@ class PageManager:
 
         A live `target` releases its own pages first; a dead one becomes live.
         """
-        source = self._live_slot(source, "source")
-        target = self._slot(target, "target")
+        source = self._live_seq(source, "source")
+        target = self._seq(target, "target")
         if target == source:
-            raise ValueError(f"fork needs two different slots, got source = target = {source}")
+            raise ValueError(f"fork needs two different sequences, got source = target = {source}")
         row = self.tables[source]
         self.pool.share(row[row != NULL_PAGE])  # before the release, so no shared page drops to zero
         if self.live[target]:
@@ -189,50 +189,50 @@ class PageManager:
         self.lengths[target] = self.lengths[source]
         self.live[target] = True
 
-    def free(self, slot: int) -> None:
-        """Releases every page of a live slot; the slot becomes dead and empty."""
-        slot = self._live_slot(slot)
-        self._release_blocks(slot, 0)
-        self.lengths[slot] = 0
-        self.live[slot] = False
+    def free(self, seq: int) -> None:
+        """Releases every page of a live sequence; the sequence becomes dead and empty."""
+        seq = self._live_seq(seq)
+        self._release_blocks(seq, 0)
+        self.lengths[seq] = 0
+        self.live[seq] = False
 
-    def truncate(self, slot: int, keep: int) -> None:
-        """Keeps the first `keep` tokens of a live slot, releasing the pages past them."""
-        slot = self._live_slot(slot)
-        length = int(self.lengths[slot])
+    def truncate(self, seq: int, keep: int) -> None:
+        """Keeps the first `keep` tokens of a live sequence, releasing the pages past them."""
+        seq = self._live_seq(seq)
+        length = int(self.lengths[seq])
         keep = operator.index(keep)
         if not 0 <= keep <= length:
-            raise ValueError(f"keep must be from 0 to the slot's length {length}, got {keep}")
+            raise ValueError(f"keep must be from 0 to the sequence's length {length}, got {keep}")
         # The next query, at position `keep`, must still see every block it needs.
         first_needed = self.policy.first_block_seen(keep)
-        if first_needed < blocks_spanned(keep, self.page_size) and self.tables[slot, first_needed] == NULL_PAGE:
-            first_held = int(np.argmax(self.tables[slot] != NULL_PAGE))
+        if first_needed < blocks_spanned(keep, self.page_size) and self.tables[seq, first_needed] == NULL_PAGE:
+            first_held = int(np.argmax(self.tables[seq] != NULL_PAGE))
             raise ValueError(
-                f"slot {slot} cannot keep {keep} tokens: with window {self.window} that needs block "
+                f"sequence {seq} cannot keep {keep} tokens: with window {self.window} that needs block "
                 f"{first_needed}, but blocks before {first_held} left the window and were released; "
                 f"keep at least {first_held * self.page_size + self.window - 1} tokens, or 0"
             )
-        self._release_blocks(slot, blocks_spanned(keep, self.page_size))
-        self.lengths[slot] = keep
+        self._release_blocks(seq, blocks_spanned(keep, self.page_size))
+        self.lengths[seq] = keep
 
     def reorder(self, order) -> None:
-        """Beam search: each live slot b becomes what slot `order[b]` was.
+        """Beam search: each live sequence b becomes what sequence `order[b]` was.
 
         Args:
-            order: `(max_sequences,)` slot indices; live slots must name live slots,
-                dead slots themselves.
+            order: `(max_sequences,)` sequence indices; live sequences must name live sequences,
+                dead sequences themselves.
         """
         order = np.asarray(order)
         if order.shape != (self.max_sequences,) or (order.size and order.dtype.kind not in "iu"):
             raise ValueError(
-                f"order must be integer slots of shape ({self.max_sequences},), got {order.dtype} {order.shape}"
+                f"order must be sequence indices (integers) of shape ({self.max_sequences},), got {order.dtype} {order.shape}"
             )
         if ((order < 0) | (order >= self.max_sequences)).any():
-            raise ValueError(f"order must name slots 0 to {self.max_sequences - 1}, got {order.tolist()}")
+            raise ValueError(f"order must name sequences 0 to {self.max_sequences - 1}, got {order.tolist()}")
         wrong = np.flatnonzero(np.where(self.live, ~self.live[order], order != np.arange(self.max_sequences)))
         if wrong.size:
             raise ValueError(
-                f"order must map live slots to live slots and dead slots to themselves; slots {wrong.tolist()} "
+                f"order must map live sequences to live sequences and dead sequences to themselves; sequences {wrong.tolist()} "
                 f"map to {order[wrong].tolist()} (live: {np.flatnonzero(self.live).tolist()})"
             )
         moved = np.flatnonzero(order != np.arange(self.max_sequences))
@@ -255,38 +255,38 @@ class PageManager:
         """
         return len(cached_prefix(self.pool, tokens, salt, self.page_size, self.max_pages_per_sequence)) * self.page_size
 
-    def attach(self, slot: int, tokens, salt: bytes = b"") -> int:
-        """Maps into a live, empty slot the cached pages of a prompt's longest hit (as `lookup`).
+    def attach(self, seq: int, tokens, salt: bytes = b"") -> int:
+        """Maps into a live, empty sequence the cached pages of a prompt's longest hit (as `lookup`).
 
         Returns:
-            the tokens the slot now holds; the caller computes the rest of the prompt.
+            the tokens the sequence now holds; the caller computes the rest of the prompt.
         """
-        slot = self._live_slot(slot)
-        if self.lengths[slot]:
+        seq = self._live_seq(seq)
+        if self.lengths[seq]:
             raise ValueError(
-                f"attach needs an empty slot, but slot {slot} holds {self.lengths[slot]} tokens; "
+                f"attach needs an empty sequence, but sequence {seq} holds {self.lengths[seq]} tokens; "
                 "free it and add a new one"
             )
         pages = cached_prefix(self.pool, tokens, salt, self.page_size, self.max_pages_per_sequence)
         self.pool.share(pages)
-        self.tables[slot, : len(pages)] = pages
-        self.lengths[slot] = len(pages) * self.page_size
+        self.tables[seq, : len(pages)] = pages
+        self.lengths[seq] = len(pages) * self.page_size
         return len(pages) * self.page_size
 
-    def register(self, slot: int, tokens, salt: bytes = b"") -> None:
-        """Records that a live slot's first `len(tokens)` positions hold these tokens' keys and values.
+    def register(self, seq: int, tokens, salt: bytes = b"") -> None:
+        """Records that a live sequence's first `len(tokens)` positions hold these tokens' keys and values.
 
         Every full page among them that is not registered yet becomes findable by
         `lookup`, unless another page already holds the same digest.
         """
-        slot = self._live_slot(slot)
+        seq = self._live_seq(seq)
         tokens, salt = token_array(tokens), checked_salt(salt)
-        if len(tokens) > self.lengths[slot]:
-            raise ValueError(f"slot {slot} holds {self.lengths[slot]} tokens, fewer than the {len(tokens)} to register")
+        if len(tokens) > self.lengths[seq]:
+            raise ValueError(f"sequence {seq} holds {self.lengths[seq]} tokens, fewer than the {len(tokens)} to register")
         new = []  # (page, key) to register once every block is known to agree
         blocks = prompt_blocks(tokens, self.page_size, len(tokens) // self.page_size)
         for block, key in enumerate(block_chain(salt, blocks)):
-            page = int(self.tables[slot, block])
+            page = int(self.tables[seq, block])
             if page == NULL_PAGE:  # left the window; the chain goes on
                 continue
             held = self.pool.key_of(page)
@@ -294,8 +294,8 @@ class PageManager:
                 new.append((page, key))
             elif held != key:
                 raise ValueError(
-                    f"slot {slot} block {block} (page {page}) was registered with other tokens or salt than "
-                    "given now; register the tokens the slot was given, with the salt of its request"
+                    f"sequence {seq} block {block} (page {page}) was registered with other tokens or salt than "
+                    "given now; register the tokens the sequence was given, with the salt of its request"
                 )
         for page, key in new:  # a digest another page already holds stays with that page
             self.pool.register(page, key)
@@ -305,8 +305,8 @@ class PageManager:
         self.pool.check()
         tables, live, lengths = self.tables, self.live, self.lengths
         require(((tables >= 0) & (tables < self.num_pages)).all(), "a table entry is out of range")
-        require((tables[~live] == NULL_PAGE).all(), "a dead slot maps pages")
-        require((lengths[~live] == 0).all(), "a dead slot holds tokens")
+        require((tables[~live] == NULL_PAGE).all(), "a dead sequence maps pages")
+        require((lengths[~live] == 0).all(), "a dead sequence holds tokens")
         require(((lengths >= 0) & (lengths <= self.capacity)).all(), f"lengths out of range: {lengths}")
         references = np.bincount(tables[live].ravel(), minlength=self.num_pages)
         references[NULL_PAGE] = 0
@@ -314,45 +314,45 @@ class PageManager:
         require(
             not wrong.size, f"pages {wrong.tolist()}: refcount {self.refcount[wrong]} != references {references[wrong]}"
         )
-        for slot in np.flatnonzero(live).tolist():
-            self._check_row(slot)
+        for seq in np.flatnonzero(live).tolist():
+            self._check_row(seq)
 
-    def _check_row(self, slot: int) -> None:
-        blocks = blocks_spanned(int(self.lengths[slot]), self.page_size)
-        row = self.tables[slot]
-        require((row[blocks:] == NULL_PAGE).all(), f"slot {slot} maps blocks past its length: {row}")
+    def _check_row(self, seq: int) -> None:
+        blocks = blocks_spanned(int(self.lengths[seq]), self.page_size)
+        row = self.tables[seq]
+        require((row[blocks:] == NULL_PAGE).all(), f"sequence {seq} maps blocks past its length: {row}")
         mapped = row[:blocks] != NULL_PAGE
         first = int(np.argmax(mapped)) if mapped.any() else blocks
-        require(mapped[first:].all(), f"slot {slot}: an unmapped block after a mapped one: {row}")
-        needed = self.policy.first_block_seen(int(self.lengths[slot]))
+        require(mapped[first:].all(), f"sequence {seq}: an unmapped block after a mapped one: {row}")
+        needed = self.policy.first_block_seen(int(self.lengths[seq]))
         require(
             first <= needed,
-            f"slot {slot}: blocks {needed} to {first - 1} are still in its window but unmapped: {row}",
+            f"sequence {seq}: blocks {needed} to {first - 1} are still in its window but unmapped: {row}",
         )
-        require(len(set(row[first:blocks].tolist())) == blocks - first, f"slot {slot} maps one page twice: {row}")
+        require(len(set(row[first:blocks].tolist())) == blocks - first, f"sequence {seq} maps one page twice: {row}")
 
     # Internals.
 
-    def _slot(self, slot, name: str = "slot") -> int:
-        slot = operator.index(slot)
-        if not 0 <= slot < self.max_sequences:
-            raise ValueError(f"{name} must be from 0 to {self.max_sequences - 1}, got {slot}")
-        return slot
+    def _seq(self, seq, name: str = "sequence") -> int:
+        seq = operator.index(seq)
+        if not 0 <= seq < self.max_sequences:
+            raise ValueError(f"{name} must be from 0 to {self.max_sequences - 1}, got {seq}")
+        return seq
 
-    def _live_slot(self, slot, name: str = "slot") -> int:
-        slot = self._slot(slot, name)
-        if not self.live[slot]:
-            raise ValueError(f"{name} {slot} is not in use; call add() first")
-        return slot
+    def _live_seq(self, seq, name: str = "sequence") -> int:
+        seq = self._seq(seq, name)
+        if not self.live[seq]:
+            raise ValueError(f"{name} {seq} is not in use; call add() first")
+        return seq
 
-    def _release_blocks(self, slot: int, first: int) -> None:
-        """Releases a slot's blocks from `first` on, latest first.
+    def _release_blocks(self, seq: int, first: int) -> None:
+        """Releases a sequence's blocks from `first` on, latest first.
 
         Latest first, so a sequence's later blocks are evicted before its earlier
         ones: a block is only found through its whole prefix.
         """
-        row = self.tables[slot]
-        for block in range(blocks_spanned(int(self.lengths[slot]), self.page_size) - 1, first - 1, -1):
+        row = self.tables[seq]
+        for block in range(blocks_spanned(int(self.lengths[seq]), self.page_size) - 1, first - 1, -1):
             if row[block] == NULL_PAGE:  # the blocks before left a window: nothing more to release
                 break
             self.pool.release(int(row[block]))

@@ -1,13 +1,13 @@
 """Reserving pages for one device call, all or nothing: planned in full, checked, then applied.
 
-A slot about to write releases the blocks its first new query no longer
+A sequence about to write releases the blocks its first new query no longer
 sees (its window policy says which), swaps a shared partial last page for a
 private copy, and maps fresh pages for the blocks it grows into. The device
 gets a `PageBatch`, and the contract of a call made with it is:
 
 1. make every copy `pool[copy_to[i]] = pool[copy_from[i]]`, dropping the
    padding `copy_to[i] == num_pages`, before any write;
-2. write slot b's new tokens at positions `pos[b]`, `pos[b] + 1`, ...
+2. write sequence b's new tokens at positions `pos[b]`, `pos[b] + 1`, ...
    through `table[b]`.
 """
 
@@ -26,8 +26,8 @@ class PageBatch(NamedTuple):
     """What one device call needs: fixed-shape int32 NumPy arrays, copies of the manager's state.
 
     Args:
-        table: `(max_sequences, max_pages_per_sequence)` page of each slot's blocks, after reservation.
-        pos: `(max_sequences,)` tokens each slot held before this call: where its writes start.
+        table: `(max_sequences, max_pages_per_sequence)` page of each sequence's blocks, after reservation.
+        pos: `(max_sequences,)` tokens each sequence held before this call: where its writes start.
         copy_from: `(max_sequences,)` sources of copy-on-write copies, padded with `NULL_PAGE`.
         copy_to: `(max_sequences,)` their destinations, padded with `num_pages` (out of range, dropped).
     """
@@ -39,19 +39,19 @@ class PageBatch(NamedTuple):
 
 
 def checked_counts(counts, lengths: np.ndarray, live: np.ndarray, page_size: int, max_pages: int) -> np.ndarray:
-    """The tokens each slot appends, as int64, once they fit the slots: else an error that names the fix.
+    """The tokens each sequence appends, as int64, once they fit the sequences: else an error that names the fix.
 
     Args:
-        counts: `(max_sequences,)` tokens each slot asks to append.
-        lengths: `(max_sequences,)` tokens each slot holds.
-        live: `(max_sequences,)` whether each slot is in use.
+        counts: `(max_sequences,)` tokens each sequence asks to append.
+        lengths: `(max_sequences,)` tokens each sequence holds.
+        live: `(max_sequences,)` whether each sequence is in use.
         page_size: positions per page.
-        max_pages: pages one slot maps at most.
+        max_pages: pages one sequence maps at most.
     """
     counts = np.asarray(counts)
     if counts.shape != lengths.shape or (counts.size and counts.dtype.kind not in "iu"):
         raise ValueError(
-            f"counts must be integers of shape {lengths.shape}, one per slot; got {counts.dtype} {counts.shape}"
+            f"counts must be integers of shape {lengths.shape}, one per sequence; got {counts.dtype} {counts.shape}"
         )
     counts = counts.astype(np.int64)
     if (counts < 0).any():
@@ -59,7 +59,7 @@ def checked_counts(counts, lengths: np.ndarray, live: np.ndarray, page_size: int
     dead = np.flatnonzero(~live & (counts != 0))
     if dead.size:
         raise ValueError(
-            f"counts must be 0 for slots not in use; got {counts[dead].tolist()} for slots {dead.tolist()}; "
+            f"counts must be 0 for sequences not in use; got {counts[dead].tolist()} for sequences {dead.tolist()}; "
             "call add() first"
         )
     capacity = max_pages * page_size
@@ -67,7 +67,7 @@ def checked_counts(counts, lengths: np.ndarray, live: np.ndarray, page_size: int
     if over.size:
         b = int(over[0])
         raise OutOfPagesError(
-            f"slot {b} would hold {lengths[b] + counts[b]} tokens, past its capacity of {capacity} "
+            f"sequence {b} would hold {lengths[b] + counts[b]} tokens, past its capacity of {capacity} "
             f"({max_pages} pages of {page_size}); nothing was changed"
         )
     return counts
@@ -76,7 +76,7 @@ def checked_counts(counts, lengths: np.ndarray, live: np.ndarray, page_size: int
 def reserve_pages(
     pool: BlockPool, policy: FullAttention, tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray
 ) -> PageBatch:
-    """Maps pages for `counts` more tokens per slot, in place, or raises `OutOfPagesError` changing nothing.
+    """Maps pages for `counts` more tokens per sequence, in place, or raises `OutOfPagesError` changing nothing.
 
     New pages come from the free list, then from evicting the least recently
     released cached page; a referenced page is never taken. A registered page
@@ -84,10 +84,10 @@ def reserve_pages(
 
     Args:
         pool: the pages.
-        policy: which blocks a slot's queries still see.
-        tables: `(max_sequences, max_pages_per_sequence)` page of each slot's blocks; updated.
-        lengths: `(max_sequences,)` tokens each slot holds; grow by `counts`.
-        counts: `(max_sequences,)` int64 tokens each slot appends, from `checked_counts`.
+        policy: which blocks a sequence's queries still see.
+        tables: `(max_sequences, max_pages_per_sequence)` page of each sequence's blocks; updated.
+        lengths: `(max_sequences,)` tokens each sequence holds; grow by `counts`.
+        counts: `(max_sequences,)` int64 tokens each sequence appends, from `checked_counts`.
 
     Returns:
         the `PageBatch` of the call.
@@ -97,7 +97,7 @@ def reserve_pages(
     old_lengths = [int(lengths[b]) for b in touched]
 
     # Plan first, in the order of the changes below, so a failure changes nothing.
-    released = []  # (slot, block) out of sight of the slot's first new query, latest block first
+    released = []  # (sequence, block) out of sight of the sequence's first new query, latest block first
     dropped: dict[int, int] = {}  # page -> references this call drops
     gained = 0  # pages whose last reference is dropped: reusable within the call
     for b, length in zip(touched, old_lengths):
@@ -108,7 +108,7 @@ def reserve_pages(
             gained += int(dropped[page] == refcount[page])
             released.append((b, block))
             block -= 1
-    copies = []  # (slot, page): the slot's partial last page is shared, so it writes a copy
+    copies = []  # (sequence, page): the sequence's partial last page is shared, so it writes a copy
     unregistered = []  # pages about to change in place, so no longer what their registration says
     needed = 0
     for b, length in zip(touched, old_lengths):

@@ -11,7 +11,7 @@ the device.
   or the error that refused it (`Full` past `max_waiting` queued requests,
   `ShuttingDown` after `shutdown`, the server's `ValueError` for a request
   that can never fit).
-- `abort` is fire-and-forget: the engine frees the request's slot and pages
+- `abort` is fire-and-forget: the engine frees the request's sequence and pages
   before its next step.
 - A step that fails loses no request (the server re-queues them); after
   `max_failures` failures in a row the engine gives up on the requests it

@@ -48,9 +48,9 @@ class Stats:
     """Counts for monitoring; the totals grow over the server's life."""
 
     waiting: int
-    """Requests queued, not holding a slot."""
+    """Requests queued, not holding a sequence."""
     running: int
-    """Requests holding a slot."""
+    """Requests holding a sequence."""
     pages_free: int
     pages_cached: int
     """Unreferenced pages kept for the prefix cache (evictable)."""

@@ -43,11 +43,11 @@ class Runner:
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each call may donate it
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
 
-    def prefill(self, tokens, length, batch: PageBatch, slot: int, rows: RowSampling):
-        """Chunk `tokens` `(1, chunk)` of slot `slot`, `length` of them real; each row of `rows` samples from its
+    def prefill(self, tokens, length, batch: PageBatch, seq: int, rows: RowSampling):
+        """Chunk `tokens` `(1, chunk)` of sequence `seq`, `length` of them real; each row of `rows` samples from its
         last logits: `(tokens, logprobs, top_ids, top_logprobs)` per row."""
-        return self._run(_prefill_program, tokens, np.int32([length]), batch.table[slot : slot + 1],
-                         batch.pos[slot : slot + 1], batch.copy_from, batch.copy_to, rows)
+        return self._run(_prefill_program, tokens, np.int32([length]), batch.table[seq : seq + 1],
+                         batch.pos[seq : seq + 1], batch.copy_from, batch.copy_to, rows)
 
     def decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling):
         """One token for each active row: `(tokens, logprobs, top_ids, top_logprobs)`."""
@@ -88,7 +88,7 @@ class Runner:
                     self.verify, np.zeros((size, speculative.num_tokens + 1), np.int32), np.zeros(size, np.int32),
                     np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty, RowSampling.of([], size)))
         calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0,
-                                       RowSampling.of([], max(buckets))))  # a prefill samples a row per slot
+                                       RowSampling.of([], max(buckets))))  # a prefill samples a row per sequence
         for done, call in enumerate(calls, start=1):
             call()
             if on_program is not None:

@@ -1,10 +1,10 @@
-"""The host half of the engine: which request holds which slot, and what the next step runs.
+"""The host half of the engine: which request holds which sequence, and what the next step runs.
 
 Policy only, in NumPy, testable without a device: requests wait in a queue,
 are admitted when the `PageManager` says they fit now, get their prompts
 prefilled a chunk at a time (oldest first, at most `prefills_per_step`
 chunks a step), and are preempted, youngest first, when pages run short.
-How many tokens a slot holds is the manager's count alone (`held`): the
+How many tokens a sequence holds is the manager's count alone (`held`): the
 scheduler reserves before each device call and rolls back after a
 speculative round, and never keeps a second count.
 
@@ -33,7 +33,7 @@ __all__ = ["Scheduler"]
 
 
 class Scheduler:
-    """Requests, slots and pages for a paged model of `config`.
+    """Requests, sequences and pages for a paged model of `config`.
 
     Args:
       config: the model's attention config (batch size, pages, window).
@@ -49,7 +49,7 @@ class Scheduler:
         self.prefills_per_step = prefills_per_step
         self.manager = self._new_manager()
         self.queue: deque[Request] = deque()
-        self.slots: list[Request | None] = [None] * config.batch_size
+        self.seqs: list[Request | None] = [None] * config.batch_size
         self.totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, drafted_tokens=0, accepted_tokens=0)
 
     def _new_manager(self) -> PageManager:
@@ -77,42 +77,42 @@ class Scheduler:
         self.queue.append(leader)
 
     def abort(self, index: int) -> Completion | None:
-        """Ends request `index` now, freeing its slot and pages; None if it is not queued or running."""
+        """Ends request `index` now, freeing its sequence and pages; None if it is not queued or running."""
         for request in list(self.queue):
             if index in (r.index for r in request.group):
                 self.queue.remove(request)
                 return next(r.completion("abort") for r in request.group if r.index == index)
-        for request in self.slots:
+        for request in self.seqs:
             if request is not None and request.index == index:
                 group = request.group if request.leader is None else request.leader.group
                 for member in group:
-                    self.release(self.slots.index(member))
+                    self.release(self.seqs.index(member))
                 return request.completion("abort")
         return None
 
     @property
     def idle(self) -> bool:
-        return not self.queue and all(s is None for s in self.slots)
+        return not self.queue and all(s is None for s in self.seqs)
 
     def stats(self) -> Stats:
-        running = sum(r is not None for r in self.slots)
+        running = sum(r is not None for r in self.seqs)
         waiting = sum(len(r.group) for r in self.queue)
         manager = self.manager
         return Stats(waiting, running, manager.num_free, manager.num_cached, manager.num_live, **self.totals)
 
-    # ----------------------------------------------------------------- slots
+    # ----------------------------------------------------------------- sequences
 
-    def held(self, slot: int) -> int:
-        """Tokens whose keys and values slot `slot` holds."""
-        return int(self.manager.lengths[slot])
+    def held(self, seq: int) -> int:
+        """Tokens whose keys and values sequence `seq` holds."""
+        return int(self.manager.lengths[seq])
 
-    def prefilling(self, slot: int) -> bool:
-        request = self.slots[slot]
-        return request is not None and request.leader is None and self.held(slot) < len(request.context)
+    def prefilling(self, seq: int) -> bool:
+        request = self.seqs[seq]
+        return request is not None and request.leader is None and self.held(seq) < len(request.context)
 
     def decoding(self) -> list[int]:
-        """The slots whose requests have their prompts in the cache and a pending token."""
-        return [s for s, r in enumerate(self.slots)
+        """The sequences whose requests have their prompts in the cache and a pending token."""
+        return [s for s, r in enumerate(self.seqs)
                 if r is not None and r.leader is None and self.held(s) >= len(r.context)]
 
     def admit(self) -> None:
@@ -128,23 +128,23 @@ class Scheduler:
                 member.admitted_at = now
                 if member.first_admitted is None:
                     member.first_admitted = now
-                self.slots[self.manager.add()] = member
-            slot = self.slots.index(request)
+                self.seqs[self.manager.add()] = member
+            seq = self.seqs.index(request)
             request.cached_tokens = (
-                self.manager.attach(slot, request.context, request.salt) if self.prefix_caching else 0
+                self.manager.attach(seq, request.context, request.salt) if self.prefix_caching else 0
             )
             self.totals["prompt_tokens"] += len(request.context)
             self.totals["cached_tokens"] += request.cached_tokens
 
     def prefills(self) -> list[int]:
-        """The slots to prefill a chunk of this step: the oldest admitted first, within `prefills_per_step`."""
-        waiting = sorted((s for s in range(len(self.slots)) if self.prefilling(s)),
-                         key=lambda s: self.slots[s].first_admitted)
+        """The sequences to prefill a chunk of this step: the oldest admitted first, within `prefills_per_step`."""
+        waiting = sorted((s for s in range(len(self.seqs)) if self.prefilling(s)),
+                         key=lambda s: self.seqs[s].first_admitted)
         return waiting[: self.prefills_per_step]
 
-    def next_chunk(self, slot: int) -> tuple[int, int]:
-        """The context positions `(start, end)` of slot `slot`'s next prefill chunk (chunk-aligned)."""
-        start, context = self.held(slot), self.slots[slot].context
+    def next_chunk(self, seq: int) -> tuple[int, int]:
+        """The context positions `(start, end)` of sequence `seq`'s next prefill chunk (chunk-aligned)."""
+        start, context = self.held(seq), self.seqs[seq].context
         return start, min(len(context), (start // self.chunk + 1) * self.chunk)
 
     def reserve(self, counts: np.ndarray) -> PageBatch:
@@ -156,53 +156,53 @@ class Scheduler:
             try:
                 return self.manager.reserve(counts)
             except OutOfPagesError:
-                leaders = {id(r.leader or r): r.leader or r for r in self.slots if r is not None}
+                leaders = {id(r.leader or r): r.leader or r for r in self.seqs if r is not None}
                 if len(leaders) <= 1:
                     raise
                 victim = max(leaders.values(), key=lambda r: r.first_admitted)
                 for member in victim.group:
-                    counts[self.slots.index(member)] = 0
+                    counts[self.seqs.index(member)] = 0
                 self.preempt(victim)
 
-    def prefilled(self, slot: int) -> None:
-        """After slot `slot`'s last prefill chunk: registers its prompt and forks its choices."""
-        request = self.slots[slot]
+    def prefilled(self, seq: int) -> None:
+        """After sequence `seq`'s last prefill chunk: registers its prompt and forks its choices."""
+        request = self.seqs[seq]
         if self.prefix_caching:
-            self.manager.register(slot, request.context, request.salt)
+            self.manager.register(seq, request.context, request.salt)
         for member in request.siblings:  # the prompt's pages by reference, a private copy of a partial one
-            self.manager.fork(slot, self.slots.index(member))
+            self.manager.fork(seq, self.seqs.index(member))
             member.leader = None
         request.siblings = []
 
-    def release(self, slot: int) -> None:
-        """Frees a slot and its pages, registering what it prefilled for the prefix cache."""
-        request = self.slots[slot]
+    def release(self, seq: int) -> None:
+        """Frees a sequence and its pages, registering what it prefilled for the prefix cache."""
+        request = self.seqs[seq]
         if self.prefix_caching and request.leader is None:
-            self.manager.register(slot, request.context[: self.held(slot)], request.salt)
-        self.manager.free(slot)
-        self.slots[slot] = None
+            self.manager.register(seq, request.context[: self.held(seq)], request.salt)
+        self.manager.free(seq)
+        self.seqs[seq] = None
 
     def preempt(self, request: Request) -> None:
         """Back to the head of the queue, with the choices still waiting for it."""
         for member in request.group:
-            self.release(self.slots.index(member))
+            self.release(self.seqs.index(member))
         request.preemptions += 1
         self.queue.appendleft(request)
 
     def retire_finished(self) -> list[Completion]:
-        """Frees the slots of the requests that finished; their completions."""
+        """Frees the sequences of the requests that finished; their completions."""
         done = []
-        for slot, request in enumerate(self.slots):
+        for seq, request in enumerate(self.seqs):
             if request is not None and request.finished:
-                self.release(slot)
+                self.release(seq)
                 done.append(request.completion("stop" if request.stopped else "length"))
         return done
 
     def recover(self) -> None:
         """After a failed device call: every running request back to the queue; pages and prefix cache afresh."""
-        leaders = {id(r.leader or r): r.leader or r for r in self.slots if r is not None}
+        leaders = {id(r.leader or r): r.leader or r for r in self.seqs if r is not None}
         for request in sorted(leaders.values(), key=lambda r: r.first_admitted, reverse=True):
             request.preemptions += 1
             self.queue.appendleft(request)
-        self.slots = [None] * self.config.batch_size
+        self.seqs = [None] * self.config.batch_size
         self.manager = self._new_manager()

@@ -6,7 +6,7 @@ prefilling, decodes one token for every running one (or verifies their
 drafts, speculating), and retires those that finished; `run()` steps until
 the queue is empty. The server composes two halves:
 
-- the `Scheduler` (host only): the queue, which request holds which slot,
+- the `Scheduler` (host only): the queue, which request holds which sequence,
   admission through the `PageManager`, preemption when pages run short,
   prefix caching, the prefill budget;
 - the `Runner` (device): the weights, its own copy of the page pools, and
@@ -111,7 +111,7 @@ class Server:
         self.vocab_size = model.config.vocab_size
         self.scheduler = Scheduler(config, chunk=int(chunk), prefix_caching=prefix_caching and config.window is None,
                                    prefills_per_step=prefills)
-        """The host half: queue, slots, pages."""
+        """The host half: queue, sequences, pages."""
         self.runner = Runner(model)
         """The device half: weights, pools, programs."""
         seed = None if rng is None else np.asarray(jax.random.key_data(rng)).ravel().tolist()
@@ -198,7 +198,7 @@ class Server:
         return prompt, stops
 
     def abort(self, index: int) -> Completion | None:
-        """Ends request `index` now, freeing its slot and pages; None if it is not queued or running.
+        """Ends request `index` now, freeing its sequence and pages; None if it is not queued or running.
 
         A request whose prompt is not prefilled yet ends with the other choices of its `submit`.
         """
@@ -217,9 +217,9 @@ class Server:
         scheduler = self.scheduler
         try:
             scheduler.admit()
-            for slot in scheduler.prefills():
-                if scheduler.prefilling(slot):  # an earlier chunk may have preempted it
-                    self._prefill_chunk(slot)
+            for seq in scheduler.prefills():
+                if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
+                    self._prefill_chunk(seq)
             self._retired += scheduler.retire_finished()  # a first token may already end a request
             decoding = scheduler.decoding()
             offers = self._offers(decoding) if self.speculative else {}
@@ -267,110 +267,110 @@ class Server:
         """Rows of a decode call for `count` sequences: a power of two, at most the batch size."""
         return min(1 << max(count - 1, 0).bit_length(), self.config.batch_size)
 
-    def _prefill_chunk(self, slot: int):
-        scheduler, request = self.scheduler, self.scheduler.slots[slot]
-        start, end = scheduler.next_chunk(slot)
+    def _prefill_chunk(self, seq: int):
+        scheduler, request = self.scheduler, self.scheduler.seqs[seq]
+        start, end = scheduler.next_chunk(seq)
         counts = np.zeros(self.config.batch_size, np.int32)
-        counts[slot] = end - start
+        counts[seq] = end - start
         batch = scheduler.reserve(counts)
-        if scheduler.slots[slot] is not request:  # it was the youngest, preempted to make room for the others
+        if scheduler.seqs[seq] is not request:  # it was the youngest, preempted to make room for the others
             return
         tokens = np.zeros((1, self.chunk), np.int32)
         tokens[0, : end - start] = request.context[start:end]
         group = request.group  # each choice samples its first token from these logits
-        new, logprobs, top_ids, top_logprobs = self.runner.prefill(tokens, end - start, batch, slot,
+        new, logprobs, top_ids, top_logprobs = self.runner.prefill(tokens, end - start, batch, seq,
                                                                    self._rows(group))
         if end < len(request.context):
             return
-        scheduler.prefilled(slot)
+        scheduler.prefilled(seq)
         for row, member in enumerate(group):
             if not member.generated:  # a recomputed request already has its next token
                 member.append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
                 member.first_token_seconds = time.perf_counter() - member.admitted_at
                 scheduler.totals["generated_tokens"] += 1
 
-    def _laid_out(self, slots: list[int], counts: np.ndarray):
-        """Reserves `counts` tokens per slot, then lays `slots` over the smallest bucket of rows (padding rows:
-        slot 0, inactive): `(batch, the slots still decoding, rows, active, page table, sampling rows)`."""
+    def _laid_out(self, seqs: list[int], counts: np.ndarray):
+        """Reserves `counts` tokens per sequence, then lays `sequences` over the smallest bucket of rows (padding rows:
+        sequence 0, inactive): `(batch, the sequences still decoding, rows, active, page table, sampling rows)`."""
         batch = self.scheduler.reserve(counts)
-        slots = [s for s in slots if counts[s]]  # a preempted one is no longer decoding
-        rows = np.zeros(self._bucket(len(slots)), np.int64)
-        rows[: len(slots)] = slots
-        active = np.arange(len(rows)) < len(slots)
+        seqs = [s for s in seqs if counts[s]]  # a preempted one is no longer decoding
+        rows = np.zeros(self._bucket(len(seqs)), np.int64)
+        rows[: len(seqs)] = seqs
+        active = np.arange(len(rows)) < len(seqs)
         table = np.where(active[:, None], batch.table[rows], 0)
-        sampling = self._rows([self.scheduler.slots[s] if a else None for s, a in zip(rows, active)], len(rows))
-        return batch, slots, rows, active, table, sampling
+        sampling = self._rows([self.scheduler.seqs[s] if a else None for s, a in zip(rows, active)], len(rows))
+        return batch, seqs, rows, active, table, sampling
 
-    def _decode(self, slots: list[int]):
-        """One token for each of `slots`, in a call over the smallest bucket of rows that holds them."""
+    def _decode(self, seqs: list[int]):
+        """One token for each of `sequences`, in a call over the smallest bucket of rows that holds them."""
         counts = np.zeros(self.config.batch_size, np.int32)
-        counts[slots] = 1
-        batch, slots, rows, active, table, sampling = self._laid_out(slots, counts)
-        requests = self.scheduler.slots
+        counts[seqs] = 1
+        batch, seqs, rows, active, table, sampling = self._laid_out(seqs, counts)
+        requests = self.scheduler.seqs
         tokens = np.array([requests[s].generated[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
         new, logprobs, top_ids, top_logprobs = self.runner.decode(tokens, active, table, batch.pos[rows], batch,
                                                                   sampling)
-        for row, slot in enumerate(slots):
-            requests[slot].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
+        for row, seq in enumerate(seqs):
+            requests[seq].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self.scheduler.totals["generated_tokens"] += 1
 
-    def _offers(self, slots: list[int]) -> dict[int, np.ndarray]:
-        """The drafts of each request of `slots` that drafts this step (by prompt lookup, within its budget)."""
-        policy, requests = self.speculative.policy, self.scheduler.slots
+    def _offers(self, seqs: list[int]) -> dict[int, np.ndarray]:
+        """The drafts of each request of `sequences` that drafts this step (by prompt lookup, within its budget)."""
+        policy, requests = self.speculative.policy, self.scheduler.seqs
         trying = []
-        for slot in slots:
-            request = requests[slot]
+        for seq in seqs:
+            request = requests[seq]
             if request.budget > 0 and policy.wants_round(request.expected, request.waited, request.patience):
-                trying.append(slot)
+                trying.append(seq)
             else:
                 request.waited += 1
         if not trying:
             return {}
         history = np.zeros((self._bucket(len(trying)), self.config.max_len + 1), np.int32)
         filled = np.zeros(len(history), np.int32)
-        for row, slot in enumerate(trying):
-            tokens = requests[slot].prompt + requests[slot].generated
+        for row, seq in enumerate(trying):
+            tokens = requests[seq].prompt + requests[seq].generated
             history[row, : len(tokens)] = tokens
             filled[row] = len(tokens) - 1
         drafts, widths = self.runner.lookup(history, filled, self.speculative.num_tokens, self.speculative.max_ngram)
         offers = {}
-        for row, slot in enumerate(trying):
-            width = min(int(widths[row]), requests[slot].budget)
+        for row, seq in enumerate(trying):
+            width = min(int(widths[row]), requests[seq].budget)
             if width:
-                offers[slot] = drafts[row, :width]
+                offers[seq] = drafts[row, :width]
             else:
-                requests[slot].waited += 1
+                requests[seq].waited += 1
         return offers
 
-    def _verify(self, slots: list[int], offers: dict[int, np.ndarray]):
-        """A speculative round: each of `slots` feeds its pending token and its drafts (if any) in one call of
+    def _verify(self, seqs: list[int], offers: dict[int, np.ndarray]):
+        """A speculative round: each of `sequences` feeds its pending token and its drafts (if any) in one call of
         K + 1 tokens per row, keeps the drafts the model agrees with plus one token of the model's, and gives
         back the pages past them."""
         width, policy, totals = self.speculative.num_tokens + 1, self.speculative.policy, self.scheduler.totals
         counts = np.zeros(self.config.batch_size, np.int32)
-        counts[slots] = 1
-        for slot, drafts in offers.items():
-            counts[slot] = drafts.size + 1
-        batch, slots, rows, active, table, sampling = self._laid_out(slots, counts)
-        requests = self.scheduler.slots
+        counts[seqs] = 1
+        for seq, drafts in offers.items():
+            counts[seq] = drafts.size + 1
+        batch, seqs, rows, active, table, sampling = self._laid_out(seqs, counts)
+        requests = self.scheduler.seqs
         tokens = np.zeros((len(rows), width), np.int32)
-        for row, slot in enumerate(slots):
-            tokens[row, 0] = requests[slot].generated[-1]
-            tokens[row, 1 : counts[slot]] = offers.get(slot, ())
+        for row, seq in enumerate(seqs):
+            tokens[row, 0] = requests[seq].generated[-1]
+            tokens[row, 1 : counts[seq]] = offers.get(seq, ())
         kept, new, logprobs, top_ids, top_logprobs = self.runner.verify(
             tokens, np.where(active, counts[rows], 0).astype(np.int32), table, batch.pos[rows], batch, sampling)
-        for row, slot in enumerate(slots):
-            request = requests[slot]
+        for row, seq in enumerate(seqs):
+            request = requests[seq]
             produced = new[row, : kept[row] + 1].tolist()
             stops = [j for j, token in enumerate(produced) if token in request.stop_tokens]
             produced = produced[: stops[0] + 1] if stops else produced
             for j, token in enumerate(produced):
                 request.append(token, float(logprobs[row, j]), top_ids[row, j], top_logprobs[row, j])
             # The cache keeps the pending token and every new one but the last.
-            self.manager.truncate(slot, int(batch.pos[slot]) + len(produced))
+            self.manager.truncate(seq, int(batch.pos[seq]) + len(produced))
             totals["generated_tokens"] += len(produced)
-            if slot in offers:
-                totals["drafted_tokens"] += int(counts[slot] - 1)
+            if seq in offers:
+                totals["drafted_tokens"] += int(counts[seq] - 1)
                 totals["accepted_tokens"] += int(kept[row])
                 request.expected = float(policy.estimate(request.expected, int(kept[row])))
                 request.waited = 0

@@ -1,4 +1,4 @@
-"""One paged sequence on disk: save the keys and values a slot holds in every paged layer, load them into a new slot.
+"""One paged sequence on disk: save the keys and values a sequence holds in every paged layer, load them into a new sequence.
 
 A sequence snapshot is a safetensors file (no pickle) holding, for each
 paged layer under its path, `k` and `v` `(length, K, H)` in the storage
@@ -24,10 +24,10 @@ with a request to save the sequence again.
 
 Loading reads the header alone first (`kvattn.snapshots.files`), checks all
 of it against the layers, then reads and checks the data, then claims a
-slot and pages from the `PageManager` (raising `OutOfPagesError` first if
+sequence and pages from the `PageManager` (raising `OutOfPagesError` first if
 they cannot be had), so a failed load changes neither the manager nor any
 layer. A sequence may be restored into a pool with another page size,
-layout, number of slots or `max_len` (at least its length).
+layout, number of sequences or `max_len` (at least its length).
 """
 
 from __future__ import annotations
@@ -61,35 +61,35 @@ _UNSUPPORTED = (
 )
 
 
-def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str | os.PathLike, *,
+def save_sequence(module: nnx.Module, manager: PageManager, seq: int, path: str | os.PathLike, *,
                   tokens=None) -> None:
-    """Writes what `slot` holds in every paged layer of `module` to a snapshot file, atomically.
+    """Writes what `seq` holds in every paged layer of `module` to a snapshot file, atomically.
 
     Args:
       module: a paged `MultiHeadAttention`, or a module holding them (a
-        paged `CausalLM`), whose pools hold the slot's pages.
-      manager: the `PageManager` that owns the slot.
-      slot: a live slot.
+        paged `CausalLM`), whose pools hold the sequence's pages.
+      manager: the `PageManager` that owns the sequence.
+      sequence: a live sequence.
       path: the file to create or replace; its directory must exist.
-      tokens: optionally the token ids the slot holds, recorded so that a
+      tokens: optionally the token ids the sequence holds, recorded so that a
         loader can register the pages for prefix caching.
     """
     layers = _paged_layers(module, manager)
-    slot = int(slot)
-    if not 0 <= slot < manager.max_sequences or not manager.live[slot]:
+    seq = int(seq)
+    if not 0 <= seq < manager.max_sequences or not manager.live[seq]:
         raise ValueError(
-            f"slot must be a live slot of the manager, got {slot} (live: {np.flatnonzero(manager.live).tolist()})"
+            f"sequence must be a live sequence of the manager, got {seq} (live: {np.flatnonzero(manager.live).tolist()})"
         )
-    length = int(manager.lengths[slot])
-    if manager.window is not None and length > 0 and manager.tables[slot, 0] == NULL_PAGE:
+    length = int(manager.lengths[seq])
+    if manager.window is not None and length > 0 and manager.tables[seq, 0] == NULL_PAGE:
         raise ValueError(
-            f"slot {slot} has released the pages that left its window; a windowed sequence cannot be saved"
+            f"sequence {seq} has released the pages that left its window; a windowed sequence cannot be saved"
         )
     if tokens is not None:
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if len(tokens) != length:
-            raise ValueError(f"tokens must list the slot's {length} tokens, got {len(tokens)}")
-    pages = manager.tables[slot, : blocks_spanned(length, manager.page_size)]
+            raise ValueError(f"tokens must list the sequence's {length} tokens, got {len(tokens)}")
+    pages = manager.tables[seq, : blocks_spanned(length, manager.page_size)]
     tensors = {}
     for prefix, layer in layers.items():
         for name, stored in zip("kv", _pool(layer), strict=True):
@@ -111,23 +111,23 @@ def save_sequence(module: nnx.Module, manager: PageManager, slot: int, path: str
 
 def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathLike, *,
                   allow_weight_mismatch: bool = False) -> tuple[int, list[int] | None]:
-    """Restores a saved sequence into a new slot, after checking everything.
+    """Restores a saved sequence into a new sequence, after checking everything.
 
     Args:
       module: paged layers configured like the saving ones (their page size
         and layout may differ).
-      manager: the `PageManager` to take a slot and pages from.
+      manager: the `PageManager` to take a sequence and pages from.
       path: a file written by `save_sequence`.
       allow_weight_mismatch: load even if other weights filled the snapshot.
 
     Returns:
-      `(slot, tokens)`: the slot now holding the sequence, and the token ids
+      `(sequence, tokens)`: the sequence now holding the sequence, and the token ids
       the snapshot recorded (None if it recorded none).
 
     Raises:
       SnapshotError: the file is not a valid snapshot for these layers (the
         message names the file).
-      OutOfPagesError: no slot, or too few pages, for the sequence.
+      OutOfPagesError: no sequence, or too few pages, for the sequence.
     """
     layers = _paged_layers(module, manager)
     with files.opened(path) as file:
@@ -161,14 +161,14 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
     num_pages = blocks_spanned(length, manager.page_size)  # every page is written at once, window or not
     if manager.live.all() or num_pages > manager.num_free + manager.num_cached:
         raise OutOfPagesError(
-            f"cannot load a {length}-token sequence now: it needs a free slot and {num_pages} pages; "
-            f"{int((~manager.live).sum())} slots and {manager.num_free + manager.num_cached} pages can be had"
+            f"cannot load a {length}-token sequence now: it needs a free sequence and {num_pages} pages; "
+            f"{int((~manager.live).sum())} sequences and {manager.num_free + manager.num_cached} pages can be had"
         )
-    slot = manager.add()
+    seq = manager.add()
     try:
         counts = np.zeros(manager.max_sequences, np.int32)
-        counts[slot] = length
-        pages = manager.reserve(counts).table[slot, :num_pages]
+        counts[seq] = length
+        pages = manager.reserve(counts).table[seq, :num_pages]
         pools = {
             prefix: [
                 paged.write_sequence(
@@ -181,12 +181,12 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
         }
         jax.block_until_ready(pools)
     except BaseException:
-        manager.free(slot)
+        manager.free(seq)
         raise
     for prefix, layer in layers.items():
         k, v = pools[prefix]
         layer.set_pool(paged.PagedKVCache(k, v, None, None))
-    return slot, tokens
+    return seq, tokens
 
 
 def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
@@ -208,7 +208,7 @@ def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
     return layers
 
 
-# What may differ between the saving and the loading layers: how many slots and
+# What may differ between the saving and the loading layers: how many sequences and
 # tokens the pool holds, and its layout (a snapshot is stored token by token).
 _FREE_FIELDS = ("batch_size", "max_len", "cache_layout")
 

@@ -30,8 +30,8 @@ class Metrics:
 
     def __init__(self):
         self.registry = registry = CollectorRegistry()
-        self.running = Gauge("kvattn_requests_running", "Requests holding a sequence slot.", registry=registry)
-        self.waiting = Gauge("kvattn_requests_waiting", "Requests queued for a slot.", registry=registry)
+        self.running = Gauge("kvattn_requests_running", "Requests holding a sequence.", registry=registry)
+        self.waiting = Gauge("kvattn_requests_waiting", "Requests queued for a sequence.", registry=registry)
         self.pages_used = Gauge("kvattn_pages_used", "Pages referenced by a running sequence.", registry=registry)
         self.pages_free = Gauge("kvattn_pages_free", "Pages neither referenced nor cached.", registry=registry)
         self.pages_cached = Gauge("kvattn_pages_cached", "Unreferenced pages kept for the prefix cache.",
