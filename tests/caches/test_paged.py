@@ -199,7 +199,7 @@ class PagedMachine(RuleBasedStateMachine):
         return np.flatnonzero(self.manager.live).tolist()
 
     def room(self, b: int) -> int:
-        return MAX_LEN - int(self.manager.lengths[b])
+        return MAX_LEN - int(self.manager.pos[b])
 
     @precondition(lambda self: not self.manager.live.all())
     @rule()
@@ -214,11 +214,11 @@ class PagedMachine(RuleBasedStateMachine):
             [min(w, 1 if one else CHUNK, self.room(b)) if self.manager.live[b] else 0 for b, w in enumerate(wanted)],
             np.int32,
         )
-        state = (self.manager.refcount.copy(), self.manager.tables.copy(), self.manager.lengths.copy())
+        state = (self.manager.refcount.copy(), self.manager.tables.copy(), self.manager.pos.copy())
         try:
             batch = self.manager.reserve(counts)
         except OutOfPagesError:
-            for got, want in zip((self.manager.refcount, self.manager.tables, self.manager.lengths), state):
+            for got, want in zip((self.manager.refcount, self.manager.tables, self.manager.pos), state):
                 np.testing.assert_array_equal(got, want)
             return
         written = [batch.table[b, p // self.paged.config.page_size]
@@ -254,9 +254,9 @@ class PagedMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def truncate(self, data):
         slot = data.draw(st.sampled_from(self.live()))
-        keep = data.draw(st.integers(0, int(self.manager.lengths[slot])))
+        keep = data.draw(st.integers(0, int(self.manager.pos[slot])))
         self.manager.truncate(slot, keep)
-        keeps = self.manager.lengths.copy()
+        keeps = self.manager.pos.copy()
         self.contiguous.truncate(jnp.asarray(keeps))
 
     @precondition(lambda self: self.manager.live.any())
@@ -272,7 +272,7 @@ class PagedMachine(RuleBasedStateMachine):
         if self.paged is not None:
             self.manager.check()
             np.testing.assert_array_equal(np.asarray(self.contiguous.pos[...])[self.manager.live],
-                                          self.manager.lengths[self.manager.live])
+                                          self.manager.pos[self.manager.live])
 
 
 PagedMachine.TestCase.settings = settings(

@@ -36,7 +36,7 @@ def state_of(manager: PageManager):
         (
             manager.refcount,
             manager.tables,
-            manager.lengths,
+            manager.pos,
             manager.live,
             pool._free,
             list(pool._cached),
@@ -92,7 +92,7 @@ class PageMachine(RuleBasedStateMachine):
     def live_seqs(self) -> list[int]:
         """Live sequences, longest first: hypothesis favours the first, and long sequences have the most to share."""
         live = np.flatnonzero(self.manager.live)
-        return live[np.argsort(-self.manager.lengths[live], kind="stable")].tolist()
+        return live[np.argsort(-self.manager.pos[live], kind="stable")].tolist()
 
     def fresh_ids(self, count: int) -> list[int]:
         self.next_id += count
@@ -120,7 +120,7 @@ class PageMachine(RuleBasedStateMachine):
             manager.free(finished)
             self.forget(finished)
         seq = manager.add()
-        assert manager.lengths[seq] == 0 and not manager.tables[seq].any()
+        assert manager.pos[seq] == 0 and not manager.tables[seq].any()
         assert manager.attach(seq, prompt, salt) == hit
         event(f"admit hit {hit // page_size} pages")
         self.tokens[seq], self.held_from[seq], self.salts[seq] = prompt[:hit], 0, salt
@@ -145,7 +145,7 @@ class PageMachine(RuleBasedStateMachine):
         manager = self.manager
         counts = np.zeros(manager.max_sequences, np.int64)
         for seq in self.live_seqs():
-            counts[seq] = min(data.draw(st.sampled_from([3, 1, 5, 0])), manager.capacity - manager.lengths[seq])
+            counts[seq] = min(data.draw(st.sampled_from([3, 1, 5, 0])), manager.capacity - manager.pos[seq])
         if data.draw(st.integers(0, 3)) == 0:  # a long prompt, sometimes past the capacity
             counts[data.draw(st.sampled_from(self.live_seqs()))] = data.draw(st.integers(0, manager.capacity + 1))
         dead = np.flatnonzero(~manager.live).tolist()
@@ -163,7 +163,7 @@ class PageMachine(RuleBasedStateMachine):
     def reserve_and_check(self, counts, given: dict[int, list[int]] | None = None) -> bool:
         """Reserves `counts`, writes the new tokens (`given`, else fresh ids) to the pool; whether it was taken."""
         manager, page_size = self.manager, self.manager.page_size
-        before, lengths = state_of(manager), manager.lengths.astype(int)
+        before, lengths = state_of(manager), manager.pos.astype(int)
         new_blocks = int((blocks_spanned(lengths + counts, page_size) - blocks_spanned(lengths, page_size)).sum())
         partial = sum(1 for b in range(len(counts)) if counts[b] and lengths[b] % page_size)
         available = manager.num_free + manager.num_cached
@@ -192,7 +192,7 @@ class PageMachine(RuleBasedStateMachine):
         manager, page_size = self.manager, self.manager.page_size
         refcount_before, tables_before = before[0], before[1]
         np.testing.assert_array_equal(batch.pos, lengths)
-        np.testing.assert_array_equal(manager.lengths, lengths + counts)
+        np.testing.assert_array_equal(manager.pos, lengths + counts)
         np.testing.assert_array_equal(batch.table, manager.tables)
         for array in batch:
             assert array.dtype == np.int32
@@ -301,7 +301,7 @@ class PageMachine(RuleBasedStateMachine):
         manager = self.manager
         counts = np.zeros(manager.max_sequences, np.int64)
         counts[seqs] = 1
-        counts[manager.lengths >= manager.capacity] = 0
+        counts[manager.pos >= manager.capacity] = 0
         if not self.reserve_and_check(counts):
             largest = int(np.argmax((manager.tables != NULL_PAGE).sum(axis=1)))
             if manager.live[largest]:
@@ -330,7 +330,7 @@ class PageMachine(RuleBasedStateMachine):
         self.memory[manager.pool._free] = GARBAGE
         for seq in range(manager.max_sequences):
             tokens = self.tokens[seq]
-            assert manager.lengths[seq] == len(tokens)
+            assert manager.pos[seq] == len(tokens)
             if not manager.live[seq]:
                 assert tokens == []
                 continue
@@ -420,7 +420,7 @@ def test_fork_into_a_live_sequence_releases_its_own_pages():
     manager.reserve([3, 4])  # pages 1, 2 and 3, 4
     manager.fork(0, 1)
     np.testing.assert_array_equal(manager.tables, [[1, 2], [1, 2]])
-    assert manager.lengths[1] == 3 and manager.num_free == 3
+    assert manager.pos[1] == 3 and manager.num_free == 3
     manager.check()
 
 
@@ -461,7 +461,7 @@ def test_attach_maps_the_registered_pages_of_the_longest_hit():
     assert manager.attach(seq, [*range(8), 50, 51]) == 8
     np.testing.assert_array_equal(manager.tables[seq], [1, 2, 0, 0])
     np.testing.assert_array_equal(manager.refcount[1:4], [2, 2, 1])
-    assert manager.lengths[seq] == 8
+    assert manager.pos[seq] == 8
     manager.check()
 
 

@@ -344,7 +344,7 @@ def test_speculative_rounds_give_back_the_pages_of_refused_drafts_and_compile_no
     held = []
     while not server.idle:
         server.step()
-        held.append((server.manager.num_live, int(server.manager.lengths.sum())))
+        held.append((server.manager.num_live, int(server.manager.pos.sum())))
     server.manager.check()
     # After each round the sequence holds what it kept, in whole pages: never a refused draft's page.
     assert all(pages == -(-length // 4) for pages, length in held[:-1]) and held[-1] == (0, 0)

@@ -30,7 +30,7 @@ def test_a_saved_sequence_continues_in_another_pool(tmp_path):
     kvattn.save_sequence(source, managers[0], seq, path, tokens=[7, 8, 9])
     managers[1].add()  # the restored sequence lands in another sequence
     restored, recorded = kvattn.load_sequence(target, managers[1], path)
-    assert restored == 1 and recorded == [7, 8, 9] and managers[1].lengths[restored] == CHUNK
+    assert restored == 1 and recorded == [7, 8, 9] and managers[1].pos[restored] == CHUNK
     managers[1].check()
     x = jnp.broadcast_to(tokens(rng, 1), (BATCH, IN_FEATURES))  # the same token in every row
     for layer, manager, row in ((source, managers[0], seq), (target, managers[1], restored)):

@@ -1,4 +1,4 @@
-"""The sequence manager: sequences, page tables and lengths, copy-on-write and prefix caching, on a block pool.
+"""The sequence manager: sequences, page tables and tokens held (`pos`), copy-on-write and prefix caching, on a block pool.
 
 The device holds, per layer, a pool of `num_pages` pages of `page_size`
 positions (`kvattn.caches.paged`). Each sequence lives in a row of the
@@ -75,7 +75,7 @@ class PageManager:
         _size("capacity (max_pages_per_sequence * page_size)", self.capacity)
         self.policy = window_policy(self.page_size, None if window is None else _size("window", window))
         self.tables = np.full((self.max_sequences, self.max_pages_per_sequence), NULL_PAGE, np.int32)
-        self.lengths = np.zeros(self.max_sequences, np.int32)
+        self.pos = np.zeros(self.max_sequences, np.int32)
         self.live = np.zeros(self.max_sequences, bool)
 
     @property
@@ -167,10 +167,10 @@ class PageManager:
                 which dead sequences must be).
 
         Returns:
-            the `PageBatch` of the call; `lengths` grow by `counts`.
+            the `PageBatch` of the call; `pos` grows by `counts`.
         """
-        counts = checked_counts(counts, self.lengths, self.live, self.page_size, self.max_pages_per_sequence)
-        return reserve_pages(self.pool, self.policy, self.tables, self.lengths, counts)
+        counts = checked_counts(counts, self.pos, self.live, self.page_size, self.max_pages_per_sequence)
+        return reserve_pages(self.pool, self.policy, self.tables, self.pos, counts)
 
     def fork(self, source: int, target: int) -> None:
         """Makes `target` a copy of `source` by reference: the same pages, no new ones.
@@ -186,20 +186,20 @@ class PageManager:
         if self.live[target]:
             self._release_blocks(target, 0)
         self.tables[target] = row
-        self.lengths[target] = self.lengths[source]
+        self.pos[target] = self.pos[source]
         self.live[target] = True
 
     def free(self, seq: int) -> None:
         """Releases every page of a live sequence; the sequence becomes dead and empty."""
         seq = self._live_seq(seq)
         self._release_blocks(seq, 0)
-        self.lengths[seq] = 0
+        self.pos[seq] = 0
         self.live[seq] = False
 
     def truncate(self, seq: int, keep: int) -> None:
         """Keeps the first `keep` tokens of a live sequence, releasing the pages past them."""
         seq = self._live_seq(seq)
-        length = int(self.lengths[seq])
+        length = int(self.pos[seq])
         keep = operator.index(keep)
         if not 0 <= keep <= length:
             raise ValueError(f"keep must be from 0 to the sequence's length {length}, got {keep}")
@@ -213,7 +213,7 @@ class PageManager:
                 f"keep at least {first_held * self.page_size + self.window - 1} tokens, or 0"
             )
         self._release_blocks(seq, blocks_spanned(keep, self.page_size))
-        self.lengths[seq] = keep
+        self.pos[seq] = keep
 
     def reorder(self, order) -> None:
         """Beam search: each live sequence b becomes what sequence `order[b]` was.
@@ -240,7 +240,7 @@ class PageManager:
         self.pool.share(new_rows[new_rows != NULL_PAGE])  # before releasing, so nothing is freed between
         old_rows = self.tables[moved]
         self.tables[moved] = new_rows
-        self.lengths[moved] = self.lengths[order[moved]]
+        self.pos[moved] = self.pos[order[moved]]
         for row in old_rows:
             for page in row[::-1].tolist():
                 if page != NULL_PAGE:
@@ -262,15 +262,15 @@ class PageManager:
             the tokens the sequence now holds; the caller computes the rest of the prompt.
         """
         seq = self._live_seq(seq)
-        if self.lengths[seq]:
+        if self.pos[seq]:
             raise ValueError(
-                f"attach needs an empty sequence, but sequence {seq} holds {self.lengths[seq]} tokens; "
+                f"attach needs an empty sequence, but sequence {seq} holds {self.pos[seq]} tokens; "
                 "free it and add a new one"
             )
         pages = cached_prefix(self.pool, tokens, salt, self.page_size, self.max_pages_per_sequence)
         self.pool.share(pages)
         self.tables[seq, : len(pages)] = pages
-        self.lengths[seq] = len(pages) * self.page_size
+        self.pos[seq] = len(pages) * self.page_size
         return len(pages) * self.page_size
 
     def register(self, seq: int, tokens, salt: bytes = b"") -> None:
@@ -281,8 +281,8 @@ class PageManager:
         """
         seq = self._live_seq(seq)
         tokens, salt = token_array(tokens), checked_salt(salt)
-        if len(tokens) > self.lengths[seq]:
-            raise ValueError(f"sequence {seq} holds {self.lengths[seq]} tokens, fewer than the {len(tokens)} to register")
+        if len(tokens) > self.pos[seq]:
+            raise ValueError(f"sequence {seq} holds {self.pos[seq]} tokens, fewer than the {len(tokens)} to register")
         new = []  # (page, key) to register once every block is known to agree
         blocks = prompt_blocks(tokens, self.page_size, len(tokens) // self.page_size)
         for block, key in enumerate(block_chain(salt, blocks)):
@@ -303,11 +303,11 @@ class PageManager:
     def check(self) -> None:
         """Asserts every invariant of the state, raising `AssertionError` naming the first broken one."""
         self.pool.check()
-        tables, live, lengths = self.tables, self.live, self.lengths
+        tables, live, pos = self.tables, self.live, self.pos
         require(((tables >= 0) & (tables < self.num_pages)).all(), "a table entry is out of range")
         require((tables[~live] == NULL_PAGE).all(), "a dead sequence maps pages")
-        require((lengths[~live] == 0).all(), "a dead sequence holds tokens")
-        require(((lengths >= 0) & (lengths <= self.capacity)).all(), f"lengths out of range: {lengths}")
+        require((pos[~live] == 0).all(), "a dead sequence holds tokens")
+        require(((pos >= 0) & (pos <= self.capacity)).all(), f"pos out of range: {pos}")
         references = np.bincount(tables[live].ravel(), minlength=self.num_pages)
         references[NULL_PAGE] = 0
         wrong = np.flatnonzero(references != self.refcount)
@@ -318,13 +318,13 @@ class PageManager:
             self._check_row(seq)
 
     def _check_row(self, seq: int) -> None:
-        blocks = blocks_spanned(int(self.lengths[seq]), self.page_size)
+        blocks = blocks_spanned(int(self.pos[seq]), self.page_size)
         row = self.tables[seq]
         require((row[blocks:] == NULL_PAGE).all(), f"sequence {seq} maps blocks past its length: {row}")
         mapped = row[:blocks] != NULL_PAGE
         first = int(np.argmax(mapped)) if mapped.any() else blocks
         require(mapped[first:].all(), f"sequence {seq}: an unmapped block after a mapped one: {row}")
-        needed = self.policy.first_block_seen(int(self.lengths[seq]))
+        needed = self.policy.first_block_seen(int(self.pos[seq]))
         require(
             first <= needed,
             f"sequence {seq}: blocks {needed} to {first - 1} are still in its window but unmapped: {row}",
@@ -352,7 +352,7 @@ class PageManager:
         ones: a block is only found through its whole prefix.
         """
         row = self.tables[seq]
-        for block in range(blocks_spanned(int(self.lengths[seq]), self.page_size) - 1, first - 1, -1):
+        for block in range(blocks_spanned(int(self.pos[seq]), self.page_size) - 1, first - 1, -1):
             if row[block] == NULL_PAGE:  # the blocks before left a window: nothing more to release
                 break
             self.pool.release(int(row[block]))

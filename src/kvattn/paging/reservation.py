@@ -38,20 +38,20 @@ class PageBatch(NamedTuple):
     copy_to: np.ndarray
 
 
-def checked_counts(counts, lengths: np.ndarray, live: np.ndarray, page_size: int, max_pages: int) -> np.ndarray:
+def checked_counts(counts, pos: np.ndarray, live: np.ndarray, page_size: int, max_pages: int) -> np.ndarray:
     """The tokens each sequence appends, as int64, once they fit the sequences: else an error that names the fix.
 
     Args:
         counts: `(max_sequences,)` tokens each sequence asks to append.
-        lengths: `(max_sequences,)` tokens each sequence holds.
+        pos: `(max_sequences,)` tokens each sequence holds.
         live: `(max_sequences,)` whether each sequence is in use.
         page_size: positions per page.
         max_pages: pages one sequence maps at most.
     """
     counts = np.asarray(counts)
-    if counts.shape != lengths.shape or (counts.size and counts.dtype.kind not in "iu"):
+    if counts.shape != pos.shape or (counts.size and counts.dtype.kind not in "iu"):
         raise ValueError(
-            f"counts must be integers of shape {lengths.shape}, one per sequence; got {counts.dtype} {counts.shape}"
+            f"counts must be integers of shape {pos.shape}, one per sequence; got {counts.dtype} {counts.shape}"
         )
     counts = counts.astype(np.int64)
     if (counts < 0).any():
@@ -63,18 +63,18 @@ def checked_counts(counts, lengths: np.ndarray, live: np.ndarray, page_size: int
             "call add() first"
         )
     capacity = max_pages * page_size
-    over = np.flatnonzero(lengths + counts > capacity)
+    over = np.flatnonzero(pos + counts > capacity)
     if over.size:
         b = int(over[0])
         raise OutOfPagesError(
-            f"sequence {b} would hold {lengths[b] + counts[b]} tokens, past its capacity of {capacity} "
+            f"sequence {b} would hold {pos[b] + counts[b]} tokens, past its capacity of {capacity} "
             f"({max_pages} pages of {page_size}); nothing was changed"
         )
     return counts
 
 
 def reserve_pages(
-    pool: BlockPool, policy: FullAttention, tables: np.ndarray, lengths: np.ndarray, counts: np.ndarray
+    pool: BlockPool, policy: FullAttention, tables: np.ndarray, pos: np.ndarray, counts: np.ndarray
 ) -> PageBatch:
     """Maps pages for `counts` more tokens per sequence, in place, or raises `OutOfPagesError` changing nothing.
 
@@ -86,7 +86,7 @@ def reserve_pages(
         pool: the pages.
         policy: which blocks a sequence's queries still see.
         tables: `(max_sequences, max_pages_per_sequence)` page of each sequence's blocks; updated.
-        lengths: `(max_sequences,)` tokens each sequence holds; grow by `counts`.
+        pos: `(max_sequences,)` tokens each sequence holds; grow by `counts`.
         counts: `(max_sequences,)` int64 tokens each sequence appends, from `checked_counts`.
 
     Returns:
@@ -94,13 +94,13 @@ def reserve_pages(
     """
     touched = np.flatnonzero(counts).tolist()
     refcount, page_size = pool.refcount, policy.page_size
-    old_lengths = [int(lengths[b]) for b in touched]
+    old_pos = [int(pos[b]) for b in touched]
 
     # Plan first, in the order of the changes below, so a failure changes nothing.
     released = []  # (sequence, block) out of sight of the sequence's first new query, latest block first
     dropped: dict[int, int] = {}  # page -> references this call drops
     gained = 0  # pages whose last reference is dropped: reusable within the call
-    for b, length in zip(touched, old_lengths):
+    for b, length in zip(touched, old_pos):
         block = policy.first_block_seen(length) - 1
         while block >= 0 and tables[b, block] != NULL_PAGE:
             page = int(tables[b, block])
@@ -111,7 +111,7 @@ def reserve_pages(
     copies = []  # (sequence, page): the sequence's partial last page is shared, so it writes a copy
     unregistered = []  # pages about to change in place, so no longer what their registration says
     needed = 0
-    for b, length in zip(touched, old_lengths):
+    for b, length in zip(touched, old_pos):
         if length % page_size:
             page = int(tables[b, length // page_size])
             if refcount[page] - dropped.get(page, 0) > 1:
@@ -129,21 +129,21 @@ def reserve_pages(
             "Reserve fewer tokens, or free or truncate sequences first."
         )
 
-    pos = lengths.copy()
+    before = pos.copy()
     for b, block in released:
         page = int(tables[b, block])
         tables[b, block] = NULL_PAGE
         pool.release(page)
-    copy_from = np.full(len(lengths), NULL_PAGE, np.int32)
-    copy_to = np.full(len(lengths), pool.num_pages, np.int32)
+    copy_from = np.full(len(pos), NULL_PAGE, np.int32)
+    copy_to = np.full(len(pos), pool.num_pages, np.int32)
     for index, (b, page) in enumerate(copies):
         copy_from[index], copy_to[index] = page, pool.allocate()
-        tables[b, pos[b] // page_size] = copy_to[index]
+        tables[b, before[b] // page_size] = copy_to[index]
         pool.release(page)
     for page in unregistered:
         pool.unregister(page)
-    for b, length in zip(touched, old_lengths):
+    for b, length in zip(touched, old_pos):
         for block in range(blocks_spanned(length, page_size), blocks_spanned(length + int(counts[b]), page_size)):
             tables[b, block] = pool.allocate()
-    lengths += counts.astype(lengths.dtype)
-    return PageBatch(tables.copy(), pos, copy_from, copy_to)
+    pos += counts.astype(pos.dtype)
+    return PageBatch(tables.copy(), before, copy_from, copy_to)

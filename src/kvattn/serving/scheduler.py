@@ -104,7 +104,7 @@ class Scheduler:
 
     def held(self, seq: int) -> int:
         """Tokens whose keys and values sequence `seq` holds."""
-        return int(self.manager.lengths[seq])
+        return int(self.manager.pos[seq])
 
     def prefilling(self, seq: int) -> bool:
         request = self.seqs[seq]

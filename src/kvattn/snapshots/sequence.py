@@ -80,7 +80,7 @@ def save_sequence(module: nnx.Module, manager: PageManager, seq: int, path: str 
         raise ValueError(
             f"sequence must be a live sequence of the manager, got {seq} (live: {np.flatnonzero(manager.live).tolist()})"
         )
-    length = int(manager.lengths[seq])
+    length = int(manager.pos[seq])
     if manager.window is not None and length > 0 and manager.tables[seq, 0] == NULL_PAGE:
         raise ValueError(
             f"sequence {seq} has released the pages that left its window; a windowed sequence cannot be saved"
