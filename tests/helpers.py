@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 import kvattn
+from kvattn.config import RoPE
 from kvattn.paging import PageManager
 
 # The tiny Hugging Face checkpoints and transformers' outputs (made by tools/make_hf_fixtures.py).
@@ -103,3 +104,18 @@ def poison_free_pages(layer, manager):
 
 def random_tokens(rng, *shape):
     return jnp.asarray(rng.standard_normal((*shape, IN_FEATURES)).astype(np.float32))
+
+
+# Rotary settings the option tests draw from: every pairing and scaling kind.
+LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+ROPES = {
+    "none": None,
+    "half": RoPE(),
+    "interleaved": RoPE(theta=500.0, interleaved=True),
+    "partial": RoPE(rotary_dim=2),
+    "linear": RoPE(scaling={"rope_type": "linear", "factor": 2.0}),
+    "llama3": RoPE(theta=1000.0, scaling=LLAMA3),
+    "yarn": RoPE(theta=1000.0, scaling=YARN),
+}

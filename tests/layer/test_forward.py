@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 import kvattn
 from kvattn.config import RoPE
-from tests.helpers import assert_same_bits, cache_arrays, stream
-from tests.math.test_rope import ROPES
+from tests.helpers import ROPES, assert_same_bits, cache_arrays, stream
 from tests.reference import ReferenceCache, assert_close, causal_attention, weights_of
 
 D = 16

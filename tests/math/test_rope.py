@@ -9,22 +9,8 @@ import pytest
 
 from kvattn.config import RoPE
 from kvattn.math.rope import apply_rope
+from tests.helpers import LLAMA3, ROPES, YARN
 from tests.reference import assert_close, rope_frequencies, rotate
-
-LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 16}
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
-ROPES = {
-    "none": None,
-    "half": RoPE(),
-    "interleaved": RoPE(theta=500.0, interleaved=True),
-    "partial": RoPE(rotary_dim=2),
-    "linear": RoPE(scaling={"rope_type": "linear", "factor": 2.0}),
-    "llama3": RoPE(theta=1000.0, scaling=LLAMA3),
-    "yarn": RoPE(theta=1000.0, scaling=YARN),
-}
-
-
 
 # ---------------------------------------------------------- closed-form cases
 
