@@ -186,3 +186,14 @@ def test_the_cache_types_never_import_the_host_half_of_paging():
         if within(target, ("kvattn.paging",))
     ]
     assert not host, "\n".join(host)
+
+
+def test_test_modules_share_only_the_helpers_and_the_reference():
+    """Tests mirror the source tree; a test module imports `tests.helpers` or `tests.reference`, never another."""
+    crossing = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((ROOT / "tests").rglob("test_*.py"))
+        for module, _, line in imports(path)
+        if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
+    ]
+    assert not crossing, "\n".join(crossing)
