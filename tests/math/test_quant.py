@@ -188,6 +188,102 @@ def test_a_zero_row_gives_zeros_and_a_non_finite_row_stays_non_finite_alone():
     assert (y[0] == 0).all() and np.isfinite(y[1]).all() and np.isnan(y[2]).all()
 
 
+# ------------------------------------------------------------------ the storage forms, each against float64
+
+FORMS = [quant.FloatWeights, quant.TableWeights, quant.PanelWeights, quant.Int8Weights, quant.TiledInt8Weights]
+INT8_FORMS = (quant.Int8Weights, quant.TiledInt8Weights)
+
+
+def _form_of(form, features=(32,), seed=21):
+    """A float32 kernel `(48, *features)` and `form` built from it."""
+    kernel = (np.random.default_rng(seed).standard_normal((48, *features)) / 4).astype(np.float32)
+    return kernel, form.from_float(kernel, features, np.float32)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.__name__)
+def test_a_form_gives_back_its_kernel_and_its_stored_arrays(form):
+    """Exactly for the float forms; within half a step per output for int8, its scales the channels' max / 127."""
+    for features in ((32,), (2, 16)) if form is not quant.TableWeights else ((32,),):
+        kernel, weights = _form_of(form, features)
+        assert isinstance(weights, form) and weights.features == features and weights.inputs == 48
+        back = np.asarray(weights.to_float(), np.float64)
+        assert back.shape == (48, *features)
+        if form in INT8_FORMS:
+            scale = np.abs(kernel).max(0) / 127
+            np.testing.assert_allclose(np.asarray(weights.scale), scale, rtol=1e-6)
+            assert (np.abs(back - kernel) <= scale / 2 + 1e-7).all()
+        else:
+            np.testing.assert_array_equal(back, kernel)
+        main, scale = weights.stored()
+        again = form.from_stored(jnp.asarray(main), None if scale is None else jnp.asarray(scale), features)
+        assert type(again) is form and (scale is None) == (form not in INT8_FORMS)
+        np.testing.assert_array_equal(np.asarray(again.to_float()), np.asarray(weights.to_float()))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.__name__)
+def test_dense_of_every_form_is_the_float64_product_of_what_it_holds(form):
+    """Float forms: the float64 product of x and the kernel, to float32 rounding. Int8 forms: the float64 product
+    of x's rows quantized as `dense` quantizes them and the dequantized kernel, to the final rescale's rounding."""
+    _, weights = _form_of(form)
+    x = jax.random.normal(jax.random.key(22), (2, 3, 48))
+    got = np.asarray(jax.jit(dots.dense)(x, weights), np.float64)
+    assert got.shape == (2, 3, 32)
+    rows = np.asarray(x, np.float64).reshape(-1, 48)
+    if form in INT8_FORMS:
+        values, row_scale = quant.quantize_rows(np.asarray(x).reshape(-1, 48))
+        rows = values.astype(np.float64) * row_scale
+    want = (rows @ np.asarray(weights.to_float(), np.float64)).reshape(2, 3, 32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.__name__)
+def test_rows_of_a_form_are_its_float_kernel_s_columns(form):
+    """An embedding's lookup: output t's inputs, exactly the float kernel's column t; a form without rows says so."""
+    _, weights = _form_of(form)
+    ids = jnp.asarray([[0, 31], [17, 17]])
+    if form is quant.FloatWeights:
+        with pytest.raises(TypeError, match="a FloatWeights stores no rows"):
+            weights.rows(ids, jnp.float32)
+        return
+    got = np.asarray(jax.jit(weights.rows, static_argnums=1)(ids, jnp.float32))
+    np.testing.assert_array_equal(got, np.asarray(weights.to_float(), np.float64).T[np.asarray(ids)])
+
+
+@pytest.mark.parametrize("native_runs", [True, False])
+@pytest.mark.parametrize("compact", [False, True])
+def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(compact, native_runs, monkeypatch):
+    if not native_runs:
+        monkeypatch.setattr(native, "available", lambda kernel=None: False)
+    elif not native.available():
+        pytest.skip("the native dots are not built or cannot run here")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for inputs, outputs in (((64,), (96,)), ((2, 16), (48,)), ((64,), (40,)), ((6,), (32,))):
+            linear = Linear(inputs, outputs, bias=False, dtype=dtype, compact=compact, rngs=None)
+            out, fan_in = int(np.prod(outputs)), int(np.prod(inputs))
+            if compact:
+                want = quant.TiledInt8Weights if dots.use_tiles(out, fan_in) else quant.Int8Weights
+            else:
+                want = quant.PanelWeights if dots.use_panels(out, dtype) else quant.FloatWeights
+            assert linear.form is want, (dtype, inputs, outputs)
+            held = [value for value in vars(linear).values() if isinstance(value, type) and issubclass(value, quant.Form)]
+            assert held == [want] and isinstance(linear.weight, want)
+            assert not any(name in vars(linear) for name in ("tiled", "paneled"))
+    for tied in (False, True):
+        config = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=16, intermediate_size=48, norm_eps=1e-5, tie_embeddings=tied,
+                             max_position_embeddings=16, rope=RoPE(theta=10000.0))
+        model = models.CausalLM(config, max_len=8, weights="int8" if compact else None)
+        if not tied:
+            want = quant.TableWeights
+        elif compact:
+            want = quant.TiledInt8Weights if dots.use_tiles(64, 32) else quant.Int8Weights
+        else:
+            want = quant.PanelWeights if dots.use_panels(64, jnp.float32) else quant.TableWeights
+        assert model.embed_form is want and isinstance(model.table, want)
+        assert (model.embed_scale is not None) == (want in INT8_FORMS)
+        assert (model.lm_head is None) == tied
+
+
 # ------------------------------------------------------------------ jax issue 39103
 
 ROWS = 40_000  # past 32768, the row from which YNNPACK's wrong results began

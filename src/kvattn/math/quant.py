@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 
-
 __all__ = [
     "INT8_MAX_FEATURES", "PANEL_OUTPUTS", "TILE_INPUTS", "TILE_OUTPUTS", "FloatWeights", "Form", "Int8Weights",
     "PanelWeights", "TableWeights", "TiledInt8Weights", "can_tile", "dequantize", "is_form", "panel", "quantize",
@@ -238,7 +237,7 @@ class PanelWeights(Form):
 
     def rows(self, ids, dtype):
         """Output `t` is lane `t % 16` of panel `t // 16`."""
-        return self.panels[ids // PANEL_OUTPUTS, :, ids % PANEL_OUTPUTS].astype(dtype)
+        return jnp.asarray(self.panels)[ids // PANEL_OUTPUTS, :, ids % PANEL_OUTPUTS].astype(dtype)
 
 
 # The name `kvattn.kernels.native` still builds its self-test operand with; "kernel" now means a compute kernel.
