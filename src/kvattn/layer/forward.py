@@ -38,6 +38,11 @@ class Weights(NamedTuple):
     """Scale `(H,)` of the per-head query norm (`normalize_qk`)."""
     key_ln: jax.Array | None = None
 
+    @property
+    def out_weights(self) -> jax.Array:
+        """The out kernel, by the name `FusedWeights` gives it (what `output` reads of either)."""
+        return self.out_kernel
+
     def fused(self) -> FusedWeights:
         """The query, key and value kernels side by side, for one matmul instead of three."""
         kernels = (self.query_kernel, self.key_kernel, self.value_kernel)
