@@ -146,7 +146,8 @@ class CausalLM(nnx.Module):
         else:
             table = self.embed_form.from_float(initial((vocab, hidden), 1, rngs).T, (vocab,), dtype)
         main, scale = table.stored()
-        self.embed, self.embed_scale = nnx.Param(jnp.asarray(main)), None if scale is None else nnx.Param(scale)
+        self.embed = nnx.Param(jnp.asarray(main))
+        self.embed_scale = None if scale is None else nnx.Param(jnp.asarray(scale))
         self.positions = (
             nnx.Param(initial((config.max_position_embeddings, hidden), 1, rngs).astype(dtype)) if learned else None
         )
