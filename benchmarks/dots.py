@@ -8,14 +8,14 @@ timed after a warm-up with `block_until_ready`, interleaved with the others,
 the median of `repeats`:
 
   float32                 `x @ W`, W `(D, F)` float32 (XLA's dot)
-  float32, native (panels)  `kvattn.kernels.dots.dense` of a `PanelKernel`: the same
+  float32, native (panels)  `kvattn.kernels.dots.dense` of a `PanelWeights`: the same
                           float32 W laid out in panels of 16 outputs for
                           kvattn's native float32 dot, where it runs (what
                           float32 models run there)
-  int8, native (tiled)    `kvattn.kernels.dots.dense` of a `TiledInt8Kernel`:
+  int8, native (tiled)    `kvattn.kernels.dots.dense` of a `TiledInt8Weights`:
                           the same int8 values laid out for kvattn's native
                           dot (AVX512-VNNI, `kvattn.kernels.native`), where it runs
-  int8                    `kvattn.kernels.dots.dense` of an `Int8Kernel`: W int8
+  int8                    `kvattn.kernels.dots.dense` of an `Int8Weights`: W int8
                           `(F, D)` with per-output scales, x quantized per
                           row, XLA's int8 by int8 into int32 (one row padded
                           to two)
@@ -77,7 +77,7 @@ def _variants() -> dict[str, tuple[Any, Any]]:
     rng = np.random.default_rng(0)
     floats = [rng.standard_normal((D, F), np.float32) * 0.02 for _ in range(LAYERS)]
     int8 = [quant.quantize(w) for w in floats]
-    inputs_first = [quant.Int8Kernel(np.ascontiguousarray(k.values.T), k.scale) for k in int8]
+    inputs_first = [quant.Int8Weights(np.ascontiguousarray(k.values.T), k.scale) for k in int8]
 
     def unpadded(x, w):
         values, scale = quant.quantize_rows(x)

@@ -403,16 +403,18 @@ class AttentionConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("recorded"))
 
 
-def positive_int(name: str, value, *, error: type[Exception] | None = None) -> int:
+def positive_int(name: str, value, *, error: type[Exception] | None = None, at_most: int | None = None) -> int:
     """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included, never a bool).
 
-    Raises `error` if given, else `TypeError` for a value that is not an
-    integer and `ValueError` for one below 1.
+    With `at_most`, also at most that. Raises `error` if given, else
+    `TypeError` for a value that is not an integer and `ValueError` for one
+    out of range.
     """
+    bound = "" if at_most is None else f" of at most {at_most}"
     if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
-        raise (error or TypeError)(f"{name} must be a positive int, got {value!r}")
-    if int(value) < 1:
-        raise (error or ValueError)(f"{name} must be a positive int, got {value!r}")
+        raise (error or TypeError)(f"{name} must be a positive int{bound}, got {value!r}")
+    if int(value) < 1 or (at_most is not None and int(value) > at_most):
+        raise (error or ValueError)(f"{name} must be a positive int{bound}, got {value!r}")
     return int(value)
 
 

@@ -35,7 +35,7 @@ from kvattn.kernels import native
 from kvattn.math import norms, quant
 from kvattn.config import AttentionConfig
 from kvattn.models import ModelConfig
-from kvattn.models.decoder import Linear, RMSNorm
+from kvattn.models.layers import Linear, RMSNorm
 from kvattn.config import RoPE
 from tests.helpers import FIXTURES, expected
 
@@ -111,9 +111,9 @@ def test_tiles_hold_the_values_and_give_them_back():
     # Tile 1, group 2, lane 5: output 16 + 5 = (1, 5), inputs 8..11, stored + 128.
     np.testing.assert_array_equal(tiled.tiles[1, 2, 5].astype(int) - 128, int8.values[1, 5, 8:12])
     np.testing.assert_array_equal(quant.untile(tiled).values, int8.values)
-    on_device = quant.tile(quant.Int8Kernel(jnp.asarray(int8.values), jnp.asarray(int8.scale)))
+    on_device = quant.tile(quant.Int8Weights(jnp.asarray(int8.values), jnp.asarray(int8.scale)))
     np.testing.assert_array_equal(np.asarray(on_device.tiles), tiled.tiles)
-    table = quant.Int8Kernel(int8.values.reshape(32, 12), int8.scale.reshape(32))
+    table = quant.Int8Weights(int8.values.reshape(32, 12), int8.scale.reshape(32))
     ids = jnp.asarray([[0, 31, 17], [16, 5, 5]])
     np.testing.assert_array_equal(quant.rows(quant.tile(table), ids), np.asarray(table.values)[np.asarray(ids)])
     with pytest.raises(ValueError, match="outputs divisible by 16 and inputs by 4, got 24 outputs and 12 inputs"):
@@ -126,9 +126,9 @@ def test_tile_and_quantize_refuse_what_a_tiled_kernel_cannot_represent():
     scale = np.ones(16, np.float32)
     for dtype in (np.int16, np.float32):
         with pytest.raises(TypeError, match=f"holds int8 values, got {np.dtype(dtype)}"):
-            quant.tile(quant.Int8Kernel(np.full((16, 4), 300 if dtype == np.int16 else 1.7, dtype), scale))
+            quant.tile(quant.Int8Weights(np.full((16, 4), 300 if dtype == np.int16 else 1.7, dtype), scale))
     with pytest.raises(ValueError, match="at least one output and one input, got 16 and 0"):
-        quant.tile(quant.Int8Kernel(np.zeros((16, 0), np.int8), scale))
+        quant.tile(quant.Int8Weights(np.zeros((16, 0), np.int8), scale))
     with pytest.raises(ValueError, match=r"at least one input and output, got \(0, 16\)"):
         quant.quantize(np.zeros((0, 16), np.float32))
     assert not quant.can_tile(16, 0) and not quant.can_tile(0, 4)
@@ -156,7 +156,7 @@ def test_the_native_int8_dot_gives_the_exact_int32_products(rows, groups, tiles,
     a = rng.integers(-128, 128, (rows, 4 * groups), dtype=np.int8)
     w = rng.integers(-128, 128, (16 * tiles, 4 * groups), dtype=np.int8)
     a[0, :2], w[0, :2] = (-128, 127), (-128, -128)
-    got = np.asarray(native.int8_dot(a, quant.tile(quant.Int8Kernel(w, None)).tiles))
+    got = np.asarray(native.int8_dot(a, quant.tile(quant.Int8Weights(w, None)).tiles))
     np.testing.assert_array_equal(got, a.astype(np.int64) @ w.astype(np.int64).T)
 
 
@@ -165,7 +165,7 @@ def test_the_native_int8_dot_splits_its_outputs_between_threads_exactly():
     """Enough tiles for every thread of XLA's pool to take a part (37: uneven parts)."""
     rng = np.random.default_rng(8)
     a, w = rng.integers(-128, 128, (9, 64), dtype=np.int8), rng.integers(-128, 128, (37 * 16, 64), dtype=np.int8)
-    got = np.asarray(jax.jit(native.int8_dot)(a, quant.tile(quant.Int8Kernel(w, None)).tiles))
+    got = np.asarray(jax.jit(native.int8_dot)(a, quant.tile(quant.Int8Weights(w, None)).tiles))
     np.testing.assert_array_equal(got, a.astype(np.int64) @ w.astype(np.int64).T)
 
 
@@ -186,6 +186,102 @@ def test_a_zero_row_gives_zeros_and_a_non_finite_row_stays_non_finite_alone():
     x[0], x[2, 5] = 0, np.nan
     y = np.asarray(jax.jit(dots.dense)(jnp.asarray(x), int8))
     assert (y[0] == 0).all() and np.isfinite(y[1]).all() and np.isnan(y[2]).all()
+
+
+# ------------------------------------------------------------------ the storage forms, each against float64
+
+FORMS = [quant.FloatWeights, quant.TableWeights, quant.PanelWeights, quant.Int8Weights, quant.TiledInt8Weights]
+INT8_FORMS = (quant.Int8Weights, quant.TiledInt8Weights)
+
+
+def _form_of(form, features=(32,), seed=21):
+    """A float32 kernel `(48, *features)` and `form` built from it."""
+    kernel = (np.random.default_rng(seed).standard_normal((48, *features)) / 4).astype(np.float32)
+    return kernel, form.from_float(kernel, features, np.float32)
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.__name__)
+def test_a_form_gives_back_its_kernel_and_its_stored_arrays(form):
+    """Exactly for the float forms; within half a step per output for int8, its scales the channels' max / 127."""
+    for features in ((32,), (2, 16)) if form is not quant.TableWeights else ((32,),):
+        kernel, weights = _form_of(form, features)
+        assert isinstance(weights, form) and weights.features == features and weights.inputs == 48
+        back = np.asarray(weights.to_float(), np.float64)
+        assert back.shape == (48, *features)
+        if form in INT8_FORMS:
+            scale = np.abs(kernel).max(0) / 127
+            np.testing.assert_allclose(np.asarray(weights.scale), scale, rtol=1e-6)
+            assert (np.abs(back - kernel) <= scale / 2 + 1e-7).all()
+        else:
+            np.testing.assert_array_equal(back, kernel)
+        main, scale = weights.stored()
+        again = form.from_stored(jnp.asarray(main), None if scale is None else jnp.asarray(scale), features)
+        assert type(again) is form and (scale is None) == (form not in INT8_FORMS)
+        np.testing.assert_array_equal(np.asarray(again.to_float()), np.asarray(weights.to_float()))
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.__name__)
+def test_dense_of_every_form_is_the_float64_product_of_what_it_holds(form):
+    """Float forms: the float64 product of x and the kernel, to float32 rounding. Int8 forms: the float64 product
+    of x's rows quantized as `dense` quantizes them and the dequantized kernel, to the final rescale's rounding."""
+    _, weights = _form_of(form)
+    x = jax.random.normal(jax.random.key(22), (2, 3, 48))
+    got = np.asarray(jax.jit(dots.dense)(x, weights), np.float64)
+    assert got.shape == (2, 3, 32)
+    rows = np.asarray(x, np.float64).reshape(-1, 48)
+    if form in INT8_FORMS:
+        values, row_scale = quant.quantize_rows(np.asarray(x).reshape(-1, 48))
+        rows = values.astype(np.float64) * row_scale
+    want = (rows @ np.asarray(weights.to_float(), np.float64)).reshape(2, 3, 32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda form: form.__name__)
+def test_rows_of_a_form_are_its_float_kernel_s_columns(form):
+    """An embedding's lookup: output t's inputs, exactly the float kernel's column t; a form without rows says so."""
+    _, weights = _form_of(form)
+    ids = jnp.asarray([[0, 31], [17, 17]])
+    if form is quant.FloatWeights:
+        with pytest.raises(TypeError, match="a FloatWeights stores no rows"):
+            weights.rows(ids, jnp.float32)
+        return
+    got = np.asarray(jax.jit(weights.rows, static_argnums=1)(ids, jnp.float32))
+    np.testing.assert_array_equal(got, np.asarray(weights.to_float(), np.float64).T[np.asarray(ids)])
+
+
+@pytest.mark.parametrize("native_runs", [True, False])
+@pytest.mark.parametrize("compact", [False, True])
+def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(compact, native_runs, monkeypatch):
+    if not native_runs:
+        monkeypatch.setattr(native, "available", lambda kernel=None: False)
+    elif not native.available():
+        pytest.skip("the native dots are not built or cannot run here")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for inputs, outputs in (((64,), (96,)), ((2, 16), (48,)), ((64,), (40,)), ((6,), (32,))):
+            linear = Linear(inputs, outputs, bias=False, dtype=dtype, compact=compact, rngs=None)
+            out, fan_in = int(np.prod(outputs)), int(np.prod(inputs))
+            if compact:
+                want = quant.TiledInt8Weights if dots.use_tiles(out, fan_in) else quant.Int8Weights
+            else:
+                want = quant.PanelWeights if dots.use_panels(out, dtype) else quant.FloatWeights
+            assert linear.form is want, (dtype, inputs, outputs)
+            held = [value for value in vars(linear).values() if isinstance(value, type) and issubclass(value, quant.Form)]
+            assert held == [want] and isinstance(linear.weight, want)
+            assert not any(name in vars(linear) for name in ("tiled", "paneled"))
+    for tied in (False, True):
+        config = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=16, intermediate_size=48, norm_eps=1e-5, tie_embeddings=tied,
+                             max_position_embeddings=16, rope=RoPE(theta=10000.0))
+        model = models.CausalLM(config, max_len=8, weights="int8" if compact else None)
+        if not tied:
+            want = quant.TableWeights
+        elif compact:
+            want = quant.TiledInt8Weights if dots.use_tiles(64, 32) else quant.Int8Weights
+        else:
+            want = quant.PanelWeights if dots.use_panels(64, jnp.float32) else quant.TableWeights
+        assert model.embed_form is want and isinstance(model.table, want)
+        assert (model.embed_scale is not None) == (want in INT8_FORMS)
+        assert (model.lm_head is None) == tied
 
 
 # ------------------------------------------------------------------ jax issue 39103
@@ -210,13 +306,14 @@ def test_a_projection_then_a_norm_is_right_past_32768_rows(form, monkeypatch):
     elif not native.available():
         pytest.skip("the native dots are not built or cannot run here")
     linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, compact=compact, rngs=nnx.Rngs(0))
-    assert (linear.tiled, linear.paneled) == (form == "int8 tiled", form == "float32 panels")
+    forms = {"float32": quant.FloatWeights, "float32 panels": quant.PanelWeights, "int8": quant.Int8Weights,
+             "int8 tiled": quant.TiledInt8Weights}
+    assert linear.form is forms[form] and isinstance(linear.weight, forms[form])
     norm = RMSNorm(96, 1e-6, jnp.float32)
     x = jax.random.normal(jax.random.key(5), (ROWS, 64))
     got = _rows_agree(lambda x, kernel: norms.rms_norm(dots.dense(x, kernel), norm.weight[...], 1e-6),
                       (x, linear.weight), slice(32_760, 32_800))
-    kernel = quant.dequantize(linear.weight) if compact else linear.weight
-    kernel = quant.unpanel(kernel) if linear.paneled else kernel
+    kernel = linear.weight.to_float()
     y = np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)
     want = y / np.sqrt((y * y).mean(-1, keepdims=True) + 1e-6)
     tolerance = 1e-5 if not compact else 0.05  # int8 activations round each row to its own 1/127 steps
@@ -328,9 +425,10 @@ def test_a_tiled_int8_model_computes_what_the_untiled_one_does(monkeypatch):
     tiled = build()
     monkeypatch.setattr(native, "available", lambda kernel=None: False)
     untiled = build()
-    assert tiled.embed_tiled and all(block.mlp.down.tiled and block.attention.qkv.tiled for block in tiled.blocks)
-    assert not untiled.embed_tiled and untiled.embed.dtype == jnp.int8
-    np.testing.assert_array_equal(quant.untile(tiled._int8_head()).values, untiled.embed[...])
+    assert tiled.embed_form is quant.TiledInt8Weights
+    assert all(block.mlp.down.form is block.attention.qkv.form is quant.TiledInt8Weights for block in tiled.blocks)
+    assert untiled.embed_form is quant.Int8Weights and untiled.embed.dtype == jnp.int8
+    np.testing.assert_array_equal(quant.untile(tiled.table).values, untiled.embed[...])
     prompts = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 6)), jnp.int32)
     np.testing.assert_array_equal(full_forward(tiled, prompts), full_forward(untiled, prompts))
 
@@ -387,7 +485,7 @@ def test_the_native_f32_dot_differentiates_as_the_dot_of_its_kernel():
         return jnp.sum(jnp.tanh(dot(x, panels)) * weights)
 
     got = jax.grad(functools.partial(loss, native.f32_dot), argnums=(0, 1))(x, kernel.panels)
-    want = jax.grad(functools.partial(loss, lambda x, p: x @ quant.unpanel(quant.PanelKernel(p, (48,)))),
+    want = jax.grad(functools.partial(loss, lambda x, p: x @ quant.unpanel(quant.PanelWeights(p, (48,)))),
                     argnums=(0, 1))(x, kernel.panels)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
@@ -399,10 +497,10 @@ def test_a_paneled_model_computes_what_the_plain_one_does(monkeypatch):
     weights it was given back exactly."""
     model = models.from_pretrained(FIXTURES / "llama", max_len=16)
     kernels = [model.blocks[0].attention.qkv, model.blocks[0].attention.out, model.blocks[0].mlp.down]
-    assert all(linear.paneled for linear in kernels) and model.blocks[0].mlp.down.kernel.shape == (4, 96, 16)
+    assert all(linear.form is quant.PanelWeights for linear in kernels) and model.blocks[0].mlp.down.kernel.shape == (4, 96, 16)
     monkeypatch.setattr(native, "available", lambda kernel=None: False)
     plain = models.from_pretrained(FIXTURES / "llama", max_len=16)
-    assert not plain.blocks[0].mlp.down.paneled
+    assert plain.blocks[0].mlp.down.form is quant.FloatWeights
     for path, _ in nnx.to_flat_state(nnx.state(plain, nnx.Param)):
         path = "/".join(map(str, path))
         np.testing.assert_array_equal(model.weight_value(path), plain.weight_value(path), err_msg=path)
@@ -430,7 +528,8 @@ def test_a_tied_table_in_panels_is_both_the_lookup_and_the_head(monkeypatch):
     for model in (paneled, plain):
         for path, value in floats.items():
             model.load_weight(path, value)
-    assert paneled.embed_paneled and paneled.embed.shape == (4, 32, 16) and not plain.embed_paneled
+    assert paneled.embed_form is quant.PanelWeights and paneled.embed.shape == (4, 32, 16)
+    assert plain.embed_form is quant.TableWeights
     np.testing.assert_array_equal(paneled.weight_value("embed"), floats["embed"])
     prompts = jnp.asarray(rng.integers(0, 64, (2, 6)), jnp.int32)
     np.testing.assert_allclose(full_forward(paneled, prompts), full_forward(plain, prompts), rtol=1e-5, atol=1e-5)

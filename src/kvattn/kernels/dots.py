@@ -33,24 +33,34 @@ def use_tiles(outputs: int, inputs: int) -> bool:
     return quant.can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available(native.INT8_DOT)
 
 def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:
-    """`x @ kernel` over the last axis of `x`: a float kernel `(D, *F)`, panels or an int8 one (module docstring).
+    """`x @ kernel` over the last axis of `x`: a float kernel `(D, *F)` or any `kvattn.math.quant.Form` of one.
 
-    A float kernel computes in its own dtype, as `x @ kernel` does; panels
-    in float32; an int8 kernel returns `x`'s dtype.
+    Each form has its dot (`_DOTS`, by type). A float kernel computes in its
+    own dtype, as `x @ kernel` does; panels in float32; an int8 kernel
+    returns `x`'s dtype.
     """
-    if isinstance(kernel, quant.PanelKernel):
-        flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-        return _panel_dot(flat, kernel.panels).reshape(*x.shape[:-1], *kernel.features)
-    if not quant.is_compact(kernel):
+    if not quant.is_form(kernel):
         return jnp.tensordot(x, kernel, axes=1)
-    features = kernel.scale.shape
+    return _DOTS[type(kernel)](x, kernel)
+
+def _float_dense(x, kernel: quant.FloatWeights):
+    return jnp.tensordot(x, kernel.kernel.reshape(-1, *kernel.features), axes=1)
+
+def _table_dense(x, kernel: quant.TableWeights):
+    return x @ kernel.table.T
+
+def _panel_dense(x, kernel: quant.PanelWeights):
+    flat = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return _panel_dot(flat, kernel.panels).reshape(*x.shape[:-1], *kernel.features)
+
+def _int8_dense(x, kernel: quant.Int8Weights | quant.TiledInt8Weights):
     flat = x.reshape(-1, x.shape[-1])
-    if isinstance(kernel, quant.TiledInt8Kernel):
+    if isinstance(kernel, quant.TiledInt8Weights):
         values, row_scale = quant.quantize_rows(flat)
         products = _tiled_dot(values, kernel.tiles)
     else:
         single = flat.shape[0] == 1
-        if single:  # one row: pad to two, off XLA:CPU's slow generic path (module docstring)
+        if single:  # one row: pad to two; XLA:CPU runs a one-row int8 dot on its slow generic emitter
             flat = jnp.concatenate([flat, jnp.zeros_like(flat)])
         values, row_scale = quant.quantize_rows(flat)
         products = lax.dot_general(values, kernel.values.reshape(-1, kernel.inputs), (((1,), (1,)), ((), ())),
@@ -58,7 +68,13 @@ def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:
         if single:
             products, row_scale = products[:1], row_scale[:1]
     y = products.astype(jnp.float32) * row_scale * kernel.scale.reshape(1, -1)
-    return y.reshape(*x.shape[:-1], *features).astype(x.dtype)
+    return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
+
+# The dot of each storage form: a new form is one line here.
+_DOTS = {
+    quant.FloatWeights: _float_dense, quant.TableWeights: _table_dense, quant.PanelWeights: _panel_dense,
+    quant.Int8Weights: _int8_dense, quant.TiledInt8Weights: _int8_dense,
+}
 
 def _panel_dot(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
     """`rows @ kernel` for the kernel `panels` lays out: the native dot on the CPU, XLA's dot elsewhere."""

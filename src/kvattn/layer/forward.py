@@ -38,6 +38,11 @@ class Weights(NamedTuple):
     """Scale `(H,)` of the per-head query norm (`normalize_qk`)."""
     key_ln: jax.Array | None = None
 
+    @property
+    def out_weights(self) -> jax.Array:
+        """The out kernel, by the name `FusedWeights` gives it (what `output` reads of either)."""
+        return self.out_kernel
+
     def fused(self) -> FusedWeights:
         """The query, key and value kernels side by side, for one matmul instead of three."""
         kernels = (self.query_kernel, self.key_kernel, self.value_kernel)
@@ -62,15 +67,15 @@ class FusedWeights(NamedTuple):
     drivers fuse once, ahead of their loops, and a layer may store its
     weights fused (`kvattn.models`).
 
-    Either kernel may be laid out (`kvattn.math.quant.is_laid_out`): compact
-    (`kvattn.math.quant.Int8Kernel`, or tiled), the fused one with values
-    `(N + 2K, H, D)`, the out one with values `(D, N * H)`; or float32
-    panels (`kvattn.math.quant.PanelKernel`) of the same kernels.
+    Either may be a plain float kernel or a storage form
+    (`kvattn.math.quant.Form`, read by `kvattn.kernels.dots.dense` as it is):
+    the fused kernel `(D, N + 2K, H)`, the out kernel `(N, H, D)`, its
+    inputs flattened to `N * H` in the int8 and panel forms.
     """
 
-    qkv_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel
+    qkv_weights: jax.Array | quant.Form
     qkv_bias: jax.Array | None
-    out_kernel: jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel
+    out_weights: jax.Array | quant.Form
     out_bias: jax.Array | None
     query_ln: jax.Array | None = None
     key_ln: jax.Array | None = None
@@ -81,8 +86,8 @@ class FusedWeights(NamedTuple):
 
     def heads(self) -> tuple[int, int]:
         """`(N, K)`: the out kernel's query heads, and the rest of the fused heads axis halved."""
-        qkv, out = self.qkv_kernel, self.out_kernel
-        if quant.is_laid_out(qkv):
+        qkv, out = self.qkv_weights, self.out_weights
+        if quant.is_form(qkv):
             fused_heads, head_dim = qkv.features[:2]
             num_heads = out.inputs // head_dim
         else:
@@ -105,11 +110,11 @@ def project_qkv(weights: Weights | FusedWeights, xs, heads_split: bool = False):
             )
         weights = weights.fused()
     num_heads, num_kv_heads = weights.heads()
-    if quant.is_laid_out(weights.qkv_kernel):
-        qkv = dots.dense(xs, weights.qkv_kernel)
+    if quant.is_form(weights.qkv_weights):
+        qkv = dots.dense(xs, weights.qkv_weights)
         qkv = qkv if weights.qkv_bias is None else qkv + weights.qkv_bias[None, None]
     else:
-        qkv = ops.project(xs, weights.qkv_kernel, weights.qkv_bias)
+        qkv = ops.project(xs, weights.qkv_weights, weights.qkv_bias)
     return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=2)
 
 
@@ -126,9 +131,8 @@ def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, x
     cache stores, so a cached key is never rotated again.
     """
     dtype = compute_dtype(config, xs)
-    # Compact kernels are read as they are stored: converting one would write it out in full every call.
-    weights = jax.tree.map(lambda w: w if quant.is_laid_out(w) else w.astype(dtype), weights,
-                           is_leaf=quant.is_laid_out)
+    # Forms are read as they are stored: converting one would write it out in full every call.
+    weights = jax.tree.map(lambda w: w if quant.is_form(w) else w.astype(dtype), weights, is_leaf=quant.is_form)
     q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
     if config.normalize_qk:
         norm = norms.rms_norm if config.normalize_qk == "rms" else norms.layer_norm
@@ -142,11 +146,11 @@ def output(config: AttentionConfig, weights: Weights | FusedWeights, ctx, xs):
     """The `out` projection of float32 attention values `(B, T, N, H)`, in the computation dtype."""
     dtype = compute_dtype(config, xs)
     bias = None if weights.out_bias is None else weights.out_bias.astype(dtype)
-    if quant.is_laid_out(weights.out_kernel):
+    if quant.is_form(weights.out_weights):
         batch, num_new = ctx.shape[:2]
-        ys = dots.dense(ctx.astype(dtype).reshape(batch, num_new, -1), weights.out_kernel)
+        ys = dots.dense(ctx.astype(dtype).reshape(batch, num_new, -1), weights.out_weights)
         return ys if bias is None else ys + bias[None, None]
-    return ops.project_out(ctx.astype(dtype), weights.out_kernel.astype(dtype), bias)
+    return ops.project_out(ctx.astype(dtype), weights.out_weights.astype(dtype), bias)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

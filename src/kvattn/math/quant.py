@@ -1,70 +1,147 @@
-"""Weights laid out for their dots (int8 with per-output scales, float32 panels), and the projection that reads any.
+"""The storage forms of a weight kernel (`Form`s), the int8 quantizer, and the layouts the native dots read.
 
-`dense(x, kernel)` is the matmul of every projection that may hold compact
-weights. A float kernel `(D, *F)` (Flax's layout: inputs first) is
-`x @ kernel`, in the kernel's dtype. An `Int8Kernel` holds int8 values and
-one float32 scale per output channel; `dense` quantizes `x` on the fly, one
-symmetric scale per row (dynamic quantization, as torch's
-`quantize_dynamic` does on CPU), multiplies int8 by int8 into int32 and
-rescales. Neither operand is ever converted to float before the dot: on
-XLA:CPU a converted weight is written out in full before the dot reads it,
-which costs more than reading the float weight would have.
-
-Two facts of XLA:CPU (jaxlib 0.10) shape XLA's int8 path, both measured in
-`benchmarks/dots.py`:
-  - an int8 dot of one row runs on XLA's generic loop emitter, an order of
-    magnitude slower than the two-row dot that goes to YNNPACK, so a single
-    row is padded with a zero row;
-  - YNNPACK packs the weight operand of every dot at run time and folds a
-    transpose into that packing, so int8 values are stored `(*F, D)`
-    (torch's `(out, in)`), which ran faster than `(D, *F)`.
-
-Where `kvattn.kernels.native`'s int8 dot runs (XLA:CPU on a CPU with AVX512-VNNI),
-models store their kernels as a `TiledInt8Kernel` instead: the same int8
-values laid out once in the order that dot reads (`tile`), which runs
-faster than YNNPACK's at every batch size measured, with equal results
-(int32 sums are exact). `use_tiles` says where; `dense` reads either form.
-
-A float32 kernel has a laid-out form too, for the same native library's
-float32 dot: a `PanelKernel` holds `(D, *F)` as contiguous panels of 16
-outputs (`panel`), which the dot streams whole. XLA:CPU reads a `(D, N)`
-kernel row by row, and a step's few rows then make a strided read, so the
-panels run faster at every row count `benchmarks.dots` measures, a step's
-most of all. `use_panels` says where models store them.
+A float kernel `(D, *F)` (Flax's layout: inputs first) is stored in one
+form, which `kvattn.kernels.dots.dense` reads as it is, never converted to
+float first (on XLA:CPU a converted weight is written out in full before
+the dot reads it):
+  - `FloatWeights`: as it is, in its dtype; `TableWeights`: transposed,
+    `(V, D)`, an embedding table whose rows are gathered;
+  - `Int8Weights`: int8 values `(*F, D)` (torch's `(out, in)`, which
+    YNNPACK packs faster) with one float32 scale per output (`quantize`);
+    `dense` quantizes `x` per row on the fly and multiplies int8 by int8;
+  - `TiledInt8Weights`: those values laid out once in the order
+    `kvattn.kernels.native`'s int8 dot (AVX512-VNNI) reads them (`tile`);
+  - `PanelWeights`: a float32 kernel as contiguous panels of 16 outputs
+    (`panel`), which the native float32 dot streams whole.
+`kvattn.kernels.dots.use_tiles` and `use_panels` say where the laid-out
+forms run; `benchmarks/dots.py` measures each against XLA's dots.
 
 Axis legend: M rows (tokens), D input features, F output features (one or
-more axes).
+more axes), V a table's rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 
-
 __all__ = [
-    "INT8_MAX_FEATURES", "PANEL_OUTPUTS", "TILE_INPUTS", "TILE_OUTPUTS", "Int8Kernel", "PanelKernel",
-    "TiledInt8Kernel", "can_tile", "dequantize", "is_compact", "is_laid_out", "panel", "quantize",
+    "INT8_MAX_FEATURES", "PANEL_OUTPUTS", "TILE_INPUTS", "TILE_OUTPUTS", "FloatWeights", "Form", "Int8Weights",
+    "PanelWeights", "TableWeights", "TiledInt8Weights", "can_tile", "dequantize", "is_form", "panel", "quantize",
     "quantize_rows", "rows", "tile", "unpanel", "untile",
 ]
 
 # int8 x int8 products summed in int32: at most 127 * 127 * D, which must stay below 2**31.
 INT8_MAX_FEATURES = (2**31 - 1) // (127 * 127)
-# A tile of `TiledInt8Kernel`: this many outputs (int32 lanes of a 512-bit vector), by groups of this many
+# A tile of `TiledInt8Weights`: this many outputs (int32 lanes of a 512-bit vector), by groups of this many
 # inputs (the products AVX512-VNNI sums per lane).
 TILE_OUTPUTS, TILE_INPUTS = 16, 4
-# Outputs per panel of a `PanelKernel` (float32 lanes of a 512-bit vector).
+# Outputs per panel of a `PanelWeights` (float32 lanes of a 512-bit vector).
 PANEL_OUTPUTS = 16
 
 
-class Int8Kernel(NamedTuple):
+def _form(stored: tuple[str, ...], meta: tuple[str, ...] = ()):
+    """A `Form` as a frozen dataclass and a pytree: `stored` its arrays (main, then scale), `meta` static fields."""
+    def register(cls):
+        cls.arrays = stored
+        return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls), data_fields=list(stored),
+                                                meta_fields=list(meta))
+    return register
+
+
+class Form:
+    """A storage form of a float kernel `(D, *F)`: what a layer stores, and what `kvattn.kernels.dots.dense` reads.
+
+    A pytree of the arrays it stores. A layer holds one form type, chosen
+    once, and asks it everything: `from_float` builds it from a float kernel
+    `(*inputs, *F)`, `blank` from a zero one without computing, `stored`
+    gives the arrays a layer keeps and `from_stored` reads them back,
+    `to_float` gives `(D, *F)`, `rows` an embedding's lookup. A new form is
+    one subclass here and one line in `dense`'s table.
+    """
+
+    features: tuple[int, ...]
+    arrays: tuple[str, ...]  # the names of `stored`'s arrays, main first
+
+    @classmethod
+    def from_float(cls, kernel, features: tuple[int, ...], dtype) -> Form:
+        raise NotImplementedError
+
+    @classmethod
+    def blank(cls, inputs: tuple[int, ...], features: tuple[int, ...], dtype) -> Form:
+        """The form of a zero kernel `(*inputs, *F)`."""
+        return cls.from_float(np.zeros((*inputs, *features), dtype), features, dtype)
+
+    def stored(self) -> tuple:
+        """The arrays a layer keeps, `(main, scale)`: scale None where the form has none."""
+        main, *scale = (getattr(self, name) for name in self.arrays)
+        return main, (scale[0] if scale else None)
+
+    @classmethod
+    def from_stored(cls, main, scale, features: tuple[int, ...]) -> Form:
+        """The form of the arrays `stored` gave, for a kernel of output axes `features`."""
+        meta = {"features": tuple(features)} if "features" in cls.__dataclass_fields__ else {}
+        return cls(**dict(zip(cls.arrays, (main, scale))), **meta)
+
+    def to_float(self):  # the float kernel `(D, *F)`
+        raise NotImplementedError
+
+    def rows(self, ids, dtype):
+        """Rows `(*B, D)` in `dtype` of outputs `ids` `(*B,)` of a form with one output axis."""
+        raise TypeError(f"a {type(self).__name__} stores no rows to look up")
+
+
+@_form(("kernel",), ("features",))
+class FloatWeights(Form):
+    """A float kernel `(*inputs, *F)` stored as it is, in its dtype: XLA's dot."""
+
+    kernel: Float[Array, "*I *F"] | Float[np.ndarray, "*I *F"]
+    features: tuple[int, ...]
+
+    @property
+    def inputs(self) -> int:
+        return self.kernel.size // max(math.prod(self.features), 1)
+
+    @classmethod
+    def from_float(cls, kernel, features, dtype) -> FloatWeights:
+        return cls(kernel.astype(dtype), tuple(features))
+
+    def to_float(self):
+        return self.kernel.reshape(self.inputs, *self.features)
+
+
+@_form(("table",))
+class TableWeights(Form):
+    """A float kernel `(D, V)` stored transposed, `table` `(V, D)`: an embedding table, whose rows are gathered."""
+
+    table: Float[Array, "V D"] | Float[np.ndarray, "V D"]
+
+    @property
+    def features(self) -> tuple[int, ...]:
+        return self.table.shape[:1]
+
+    @property
+    def inputs(self) -> int:
+        return self.table.shape[1]
+
+    @classmethod
+    def from_float(cls, kernel, features, dtype) -> TableWeights:
+        return cls(kernel.reshape(-1, *features).T.astype(dtype))
+
+    def to_float(self):
+        return self.table.T
+
+    def rows(self, ids, dtype):
+        return jnp.take(self.table, ids, axis=0).astype(dtype)
+
+
+@_form(("values", "scale"))
+class Int8Weights(Form):
     """A projection's weights in int8: `values` `(*F, D)` and one float32 `scale` per output channel `F`.
 
     The float kernel it stands for is `moveaxis(values, -1, 0) * scale`
@@ -76,22 +153,37 @@ class Int8Kernel(NamedTuple):
 
     @property
     def inputs(self) -> int:
-        """`D`, the input features."""
         return self.values.shape[-1]
 
     @property
     def features(self) -> tuple[int, ...]:
-        """`F`, the output axes."""
         return tuple(self.scale.shape)
 
+    @classmethod
+    def from_float(cls, kernel, features, dtype) -> Int8Weights:
+        """Quantized from the float32 kernel, per output (`dtype` is the computation's, not the storage's)."""
+        return quantize(kernel.astype(np.float32).reshape(-1, *features))
 
-class TiledInt8Kernel(NamedTuple):
-    """An `Int8Kernel` laid out for `kvattn.kernels.native`'s int8 dot: `tiles` `(N / 16, D / 4, 16, 4)`, `scale` `*F`.
+    @classmethod
+    def blank(cls, inputs, features, dtype) -> Int8Weights:
+        return cls(np.zeros((*features, math.prod(inputs)), np.int8), np.ones(features, np.float32))
+
+    def to_float(self):
+        return dequantize(self)
+
+    def rows(self, ids, dtype):
+        """The int8 rows (`rows`) times their scales, in `dtype`."""
+        return rows(self, ids).astype(dtype) * jnp.take(self.scale, ids, axis=0)[..., None].astype(dtype)
+
+
+@_form(("tiles", "scale"))
+class TiledInt8Weights(Form):
+    """`Int8Weights` laid out for `kvattn.kernels.native`'s int8 dot: `tiles` `(N / 16, D / 4, 16, 4)`, `scale` `*F`.
 
     `N` is the product of the output axes `F`. Tile `t` holds outputs
     `16t..16t+15`; each group of 64 bytes holds their four consecutive inputs.
     Values are stored as uint8 `values + 128` (the kernel multiplies uint8
-    weights by int8 rows). `tile` makes one from an `Int8Kernel`, `untile`
+    weights by int8 rows). `tile` makes one from an `Int8Weights`, `untile`
     gives it back.
     """
 
@@ -100,23 +192,33 @@ class TiledInt8Kernel(NamedTuple):
 
     @property
     def inputs(self) -> int:
-        """`D`, the input features."""
         return self.tiles.shape[1] * TILE_INPUTS
 
     @property
     def features(self) -> tuple[int, ...]:
-        """`F`, the output axes."""
         return tuple(self.scale.shape)
 
+    @classmethod
+    def from_float(cls, kernel, features, dtype) -> TiledInt8Weights:
+        return tile(Int8Weights.from_float(kernel, features, dtype))
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=["features"])
-@dataclasses.dataclass(frozen=True)
-class PanelKernel:
+    @classmethod
+    def blank(cls, inputs, features, dtype) -> TiledInt8Weights:
+        return tile(Int8Weights.blank(inputs, features, dtype))
+
+    def to_float(self):
+        return dequantize(self)
+
+    rows = Int8Weights.rows
+
+
+@_form(("panels",), ("features",))
+class PanelWeights(Form):
     """A float32 kernel `(D, *F)` laid out for `kvattn.kernels.native`'s float32 dot: `panels` `(N / 16, D, 16)`.
 
     `N` is the product of the output axes `features`; panel `p` holds
     outputs `16p..16p+15` for every input, contiguously. `panel` makes one,
-    `unpanel` gives the kernel back. A pytree whose one leaf is `panels`.
+    `unpanel` gives the kernel back.
     """
 
     panels: Float[Array, "Np D 16"] | Float[np.ndarray, "Np D 16"]
@@ -124,26 +226,31 @@ class PanelKernel:
 
     @property
     def inputs(self) -> int:
-        """`D`, the input features."""
         return self.panels.shape[1]
 
+    @classmethod
+    def from_float(cls, kernel, features, dtype) -> PanelWeights:
+        return panel(kernel.astype(np.float32).reshape(-1, *features))
 
-def is_compact(kernel) -> bool:
-    """Whether `kernel` is an `Int8Kernel` or a `TiledInt8Kernel` rather than a float array."""
-    return isinstance(kernel, Int8Kernel | TiledInt8Kernel)
+    def to_float(self):
+        return unpanel(self)
 
-
-def is_laid_out(kernel) -> bool:
-    """Whether `kernel` is one of the forms `dense` reads as stored (int8, tiled or panels), not a plain array.
-
-    Such a kernel is never converted to another dtype: `dense` reads it as it is.
-    """
-    return isinstance(kernel, Int8Kernel | TiledInt8Kernel | PanelKernel)
+    def rows(self, ids, dtype):
+        """Output `t` is lane `t % 16` of panel `t // 16`."""
+        return jnp.asarray(self.panels)[ids // PANEL_OUTPUTS, :, ids % PANEL_OUTPUTS].astype(dtype)
 
 
+# The name `kvattn.kernels.native` still builds its self-test operand with; "kernel" now means a compute kernel.
+Int8Kernel = Int8Weights
 
-def panel(kernel: Float[Array, " D *F"] | Float[np.ndarray, " D *F"]) -> PanelKernel:
-    """A float32 kernel `(D, *F)` laid out as a `PanelKernel` (NumPy for a NumPy kernel).
+
+def is_form(weights) -> bool:
+    """Whether `weights` is a `Form` rather than a plain float array (a form is read as it is, never converted)."""
+    return isinstance(weights, Form)
+
+
+def panel(kernel: Float[Array, " D *F"] | Float[np.ndarray, " D *F"]) -> PanelWeights:
+    """A float32 kernel `(D, *F)` laid out as a `PanelWeights` (NumPy for a NumPy kernel).
 
     Raises:
       ValueError: a kernel that is not float32, or outputs not divisible
@@ -153,17 +260,15 @@ def panel(kernel: Float[Array, " D *F"] | Float[np.ndarray, " D *F"]) -> PanelKe
     features = tuple(kernel.shape[1:])
     outputs = math.prod(features)
     if kernel.dtype != np.float32 or outputs % PANEL_OUTPUTS:
-        raise ValueError(
-            f"a panel kernel needs float32 with outputs divisible by {PANEL_OUTPUTS}, got {kernel.dtype} with "
-            f"{outputs} outputs"
-        )
+        raise ValueError(f"a panel kernel needs float32 with outputs divisible by {PANEL_OUTPUTS}, got "
+                         f"{kernel.dtype} with {outputs} outputs")
     grouped = kernel.reshape(kernel.shape[0], outputs // PANEL_OUTPUTS, PANEL_OUTPUTS)
     panels = xp.transpose(grouped, (1, 0, 2))
-    return PanelKernel(xp.ascontiguousarray(panels) if xp is np else panels, features)
+    return PanelWeights(xp.ascontiguousarray(panels) if xp is np else panels, features)
 
 
-def unpanel(kernel: PanelKernel) -> Float[Array, " D *F"] | Float[np.ndarray, " D *F"]:
-    """The float32 kernel `(D, *F)` a `PanelKernel` lays out."""
+def unpanel(kernel: PanelWeights) -> Float[Array, " D *F"] | Float[np.ndarray, " D *F"]:
+    """The float32 kernel `(D, *F)` a `PanelWeights` lays out."""
     xp = _xp(kernel.panels)
     return xp.transpose(kernel.panels, (1, 0, 2)).reshape(kernel.inputs, *kernel.features)
 
@@ -173,13 +278,12 @@ def can_tile(outputs: int, inputs: int) -> bool:
     return outputs > 0 and inputs > 0 and outputs % TILE_OUTPUTS == 0 and inputs % TILE_INPUTS == 0
 
 
-
 def _xp(array):
     return np if isinstance(array, np.ndarray) else jnp
 
 
-def tile(kernel: Int8Kernel) -> TiledInt8Kernel:
-    """`kernel`'s values laid out as `TiledInt8Kernel.tiles` (NumPy for NumPy values); the scales as they are.
+def tile(kernel: Int8Weights) -> TiledInt8Weights:
+    """`kernel`'s values laid out as `TiledInt8Weights.tiles` (NumPy for NumPy values); the scales as they are.
 
     Raises:
       TypeError: values that are not int8 (a wider value would wrap, a float
@@ -200,7 +304,7 @@ def tile(kernel: Int8Kernel) -> TiledInt8Kernel:
         )
     grouped = values.reshape(outputs // TILE_OUTPUTS, TILE_OUTPUTS, inputs // TILE_INPUTS, TILE_INPUTS)
     tiles = (xp.transpose(grouped, (0, 2, 1, 3)).astype(xp.int16) + 128).astype(xp.uint8)
-    return TiledInt8Kernel(xp.ascontiguousarray(tiles) if xp is np else tiles, kernel.scale)
+    return TiledInt8Weights(xp.ascontiguousarray(tiles) if xp is np else tiles, kernel.scale)
 
 
 def unbiased(tiles):
@@ -209,16 +313,16 @@ def unbiased(tiles):
     return (tiles.astype(xp.int16) - 128).astype(xp.int8)
 
 
-def untile(kernel: Int8Kernel | TiledInt8Kernel) -> Int8Kernel:
-    """The `Int8Kernel` a `TiledInt8Kernel` lays out, values `(*F, D)` (an `Int8Kernel` as it is)."""
-    if isinstance(kernel, Int8Kernel):
+def untile(kernel: Int8Weights | TiledInt8Weights) -> Int8Weights:
+    """The `Int8Weights` a `TiledInt8Weights` lays out, values `(*F, D)` (an `Int8Weights` as it is)."""
+    if isinstance(kernel, Int8Weights):
         return kernel
     xp, tiles = _xp(kernel.tiles), kernel.tiles
     values = xp.transpose(unbiased(tiles), (0, 2, 1, 3)).reshape(*kernel.scale.shape, kernel.inputs)
-    return Int8Kernel(values, kernel.scale)
+    return Int8Weights(values, kernel.scale)
 
 
-def rows(kernel: Int8Kernel | TiledInt8Kernel, ids: Int[Array, "*B"]) -> Int8[Array, "*B D"]:
+def rows(kernel: Int8Weights | TiledInt8Weights, ids: Int[Array, "*B"]) -> Int8[Array, "*B D"]:
     """The int8 values of outputs `ids` of a kernel with one output axis: an int8 embedding table's lookup.
 
     Both forms of a kernel give the same rows for every id: ids outside
@@ -238,7 +342,7 @@ def rows(kernel: Int8Kernel | TiledInt8Kernel, ids: Int[Array, "*B"]) -> Int8[Ar
             raise IndexError(f"rows takes ids in 0 .. {count - 1} (the kernel's outputs), got {known.min()} .. "
                              f"{known.max()}")
     ids = jnp.clip(jnp.asarray(ids), 0, count - 1)
-    if isinstance(kernel, Int8Kernel):
+    if isinstance(kernel, Int8Weights):
         return jnp.take(kernel.values, ids, axis=0)
     # Advanced indices on the tile and its lane, around the groups' slice: (*B, D / 4, 4).
     picked = jnp.asarray(kernel.tiles)[ids // TILE_OUTPUTS, :, ids % TILE_OUTPUTS, :]
@@ -261,7 +365,7 @@ def quantize_rows(x: Float[Array, "M D"] | Float[np.ndarray, "M D"]):
     return values, scale
 
 
-def quantize(kernel: Shaped[Array, " D *F"] | Shaped[np.ndarray, " D *F"]) -> Int8Kernel:
+def quantize(kernel: Shaped[Array, " D *F"] | Shaped[np.ndarray, " D *F"]) -> Int8Weights:
     """A float kernel `(D, *F)` as int8 values `(*F, D)` with one scale per output channel (round to nearest).
 
     Each output channel is a row of `quantize_rows` (NumPy for a NumPy
@@ -283,10 +387,10 @@ def quantize(kernel: Shaped[Array, " D *F"] | Shaped[np.ndarray, " D *F"]) -> In
         )
     xp = np if isinstance(kernel, np.ndarray) else jnp
     values, scale = quantize_rows(xp.moveaxis(kernel, 0, -1).reshape(-1, kernel.shape[0]))
-    return Int8Kernel(values.reshape(*kernel.shape[1:], kernel.shape[0]), scale.reshape(kernel.shape[1:]))
+    return Int8Weights(values.reshape(*kernel.shape[1:], kernel.shape[0]), scale.reshape(kernel.shape[1:]))
 
 
-def dequantize(kernel: Int8Kernel | TiledInt8Kernel) -> Float[Array, " D *F"]:
+def dequantize(kernel: Int8Weights | TiledInt8Weights) -> Float[Array, " D *F"]:
     """The float32 kernel `(D, *F)` an int8 kernel stands for."""
     kernel = untile(kernel)
     return jnp.moveaxis(kernel.values.astype(jnp.float32) * kernel.scale[..., None], -1, 0)

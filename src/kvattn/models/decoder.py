@@ -20,15 +20,14 @@ Weights are stored in the form a step reads, so no compiled program
 concatenates, transposes or converts them: the query, key and value kernels
 side by side in one `qkv` kernel, Llama's gate and up kernels in one
 `gate_up`, each a single dot per step where the checkpoint has two or three;
-with `weights="int8"` every projection is an int8 kernel with per-output
-scales, multiplied int8 by int8 (`kvattn.math.quant`). `load_weight` stores a
+each projection and the embedding table hold their weights in one storage
+form chosen when the model is built (`kvattn.models.layers`): int8 with
+per-output scales under `weights="int8"`, float otherwise, laid out for the
+native dots where they run (`kvattn.math.quant`). `load_weight` stores a
 float weight in that form (what `kvattn.models.hf` calls for each tensor).
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +35,12 @@ import numpy as np
 from flax import nnx
 
 from kvattn.kernels import dots
-from kvattn.math import norms, quant
+from kvattn.math import quant
 from kvattn import validation as check
 from kvattn.layer.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
 from kvattn.layer.forward import FusedWeights
+from kvattn.models.layers import MLP_LAYERS, NORM_LAYERS, HeadScale, Linear, initial, table_form
 from kvattn.models.model_config import ModelConfig
 from kvattn.models.tokens import in_vocab, token_ids
 
@@ -48,120 +48,6 @@ __all__ = ["WEIGHTS", "CausalLM"]
 
 # What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8", compact (`kvattn.math.quant`).
 WEIGHTS = (None, "int8")
-
-
-class RMSNorm(nnx.Module):
-    """`weight * x / sqrt(mean(x^2) + eps)`, normalised in float32 and scaled after the cast back (Llama's order)."""
-
-    def __init__(self, features: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((features,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        return norms.rms_norm(x, self.weight[...], self.eps, scale_after_cast=True)
-
-
-class LayerNorm(nnx.Module):
-    """LayerNorm with weight and bias (GPT-2's), normalised in float32 and scaled after the cast back."""
-
-    def __init__(self, features: int, eps: float, dtype):
-        self.weight = nnx.Param(jnp.ones((features,), dtype))
-        self.bias = nnx.Param(jnp.zeros((features,), dtype))
-        self.eps = eps
-
-    def __call__(self, x):
-        return norms.layer_norm(x, self.weight[...], self.eps, self.bias[...], scale_after_cast=True)
-
-
-class Linear(nnx.Module):
-    """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout) or a laid-out one.
-
-    Compact (`weights="int8"`), the kernel is int8 `(*outputs, prod(inputs))`
-    beside `kernel_scale` `outputs` (a `kvattn.math.quant.Int8Kernel` when read),
-    or, where `kvattn.kernels.dots.use_tiles` says the native int8 dot runs, those
-    values tiled for it (a `kvattn.math.quant.TiledInt8Kernel`; `tiled` is True).
-    A float32 kernel is stored as panels `(prod(outputs) / 16,
-    prod(inputs), 16)` where `kvattn.kernels.dots.use_panels` says the native
-    float32 dot runs (a `kvattn.math.quant.PanelKernel`; `paneled` is True).
-    """
-
-    def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
-                 rngs: nnx.Rngs | None):
-        fan_in = math.prod(inputs)
-        self.inputs = inputs
-        self.tiled = compact and dots.use_tiles(math.prod(outputs), fan_in)
-        self.paneled = not compact and dots.use_panels(math.prod(outputs), dtype)
-        self.outputs = outputs
-        if compact:
-            if rngs is None:  # zeros, as `_initial` gives, without quantizing them
-                int8 = quant.Int8Kernel(np.zeros((*outputs, fan_in), np.int8), np.ones(outputs, np.float32))
-            else:
-                int8 = quant.quantize(_initial((fan_in, *outputs), fan_in, rngs))
-            self.kernel = nnx.Param(jnp.asarray(quant.tile(int8).tiles if self.tiled else int8.values))
-            self.kernel_scale = nnx.Param(jnp.asarray(int8.scale))
-        else:
-            kernel = _initial((*inputs, *outputs), fan_in, rngs).astype(dtype)
-            self.kernel = nnx.Param(quant.panel(kernel.reshape(fan_in, -1)).panels if self.paneled else kernel)
-            self.kernel_scale = None
-        self.bias = nnx.Param(jnp.zeros(outputs, dtype)) if bias else None
-
-    @property
-    def weight(self) -> jax.Array | quant.Int8Kernel | quant.TiledInt8Kernel | quant.PanelKernel:
-        """The kernel as `kvattn.kernels.dots.dense` reads it."""
-        if self.paneled:
-            return quant.PanelKernel(self.kernel[...], self.outputs)
-        if self.kernel_scale is None:
-            return self.kernel[...]
-        compact = quant.TiledInt8Kernel if self.tiled else quant.Int8Kernel
-        return compact(self.kernel[...], self.kernel_scale[...])
-
-    def float_kernel(self) -> jax.Array:
-        """The kernel `(*inputs, *outputs)` as a float array: panels laid back, int8 values dequantized."""
-        weight = self.weight
-        if isinstance(weight, quant.PanelKernel):
-            return quant.unpanel(weight).reshape(*self.inputs, *self.outputs)
-        if quant.is_compact(weight):
-            return quant.dequantize(weight).reshape(*self.inputs, *self.outputs)
-        return weight
-
-    def bias_value(self) -> jax.Array | None:
-        """The bias `outputs`, or None without one."""
-        return None if self.bias is None else self.bias[...]
-
-    def kernel_shape(self) -> tuple[int, ...]:
-        """The float kernel's shape, `(*inputs, *outputs)`, in whatever form it is stored."""
-        return (*self.inputs, *self.outputs)
-
-    def load_kernel(self, value) -> None:
-        """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when compact)."""
-        if self.paneled:
-            kernel = np.asarray(value, np.float32).reshape(math.prod(self.inputs), -1)
-            self.kernel[...] = jnp.asarray(quant.panel(kernel).panels)
-            return
-        if self.kernel_scale is None:
-            self.kernel[...] = jnp.asarray(value, self.kernel.dtype)
-            return
-        int8 = quant.quantize(np.asarray(value, np.float32).reshape(math.prod(self.inputs), *self.kernel_scale.shape))
-        self.kernel[...] = quant.tile(int8).tiles if self.tiled else int8.values
-        self.kernel_scale[...] = int8.scale
-
-    def __call__(self, x):
-        y = dots.dense(x, self.weight)
-        return y if self.bias is None else y + norms.along_last(self.bias[...], y)
-
-
-def _initial(shape: tuple[int, ...], fan_in: int, rngs: nnx.Rngs | None) -> jax.Array:
-    """Initial float32 weights: normal with variance `1 / fan_in` (LeCun's, Flax's default), or zeros without `rngs`."""
-    if rngs is None:  # `from_pretrained` overwrites every value
-        return jnp.zeros(shape, jnp.float32)
-    return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
-
-
-class HeadScale(nnx.Module):
-    """The learned scale `(H,)` of a per-head query or key norm (the path `query_ln/scale` Flax's layers use)."""
-
-    def __init__(self, head_dim: int, dtype):
-        self.scale = nnx.Param(jnp.ones((head_dim,), dtype))
 
 
 class Attention(MultiHeadAttention):
@@ -197,42 +83,6 @@ class Attention(MultiHeadAttention):
         """The projections as the pure step takes them."""
         norms_ = (self.query_ln.scale[...], self.key_ln.scale[...]) if self.config.normalize_qk else (None, None)
         return FusedWeights(self.qkv.weight, self.qkv.bias_value(), self.out.weight, self.out.bias_value(), *norms_)
-
-
-class GeluMLP(nnx.Module):
-    """GPT-2's MLP: `down(gelu_tanh(up(x)))`."""
-
-    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
-        hidden, inner = config.hidden_size, config.intermediate_size
-        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
-        self.up = layer((hidden,), (inner,))
-        self.down = layer((inner,), (hidden,))
-
-    def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x), approximate=True))
-
-
-class GatedSiluMLP(nnx.Module):
-    """Llama's MLP (SwiGLU): `down(silu(gate(x)) * up(x))`.
-
-    The gate and up projections are one kernel `gate_up` `(D, 2I)`, gate
-    first: one dot per step instead of two.
-    """
-
-    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
-        hidden, inner = config.hidden_size, config.intermediate_size
-        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
-        self.gate_up = layer((hidden,), (2 * inner,))
-        self.down = layer((inner,), (hidden,))
-
-    def __call__(self, x):
-        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up)
-
-
-# The layers each kind a `kvattn.models.spec.BlockSpec` names builds.
-NORM_LAYERS = {"layer": LayerNorm, "rms": RMSNorm}
-MLP_LAYERS = {"gelu": GeluMLP, "gated_silu": GatedSiluMLP}
 
 
 class Block(nnx.Module):
@@ -289,20 +139,17 @@ class CausalLM(nnx.Module):
         self.config = config
         self.dtype = dtype = jnp.dtype(dtype)
         hidden, vocab = config.hidden_size, config.vocab_size
-        table = _initial((vocab, hidden), 1, rngs)
-        # A tied int8 table is the head's kernel, one scale per token's row, tiled where `Linear`'s would be.
-        self.embed_tiled = compact and config.tie_embeddings and dots.use_tiles(vocab, hidden)
-        # A tied float32 table is the head's kernel `(D, V)` too: stored as its panels where `Linear`'s would be.
-        self.embed_paneled = not compact and config.tie_embeddings and dots.use_panels(vocab, dtype)
-        if compact and config.tie_embeddings:
-            values, scale = quant.quantize_rows(table) if rngs else (table.astype(jnp.int8), jnp.ones((vocab, 1)))
-            self.embed, self.embed_scale = nnx.Param(self._head_form(values)), nnx.Param(scale[:, 0])
-        elif self.embed_paneled:
-            self.embed, self.embed_scale = nnx.Param(quant.panel(table.T).panels), None
+        # A tied table is the head's kernel `(D, V)`, in the form a projection of it would take (`table_form`).
+        self.embed_form = table_form(vocab, hidden, dtype, compact=compact, tied=config.tie_embeddings)
+        if rngs is None:
+            table = self.embed_form.blank((hidden,), (vocab,), dtype)
         else:
-            self.embed, self.embed_scale = nnx.Param(table.astype(dtype)), None
+            table = self.embed_form.from_float(initial((vocab, hidden), 1, rngs).T, (vocab,), dtype)
+        main, scale = table.stored()
+        self.embed = nnx.Param(jnp.asarray(main))
+        self.embed_scale = None if scale is None else nnx.Param(jnp.asarray(scale))
         self.positions = (
-            nnx.Param(_initial((config.max_position_embeddings, hidden), 1, rngs).astype(dtype)) if learned else None
+            nnx.Param(initial((config.max_position_embeddings, hidden), 1, rngs).astype(dtype)) if learned else None
         )
         window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
         # Heads-major caches (and pages): a step's attention is then a plain batched dot over (B, K)
@@ -344,32 +191,33 @@ class CausalLM(nnx.Module):
         want = tuple(variable.shape)
         if isinstance(owner, Linear) and name == "kernel":
             want = owner.kernel_shape()
-        elif owner is self and name == "embed" and (self.embed_scale is not None or self.embed_paneled):
+        elif owner is self and name == "embed":
             want = (self.config.vocab_size, self.config.hidden_size)
         if tuple(np.shape(value)) != want:
             raise ValueError(f"{path} holds shape {want}, got a weight of shape {tuple(np.shape(value))}")
         if isinstance(owner, Linear) and name == "kernel":
             owner.load_kernel(value)
-        elif owner is self and name == "embed" and self.embed_scale is not None:
-            values, scale = quant.quantize_rows(np.asarray(value, np.float32))
-            self.embed[...], self.embed_scale[...] = self._head_form(values), scale[:, 0]
-        elif owner is self and name == "embed" and self.embed_paneled:
-            self.embed[...] = jnp.asarray(quant.panel(np.asarray(value, np.float32).T).panels)
+        elif owner is self and name == "embed":
+            table = self.embed_form.from_float(np.asarray(value).T, (self.config.vocab_size,), self.dtype)
+            main, scale = table.stored()
+            self.embed[...] = jnp.asarray(main)
+            if scale is not None:
+                self.embed_scale[...] = jnp.asarray(scale)
         else:
             variable[...] = jnp.asarray(value, variable.dtype)
 
     def weight_value(self, path: str) -> jax.Array:
         """The weight at a parameter path in the layout `load_weight` takes, whatever form stores it.
 
-        A projection's kernel comes back `(*inputs, *outputs)` in float
-        (panels laid back, int8 dequantized), a float table paneled for the
-        head `(V, D)`; every other parameter as it is stored.
+        A projection's kernel comes back `(*inputs, *outputs)` and the
+        embedding table `(V, D)` in float (panels laid back, int8
+        dequantized); every other parameter as it is stored.
         """
         owner, name = self._owner(path)
         if isinstance(owner, Linear) and name == "kernel":
             return owner.float_kernel()
-        if owner is self and name == "embed" and self.embed_paneled:
-            return quant.unpanel(self._panel_head()).T
+        if owner is self and name == "embed":
+            return self.table.to_float().T
         return getattr(owner, name)[...]
 
     def _owner(self, path: str) -> tuple[nnx.Module, str]:
@@ -385,41 +233,21 @@ class CausalLM(nnx.Module):
         """Tokens each sequence holds, `(B,)` (every layer's cache agrees)."""
         return self.blocks[0].attention.pos[...]
 
-    def _head_form(self, values):
-        """Int8 table rows `(V, D)` as this model stores them: tiled or not (`embed_tiled`)."""
-        return quant.tile(quant.Int8Kernel(values, None)).tiles if self.embed_tiled else values
-
-    def _int8_head(self) -> quant.Int8Kernel | quant.TiledInt8Kernel:
-        """The tied int8 table as a kernel of one output per token."""
-        compact = quant.TiledInt8Kernel if self.embed_tiled else quant.Int8Kernel
-        return compact(self.embed[...], self.embed_scale[...])
-
-    def _panel_head(self) -> quant.PanelKernel:
-        """The tied float32 table as the head's kernel `(D, V)`, in panels."""
-        return quant.PanelKernel(self.embed[...], (self.config.vocab_size,))
+    @property
+    def table(self) -> quant.Form:
+        """The embedding table in its form (`embed_form`): the head's kernel `(D, V)` when tied."""
+        scale = None if self.embed_scale is None else self.embed_scale[...]
+        return self.embed_form.from_stored(self.embed[...], scale, (self.config.vocab_size,))
 
     def _embed(self, tokens, positions):
-        if self.embed_scale is not None:  # int8 rows
-            x = quant.rows(self._int8_head(), tokens).astype(self.dtype)
-            x = x * jnp.take(self.embed_scale[...], tokens, axis=0)[..., None].astype(self.dtype)
-        elif self.embed_paneled:  # token t is lane t % 16 of panel t // 16
-            x = self.embed[...][tokens // quant.PANEL_OUTPUTS, :, tokens % quant.PANEL_OUTPUTS]
-        else:
-            x = jnp.take(self.embed[...], tokens, axis=0)
+        x = self.table.rows(tokens, self.dtype)
         if self.positions is not None:
             x = x + jnp.take(self.positions[...], positions, axis=0)
         return x
 
     def _logits(self, x):
         x = self.final_norm(x)
-        if self.lm_head is not None:
-            logits = self.lm_head(x)
-        elif self.embed_scale is not None:
-            logits = dots.dense(x, self._int8_head())
-        elif self.embed_paneled:
-            logits = dots.dense(x, self._panel_head())
-        else:
-            logits = x @ self.embed[...].T
+        logits = self.lm_head(x) if self.lm_head is not None else dots.dense(x, self.table)
         return logits.astype(jnp.float32)
 
     def _tokens(self, tokens, shape, lengths=None):

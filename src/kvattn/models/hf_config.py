@@ -6,8 +6,7 @@ what kvattn accepts, so a config that does not pass is never half read.
 
 from __future__ import annotations
 
-import numpy as np
-
+from kvattn import config as checks
 from kvattn.config import INT32_MAX
 from kvattn.errors import UnsupportedConfigError
 
@@ -16,9 +15,7 @@ __all__ = ["divide", "positive_int", "read", "refuse"]
 
 def positive_int(name: str, value) -> int:
     """`value` as an int in `[1, INT32_MAX]`; refused when it is anything else (a bool, a float, out of range)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 1 <= value <= INT32_MAX:
-        raise UnsupportedConfigError(f"{name} must be a positive int of at most {INT32_MAX}, got {value!r}")
-    return int(value)
+    return checks.positive_int(name, value, error=UnsupportedConfigError, at_most=INT32_MAX)
 
 
 def read(config: dict, key: str, default=None):

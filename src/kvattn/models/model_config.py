@@ -21,9 +21,8 @@ import numpy as np
 
 from kvattn.errors import UnsupportedConfigError
 from kvattn.models.families import FAMILIES, MODEL_TYPES
-from kvattn.models.hf_config import positive_int
 from kvattn.models.spec import BlockSpec
-from kvattn.config import RoPE
+from kvattn.config import INT32_MAX, RoPE, positive_int
 from kvattn.math.rope import rope_tables
 
 __all__ = ["ModelConfig", "from_hf_config"]
@@ -31,6 +30,11 @@ __all__ = ["ModelConfig", "from_hf_config"]
 # Far past any real model's (64-256), and small enough that checking the rotary frequencies of a config,
 # before its weights are read, allocates next to nothing.
 MAX_HEAD_DIM = 2**16
+
+
+def _size(name: str, value) -> int:
+    """A size field as an int in `[1, INT32_MAX]`, else an `UnsupportedConfigError` naming it."""
+    return positive_int(name, value, error=UnsupportedConfigError, at_most=INT32_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +68,11 @@ class ModelConfig:
             raise UnsupportedConfigError(f"family must be one of {sorted(FAMILIES)}, got {self.family!r}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position_embeddings"):
-            object.__setattr__(self, name, positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, _size(name, getattr(self, name)))
         if self.head_dim > MAX_HEAD_DIM:
             raise UnsupportedConfigError(f"head_dim must be at most {MAX_HEAD_DIM}, got {self.head_dim}")
         if self.sliding_window is not None:
-            object.__setattr__(self, "sliding_window", positive_int("sliding_window", self.sliding_window))
+            object.__setattr__(self, "sliding_window", _size("sliding_window", self.sliding_window))
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"

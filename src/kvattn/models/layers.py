@@ -1,0 +1,169 @@
+"""The weight-holding layers a decoder block is built from: norms, `Linear`, the MLPs, and the storage form of each.
+
+Every projection, and the embedding table, holds its weights in one
+storage form (`kvattn.math.quant.Form`), chosen once when it is built from
+the weights' dtype and the dots that run here (`weight_form`,
+`table_form`); no method branches on the form. The layers keep the
+form's arrays as `nnx.Param`s under fixed names (`kernel` and
+`kernel_scale`; the model's `embed` and `embed_scale`), so checkpoint
+tables, snapshots and fingerprints see the same paths whatever the form.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvattn.kernels import dots
+from kvattn.math import norms, quant
+from kvattn.models.model_config import ModelConfig
+
+__all__ = [
+    "MLP_LAYERS", "NORM_LAYERS", "GatedSiluMLP", "GeluMLP", "HeadScale", "LayerNorm", "Linear", "RMSNorm",
+    "initial", "table_form", "weight_form",
+]
+
+
+def weight_form(outputs: int, inputs: int, dtype, *, compact: bool) -> type[quant.Form]:
+    """The form a projection of `outputs` by `inputs` stores here: int8 (tiled where the native int8 dot runs)
+    when `compact`, else float32 panels where the native float32 dot runs, else the float kernel in `dtype`."""
+    if compact:
+        return quant.TiledInt8Weights if dots.use_tiles(outputs, inputs) else quant.Int8Weights
+    return quant.PanelWeights if dots.use_panels(outputs, dtype) else quant.FloatWeights
+
+
+def table_form(vocab: int, hidden: int, dtype, *, compact: bool, tied: bool) -> type[quant.Form]:
+    """The form of an embedding table `(V, D)`: a tied one is the head's kernel `(D, V)` in a projection's form,
+    except that a plain float one stays a table; an untied one, only ever gathered, is a float table."""
+    form = weight_form(vocab, hidden, dtype, compact=compact) if tied else quant.TableWeights
+    return quant.TableWeights if form is quant.FloatWeights else form
+
+
+def initial(shape: tuple[int, ...], fan_in: int, rngs: nnx.Rngs | None) -> jax.Array:
+    """Initial float32 weights: normal with variance `1 / fan_in` (LeCun's, Flax's default), or zeros without `rngs`."""
+    if rngs is None:  # `from_pretrained` overwrites every value
+        return jnp.zeros(shape, jnp.float32)
+    return jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+
+
+class RMSNorm(nnx.Module):
+    """`weight * x / sqrt(mean(x^2) + eps)`, normalised in float32 and scaled after the cast back (Llama's order)."""
+
+    def __init__(self, features: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((features,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return norms.rms_norm(x, self.weight[...], self.eps, scale_after_cast=True)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias (GPT-2's), normalised in float32 and scaled after the cast back."""
+
+    def __init__(self, features: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((features,), dtype))
+        self.bias = nnx.Param(jnp.zeros((features,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return norms.layer_norm(x, self.weight[...], self.eps, self.bias[...], scale_after_cast=True)
+
+
+class Linear(nnx.Module):
+    """`x @ kernel (+ bias)` over a float kernel `(*inputs, *outputs)` (Flax's layout), held in one storage form.
+
+    `form` (`weight_form`) is the `kvattn.math.quant.Form` type of the
+    weights; `kernel` holds its main array and `kernel_scale` its scales
+    (None for the float forms). `weight` is the form `kvattn.kernels.dots.dense`
+    reads, `float_kernel` the float kernel back, `load_kernel` stores one.
+    """
+
+    def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
+                 rngs: nnx.Rngs | None):
+        self.inputs, self.outputs, self.dtype = inputs, outputs, jnp.dtype(dtype)
+        self.form = weight_form(math.prod(outputs), math.prod(inputs), dtype, compact=compact)
+        if rngs is None:  # zeros, as `initial` gives, without quantizing them
+            weights = self.form.blank(inputs, outputs, self.dtype)
+        else:
+            weights = self.form.from_float(initial((*inputs, *outputs), math.prod(inputs), rngs), outputs, self.dtype)
+        main, scale = weights.stored()
+        self.kernel = nnx.Param(jnp.asarray(main))
+        self.kernel_scale = None if scale is None else nnx.Param(jnp.asarray(scale))
+        self.bias = nnx.Param(jnp.zeros(outputs, dtype)) if bias else None
+
+    @property
+    def weight(self) -> quant.Form:
+        """The weights in their form, as `kvattn.kernels.dots.dense` reads them."""
+        scale = None if self.kernel_scale is None else self.kernel_scale[...]
+        return self.form.from_stored(self.kernel[...], scale, self.outputs)
+
+    def float_kernel(self) -> jax.Array:
+        """The kernel `(*inputs, *outputs)` as a float array: panels laid back, int8 values dequantized."""
+        return self.weight.to_float().reshape(*self.inputs, *self.outputs)
+
+    def bias_value(self) -> jax.Array | None:
+        """The bias `outputs`, or None without one."""
+        return None if self.bias is None else self.bias[...]
+
+    def kernel_shape(self) -> tuple[int, ...]:
+        """The float kernel's shape, `(*inputs, *outputs)`, in whatever form it is stored."""
+        return (*self.inputs, *self.outputs)
+
+    def load_kernel(self, value) -> None:
+        """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when int8)."""
+        main, scale = self.form.from_float(np.asarray(value), self.outputs, self.dtype).stored()
+        self.kernel[...] = jnp.asarray(main)
+        if scale is not None:
+            self.kernel_scale[...] = jnp.asarray(scale)
+
+    def __call__(self, x):
+        y = dots.dense(x, self.weight)
+        return y if self.bias is None else y + norms.along_last(self.bias[...], y)
+
+
+class HeadScale(nnx.Module):
+    """The learned scale `(H,)` of a per-head query or key norm (the path `query_ln/scale` Flax's layers use)."""
+
+    def __init__(self, head_dim: int, dtype):
+        self.scale = nnx.Param(jnp.ones((head_dim,), dtype))
+
+
+class GeluMLP(nnx.Module):
+    """GPT-2's MLP: `down(gelu_tanh(up(x)))`."""
+
+    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
+        hidden, inner = config.hidden_size, config.intermediate_size
+        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
+        self.up = layer((hidden,), (inner,))
+        self.down = layer((inner,), (hidden,))
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x), approximate=True))
+
+
+class GatedSiluMLP(nnx.Module):
+    """Llama's MLP (SwiGLU): `down(silu(gate(x)) * up(x))`.
+
+    The gate and up projections are one kernel `gate_up` `(D, 2I)`, gate
+    first: one dot per step instead of two.
+    """
+
+    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
+        hidden, inner = config.hidden_size, config.intermediate_size
+        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
+        self.gate_up = layer((hidden,), (2 * inner,))
+        self.down = layer((inner,), (hidden,))
+
+    def __call__(self, x):
+        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+        return self.down(jax.nn.silu(gate) * up)
+
+
+# The layers each kind a `kvattn.models.spec.BlockSpec` names builds.
+NORM_LAYERS = {"layer": LayerNorm, "rms": RMSNorm}
+MLP_LAYERS = {"gelu": GeluMLP, "gated_silu": GatedSiluMLP}
