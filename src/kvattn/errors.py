@@ -21,6 +21,8 @@ was expected and what was got.
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = [
     "CacheOverflowError",
     "CheckpointError",
@@ -30,6 +32,7 @@ __all__ = [
     "OutOfPagesError",
     "SnapshotError",
     "UnsupportedConfigError",
+    "positive_int",
 ]
 
 
@@ -63,3 +66,23 @@ class CheckpointError(KvattnError, ValueError):
 
 class MissingExtraError(KvattnError, ImportError):
     """A module of an optional extra (`bench`, `generate`) is not installed."""
+
+
+def positive_int(name: str, value, *, error: type[Exception] | None = None) -> int:
+    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included, never a bool).
+
+    Raises `error` if given, else `TypeError` for a value that is not an
+    integer and `ValueError` for one below 1: the check every refusal of a
+    size shares, so it lives with the errors.
+    """
+    if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
+        raise (error or TypeError)(f"{name} must be a positive int, got {value!r}")
+    if int(value) < 1:
+        raise (error or ValueError)(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _is_integer(value) -> bool:
+    if isinstance(value, (int, np.integer)):
+        return True
+    return getattr(value, "shape", None) == () and np.issubdtype(getattr(value, "dtype", np.float32), np.integer)
