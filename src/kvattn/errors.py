@@ -21,8 +21,6 @@ was expected and what was got.
 
 from __future__ import annotations
 
-import numpy as np
-
 __all__ = [
     "CacheOverflowError",
     "CheckpointError",
@@ -75,6 +73,8 @@ def positive_int(name: str, value, *, error: type[Exception] | None = None) -> i
     integer and `ValueError` for one below 1: the check every refusal of a
     size shares, so it lives with the errors.
     """
+    import numpy as np  # here, not at the top: `import kvattn.errors` (the CLI's --help) loads no NumPy
+
     if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
         raise (error or TypeError)(f"{name} must be a positive int, got {value!r}")
     if int(value) < 1:
@@ -83,6 +83,8 @@ def positive_int(name: str, value, *, error: type[Exception] | None = None) -> i
 
 
 def _is_integer(value) -> bool:
+    import numpy as np
+
     if isinstance(value, (int, np.integer)):
         return True
     return getattr(value, "shape", None) == () and np.issubdtype(getattr(value, "dtype", np.float32), np.integer)
