@@ -244,6 +244,7 @@ def default_length_buckets(max_len: int, smallest: int = 128, cache_bytes: int =
 # ------------------------------------------------------------- the interface
 
 
+@typing.runtime_checkable  # annotations are checked at test time (jaxtyping + beartype)
 class CacheType(Protocol):
     """What a cache type provides: the layer's side (class methods) and the cache pytree's.
 

@@ -7,20 +7,21 @@ suite (tests/caches/test_contract.py) find it through `cache_type`.
 
 from __future__ import annotations
 
-from kvattn.caches.base import CacheSpec, CacheType, Contiguous, Paged
+from kvattn.caches.base import CacheSpec, Contiguous, Paged
 from kvattn.caches.contiguous import KVCache
 from kvattn.caches.paged import PagedKVCache
 
 __all__ = ["CACHE_TYPES", "cache_type"]
 
-CACHE_TYPES: dict[type[CacheSpec], type[CacheType]] = {
+# Values follow `CacheType` (annotated `type`: a protocol with data members allows no run-time `issubclass`).
+CACHE_TYPES: dict[type[CacheSpec], type] = {
     Contiguous: KVCache,
     Paged: PagedKVCache,
 }
 
 
-def cache_type(spec: CacheSpec) -> type[CacheType]:
-    """The cache type implementing `spec` (a spec instance or its type)."""
+def cache_type(spec: CacheSpec | type[CacheSpec]) -> type:
+    """The cache type implementing `spec` (a spec instance or its type): a `kvattn.caches.base.CacheType`."""
     kind = spec if isinstance(spec, type) else type(spec)
     try:
         return CACHE_TYPES[kind]
