@@ -54,7 +54,7 @@ LONGEST_FIRST = (
     "tests/layer/test_forward.py",
     "tests/models/test_hf_equivalence.py",
     "tests/benchmarks/test_speculative.py",
-    "tests/caches/test_state_machine.py",
+    "tests/caches/test_contract.py",
     "tests/generation/test_speculative.py",
     "tests/layer/test_attention.py",
 )

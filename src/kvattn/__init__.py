@@ -14,6 +14,7 @@ import typing
 if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the API docs' static reader
     from kvattn.layer.attention import MultiHeadAttention
     from kvattn.config import AttentionConfig
+    from kvattn.caches.base import Contiguous, Paged
     from kvattn.layer.decoding import Decoder, Rollout, attend, decode, rollout
     from kvattn.errors import (
         CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
@@ -33,6 +34,7 @@ _EXPORTS = {
     "AttentionConfig": "kvattn.config",
     "CacheOverflowError": "kvattn.errors",
     "CheckpointError": "kvattn.errors",
+    "Contiguous": "kvattn.caches.base",
     "Decoder": "kvattn.layer.decoding",
     "InvalidStateError": "kvattn.errors",
     "LLM": "kvattn.serving.llm",
@@ -42,6 +44,7 @@ _EXPORTS = {
     "OutOfPagesError": "kvattn.errors",
     "PageBatch": "kvattn.paging",
     "PageManager": "kvattn.paging",
+    "Paged": "kvattn.caches.base",
     "RoPE": "kvattn.config",
     "Rollout": "kvattn.layer.decoding",
     "SamplingParams": "kvattn.generation.sampling",
@@ -65,6 +68,7 @@ __all__ = [
     "AttentionConfig",
     "CacheOverflowError",
     "CheckpointError",
+    "Contiguous",
     "Decoder",
     "InvalidStateError",
     "LLM",
@@ -74,6 +78,7 @@ __all__ = [
     "OutOfPagesError",
     "PageBatch",
     "PageManager",
+    "Paged",
     "RoPE",
     "Rollout",
     "SamplingParams",

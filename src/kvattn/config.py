@@ -19,41 +19,29 @@ from collections.abc import Iterable
 import jax.numpy as jnp
 import numpy as np
 
+from kvattn.caches.base import (  # noqa: F401  (their old home: re-exported)
+    CACHE_DTYPES, HEADS_MAJOR, INT32_MAX, LAYOUTS, NULL_PAGE, SLOTS_MAJOR, CacheSpec, blocks_spanned, cache_dtype_name,
+    default_length_buckets, spec_from_options,
+)
+from kvattn.errors import positive_int
+
 __all__ = [
     "CACHE_DTYPES", "DECODE_KERNELS", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "RoPE",
     "default_length_buckets",
 ]
 
-# `pos` is int32: the most tokens a sequence may ever append, ring or not.
-INT32_MAX = 2**31 - 1
-
-# Page 0 of every page pool maps nothing: table entries without a page point
-# at it, the host never hands it out, and the device never writes it.
-NULL_PAGE = 0
-
-
-def blocks_spanned(num_tokens, page_size: int):
-    """Blocks (pages) that `num_tokens` tokens from position 0 touch: an int, or an array of them."""
-    return -(-num_tokens // page_size)
-
-# Storage name -> bytes per stored element.
-CACHE_DTYPES = {"float32": 4, "bfloat16": 2, "int8": 1}
-
-# Inside, a cache layout is named by the letters of its axes (legend in `kvattn.math.ops`); the words are what
-# callers pass as `cache_layout`, and `AttentionConfig.layout` turns them into the letters.
-SLOTS_MAJOR, HEADS_MAJOR = "BSKH", "BKSH"
-LAYOUTS = {"slots_major": SLOTS_MAJOR, "heads_major": HEADS_MAJOR}
-
 # What a decode step's attention runs (the rule is `kvattn.kernels.route`).
 DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")
 
-# Caches of a batch larger than this no longer fit a typical last-level CPU cache.
-_CACHE_RESIDENT_BYTES = 32 * 2**20
+# The storage keyword arguments: sugar for a cache spec (`kvattn.caches.base.spec_from_options`).
+STORAGE_OPTIONS = ("max_len", "batch_size", "cache_dtype", "cache_layout", "length_buckets", "num_pages", "page_size")
 
-
-def _recorded(default=dataclasses.MISSING):
-    """A field a cache snapshot records: a cache only loads into a layer that agrees on it."""
-    return dataclasses.field(default=default, metadata={"recorded": True})
+# What a cache snapshot records, in this order: a cache only loads into a layer that agrees on each.
+RECORDED_FIELDS = (
+    "num_heads", "in_features", "max_len", "window", "head_dim", "num_kv_heads", "batch_size", "use_bias",
+    "cache_dtype", "cache_layout", "qkv_features", "out_features", "dtype", "param_dtype", "normalize_qk",
+    "qk_norm_eps", "logit_softcap", "rope",
+)
 
 
 # Rotary position embedding's settings (the rotation is `kvattn.math.rope`).
@@ -164,18 +152,22 @@ def _normalise_scaling(scaling) -> tuple | None:
 # Validated by hand in `__post_init__`, whose errors are the documented ones;
 # run-time type checkers (the test suite's) would pre-empt them.
 @typing.no_type_check
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class AttentionConfig:
-    """The sizes and options of a `MultiHeadAttention` layer.
+    """The sizes and options of a `MultiHeadAttention` layer: the attention, and its cache as a spec.
 
     Args:
       num_heads: query heads N.
       in_features: model width D.
-      max_len: cache capacity in tokens per sequence; exactly one of
-        `max_len` and `window` is given.
-      window: sliding-window attention over the last `window` tokens, kept
-        in a ring of `window` slots: a stream can run forever at constant
-        memory.
+      cache: how keys and values are stored, a `kvattn.Contiguous` or
+        `kvattn.Paged` spec (capacity, batch size, dtype, layout...; see
+        `kvattn.caches.base`). The storage keyword arguments `max_len`,
+        `batch_size`, `cache_dtype`, `cache_layout`, `length_buckets`,
+        `num_pages`, `page_size` are sugar for one (give those or `cache`),
+        and the properties of the same names read the spec.
+      window: sliding-window attention over the last `window` tokens; with a
+        contiguous cache without `max_len`, kept in a ring of `window` slots
+        (a stream can run forever at constant memory).
       head_dim: width H of a head; defaults to `qkv_features // num_heads`.
       qkv_features: width of all query heads together, `N * H` (Flax's
         name); defaults to `in_features`. Give it or `head_dim`, not both
@@ -183,7 +175,6 @@ class AttentionConfig:
       out_features: width of the output; defaults to `in_features`.
       num_kv_heads: key/value heads K; must divide `num_heads`. Defaults to
         `num_heads`.
-      batch_size: sequences the cache holds, or None for one unbatched one.
       use_bias: whether the projections have biases: a bool for all four,
         or the names of those that do, e.g. `("query", "key", "value")`
         (Qwen2: no bias on `out`).
@@ -201,33 +192,11 @@ class AttentionConfig:
       rope: a `kvattn.RoPE`, rotary position embedding at each token's
         absolute position, applied to queries and keys before the key is
         cached; None for no positional encoding in the layer.
-      cache_dtype: storage of keys and values, anything `numpy.dtype` reads
-        that names float32 (the default), bfloat16 (half the memory) or int8
-        (a quarter, plus one float32 scale per token and head):
-        `jnp.bfloat16`, `"int8"`... Attention math is float32.
-      cache_layout: `"slots_major"` `(max_len, K, H)` or `"heads_major"`
-        `(K, max_len, H)`: the same results; XLA:CPU's batched dots want the
-        head axis first, so heads-major attention is faster there.
-      length_buckets: attend only over the smallest of these static prefix
-        lengths that holds every filled slot, so a step costs about the
-        filled length rather than `max_len`. None picks
-        `default_length_buckets`; `()` always reads the whole buffer;
-        buckets past `max_len` are ignored.
       data_axis, model_axis: names of mesh axes to shard over: sequences of
         the batch over `data_axis`, heads (projections and cache) over
         `model_axis`. Recorded as Flax `out_sharding` annotations, applied
         when the layer is built under `jax.set_mesh(mesh)` or by
         `kvattn.shard`.
-      num_pages, page_size: a paged cache (give both): one pool of
-        `num_pages` pages of `page_size` tokens (`k_pages`, `v_pages`,
-        `(P, page, K, H)`, or `(P, K, page, H)` heads-major) shared by the
-        `batch_size` sequence slots, each holding up to `max_len` tokens
-        through its page table (see `kvattn.caches.paged`). Every `step`/`prefill`
-        then takes `pages=`, the `PageBatch` a host `kvattn.PageManager`
-        hands out, and any number of rows; `reset`, `truncate`, `fork` and
-        `reorder` are the manager's. `window` may be given with `max_len`:
-        it limits what a token sees, and the host frees the pages that fall
-        out of it.
       decode_kernel: what a decode step's attention runs (one new token per
         sequence; prefill always runs XLA): `"auto"` (the default) jax's
         Pallas GPU kernels when the backend is a GPU and they serve this
@@ -243,32 +212,42 @@ class AttentionConfig:
     16
     """
 
-    # Annotated with the normalised values; construction also accepts NumPy
-    # integers, dtypes for `cache_dtype` and any integer sequence for buckets.
-    num_heads: int = _recorded()
-    in_features: int = _recorded()
-    max_len: int | None = _recorded(None)
-    window: int | None = _recorded(None)
-    head_dim: int | None = _recorded(None)
-    num_kv_heads: int | None = _recorded(None)
-    batch_size: int | None = _recorded(None)
-    use_bias: bool | tuple[str, ...] = _recorded(True)
-    cache_dtype: str = _recorded("float32")
-    cache_layout: str = _recorded("slots_major")
-    length_buckets: tuple[int, ...] | None = None
+    # Annotated with the normalised values.
+    num_heads: int
+    in_features: int
+    cache: CacheSpec
+    window: int | None = None
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    use_bias: bool | tuple[str, ...] = True
     data_axis: str | None = None
     model_axis: str | None = None
-    qkv_features: int | None = _recorded(None)
-    out_features: int | None = _recorded(None)
-    dtype: str | None = _recorded(None)
-    param_dtype: str = _recorded("float32")
-    normalize_qk: bool | str = _recorded(False)
-    qk_norm_eps: float = _recorded(1e-6)
-    logit_softcap: float | None = _recorded(None)
-    rope: RoPE | None = _recorded(None)
-    num_pages: int | None = None
-    page_size: int | None = None
+    qkv_features: int | None = None
+    out_features: int | None = None
+    dtype: str | None = None
+    param_dtype: str = "float32"
+    normalize_qk: bool | str = False
+    qk_norm_eps: float = 1e-6
+    logit_softcap: float | None = None
+    rope: RoPE | None = None
     decode_kernel: str = "auto"
+
+    def __init__(self, num_heads, in_features, *, cache=None, **options):
+        storage = {name: options.pop(name) for name in STORAGE_OPTIONS if name in options}
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise TypeError(f"AttentionConfig got unexpected keyword arguments {unknown}")
+        if cache is None:
+            cache = spec_from_options(**storage)
+        elif storage:
+            raise TypeError(f"give cache= or the storage keyword arguments {sorted(storage)}, not both")
+        elif not isinstance(cache, CacheSpec):
+            raise TypeError(f"cache must be a cache spec (kvattn.Contiguous, kvattn.Paged), got {cache!r}")
+        values = dict(num_heads=num_heads, in_features=in_features, cache=cache)
+        for name, field in fields.items():
+            object.__setattr__(self, name, values[name] if name in values else options.get(name, field.default))
+        self.__post_init__()
 
     def __post_init__(self):
         def put(name, value):
@@ -276,28 +255,7 @@ class AttentionConfig:
 
         put("num_heads", positive_int("num_heads", self.num_heads))
         put("in_features", positive_int("in_features", self.in_features))
-        if (self.num_pages is None) != (self.page_size is None):
-            raise ValueError(
-                f"a paged cache needs both num_pages and page_size, got num_pages={self.num_pages!r} "
-                f"and page_size={self.page_size!r}"
-            )
-        if self.num_pages is not None:
-            put("num_pages", positive_int("num_pages", self.num_pages))
-            put("page_size", positive_int("page_size", self.page_size))
-            if self.num_pages < 2 or self.max_len is None or self.batch_size is None:
-                raise ValueError(
-                    "a paged cache needs num_pages >= 2 (page 0 is the null page), max_len (tokens per sequence) "
-                    f"and batch_size (sequences), got num_pages={self.num_pages}, max_len={self.max_len!r}, "
-                    f"batch_size={self.batch_size!r}"
-                )
-        elif (self.max_len is None) == (self.window is None):
-            raise ValueError(
-                f"give exactly one of max_len (a bounded cache) or window (a ring), "
-                f"got max_len={self.max_len!r} and window={self.window!r}"
-            )
-        for name in ("max_len", "window", "batch_size"):
-            value = getattr(self, name)
-            put(name, None if value is None else positive_int(name, value))
+        put("window", None if self.window is None else positive_int("window", self.window))
         qkv_features = None if self.qkv_features is None else positive_int("qkv_features", self.qkv_features)
         if self.head_dim is None:
             width, name = (self.in_features, "in_features") if qkv_features is None else (qkv_features, "qkv_features")
@@ -331,14 +289,7 @@ class AttentionConfig:
             if not isinstance(self.rope, RoPE):
                 raise TypeError(f"rope must be a kvattn.RoPE or None, got {self.rope!r}")
             self.rope.rotated_dims(self.head_dim)
-        put("cache_dtype", cache_dtype_name(self.cache_dtype))
-        if self.cache_layout not in LAYOUTS:
-            raise ValueError(f"cache_layout must be one of {sorted(LAYOUTS)}, got {self.cache_layout!r}")
-        if self.length_buckets is None:
-            batch_bytes = (self.batch_size or 1) * self.num_slots * self.cache_bytes_per_token
-            put("length_buckets", default_length_buckets(self.num_slots, cache_bytes=batch_bytes))
-        else:
-            put("length_buckets", _buckets(self.length_buckets, self.num_slots))
+        put("cache", self.cache.fitted(self.window, self.cache_bytes_per_token))
         for name in ("data_axis", "model_axis"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -355,20 +306,21 @@ class AttentionConfig:
         """Whether projection `"query"`, `"key"`, `"value"` or `"out"` has a bias."""
         return self.use_bias if isinstance(self.use_bias, bool) else projection in self.use_bias
 
-    @property
-    def paged(self) -> bool:
-        """Whether the cache is a page pool (`num_pages`, `page_size`)."""
-        return self.num_pages is not None
-
-    @property
-    def pages_per_sequence(self) -> int:
-        """A paged cache's table width: the blocks of `max_len` tokens."""
-        return blocks_spanned(self.max_len, self.page_size)
+    # The storage settings, read from the cache spec (their one home).
+    max_len = property(lambda self: self.cache.max_len, doc="`cache.max_len`")
+    batch_size = property(lambda self: self.cache.batch_size, doc="`cache.batch_size`")
+    cache_dtype = property(lambda self: self.cache.dtype, doc="`cache.dtype`")
+    cache_layout = property(lambda self: self.cache.layout, doc="`cache.layout`, the word")
+    length_buckets = property(lambda self: getattr(self.cache, "length_buckets", None), doc="`cache.length_buckets`")
+    num_pages = property(lambda self: getattr(self.cache, "num_pages", None), doc="`cache.num_pages` (paged)")
+    page_size = property(lambda self: getattr(self.cache, "page_size", None), doc="`cache.page_size` (paged)")
+    paged = property(lambda self: self.cache.paged, doc="Whether the cache is a page pool.")
+    pages_per_sequence = property(lambda self: self.cache.pages_per_sequence, doc="A paged cache's table width.")
 
     @property
     def num_slots(self) -> int:
         """Slots per sequence: `max_len`, or the ring's `window` (a paged cache's `max_len` with any window)."""
-        return self.window if self.max_len is None else self.max_len
+        return self.cache.num_slots(self.window)
 
     @property
     def capacity(self) -> int:
@@ -392,36 +344,15 @@ class AttentionConfig:
         return 2 * self.num_kv_heads * self.head_dim * CACHE_DTYPES[self.cache_dtype] + scales
 
     def recorded(self) -> dict:
-        """The fields a cache snapshot records, as the values they read back from JSON."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("recorded")}
+        """The fields a cache snapshot records (`RECORDED_FIELDS`), as the values they read back from JSON."""
+        values = {name: getattr(self, name) for name in RECORDED_FIELDS}
         if values["rope"] is not None:
             values["rope"] = values["rope"].to_json()
         return json.loads(json.dumps(values))
 
     @classmethod
     def recorded_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("recorded"))
-
-
-def positive_int(name: str, value, *, error: type[Exception] | None = None, at_most: int | None = None) -> int:
-    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included, never a bool).
-
-    With `at_most`, also at most that. Raises `error` if given, else
-    `TypeError` for a value that is not an integer and `ValueError` for one
-    out of range.
-    """
-    bound = "" if at_most is None else f" of at most {at_most}"
-    if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
-        raise (error or TypeError)(f"{name} must be a positive int{bound}, got {value!r}")
-    if int(value) < 1 or (at_most is not None and int(value) > at_most):
-        raise (error or ValueError)(f"{name} must be a positive int{bound}, got {value!r}")
-    return int(value)
-
-
-def _is_integer(value) -> bool:
-    if isinstance(value, (int, np.integer)):
-        return True
-    return getattr(value, "shape", None) == () and np.issubdtype(getattr(value, "dtype", np.float32), np.integer)
+        return RECORDED_FIELDS
 
 
 def positive_float(name: str, value) -> float:
@@ -459,59 +390,3 @@ def float_dtype_name(name: str, dtype) -> str:
     if resolved is None or not jnp.issubdtype(resolved, jnp.floating):
         raise ValueError(f"{name} must be a floating dtype (float32, bfloat16, float16...), got {dtype!r}")
     return resolved.name
-
-
-def cache_dtype_name(dtype) -> str:
-    """The storage name of `dtype` (`jnp.bfloat16`, `np.dtype("int8")`, `"float32"`...)."""
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        name = None
-    if name not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {sorted(CACHE_DTYPES)} (a name or a dtype), got {dtype!r}")
-    return name
-
-
-def _buckets(buckets, num_slots: int) -> tuple[int, ...]:
-    """Explicit bucket lengths: positive ints, sorted; those at or past `num_slots` fold into it."""
-    array_like = hasattr(buckets, "__array__")
-    if isinstance(buckets, (str, bytes)) or not (array_like or isinstance(buckets, Iterable)):
-        raise TypeError(f"length_buckets must be a sequence of positive ints or None, got {buckets!r}")
-    values = np.asarray(buckets if array_like else list(buckets))
-    if values.ndim != 1:
-        raise TypeError(f"length_buckets must be a sequence of positive ints or None, got {buckets!r}")
-    values = values.tolist()
-    for value in values:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"length_buckets must be positive ints (slot counts), got {values}")
-    # Buckets at or past the slot count add nothing: the last one is all slots.
-    return tuple(sorted({b for b in values if b < num_slots} | {num_slots}))
-
-
-def default_length_buckets(max_len: int, smallest: int = 128, cache_bytes: int = 0) -> tuple[int, ...]:
-    """Static prefix lengths a step may read: doublings from `smallest` up to a limit, then `max_len`.
-
-    A dot cannot read part of a buffer on XLA:CPU: a bucket's K/V prefix is
-    first copied out, and a prefix only pays when that copy costs less than
-    reading the whole buffers. While the batch's caches (`cache_bytes` in
-    all) stay in the CPU's last-level cache, the dot reads them several times
-    faster per byte than the copy runs, so buckets stop at `max_len / 8`;
-    once they spill to DRAM, both run at DRAM speed and buckets go on to
-    `max_len / 4`. The measurements behind the limits are on the benchmarks page (docs/benchmarks).
-
-    >>> default_length_buckets(2048)
-    (128, 256, 2048)
-    >>> default_length_buckets(2048, cache_bytes=64 * 2**20)
-    (128, 256, 512, 2048)
-    >>> default_length_buckets(300)
-    (300,)
-    """
-    limit = max_len // (4 if cache_bytes > _CACHE_RESIDENT_BYTES else 8)
-    buckets = []
-    size = min(smallest, max_len)
-    while size <= limit:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_len)
-    return tuple(buckets)
-

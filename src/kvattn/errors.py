@@ -30,6 +30,7 @@ __all__ = [
     "OutOfPagesError",
     "SnapshotError",
     "UnsupportedConfigError",
+    "positive_int",
 ]
 
 
@@ -63,3 +64,29 @@ class CheckpointError(KvattnError, ValueError):
 
 class MissingExtraError(KvattnError, ImportError):
     """A module of an optional extra (`bench`, `generate`) is not installed."""
+
+
+def positive_int(name: str, value, *, error: type[Exception] | None = None, at_most: int | None = None) -> int:
+    """`value` as a Python int, if it is an integer >= 1 (NumPy and 0-d integer arrays included, never a bool).
+
+    With `at_most`, also at most that. Raises `error` if given, else
+    `TypeError` for a value that is not an integer and `ValueError` for one
+    out of range: the check every refusal of a size shares, so it lives
+    with the errors.
+    """
+    import numpy as np  # here, not at the top: `import kvattn.errors` (the CLI's --help) loads no NumPy
+
+    bound = "" if at_most is None else f" of at most {at_most}"
+    if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
+        raise (error or TypeError)(f"{name} must be a positive int{bound}, got {value!r}")
+    if int(value) < 1 or (at_most is not None and int(value) > at_most):
+        raise (error or ValueError)(f"{name} must be a positive int{bound}, got {value!r}")
+    return int(value)
+
+
+def _is_integer(value) -> bool:
+    import numpy as np
+
+    if isinstance(value, (int, np.integer)):
+        return True
+    return getattr(value, "shape", None) == () and np.issubdtype(getattr(value, "dtype", np.float32), np.integer)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-import kvattn.config
+from kvattn import errors
 from kvattn.config import AttentionConfig
 from kvattn.errors import CacheOverflowError, InvalidStateError
 
@@ -132,8 +132,8 @@ def _ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bo
 
 
 def positive_int(value, name: str) -> int:
-    """A count the caller passes (`max_new_tokens`, `chunk`): `config.positive_int`, refused with a `ValueError`."""
-    return kvattn.config.positive_int(name, value, error=ValueError)
+    """A count the caller passes (`max_new_tokens`, `chunk`): `kvattn.errors.positive_int`, refused with a `ValueError`."""
+    return errors.positive_int(name, value, error=ValueError)
 
 
 def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int, batch: int | None = None) -> jax.Array:

@@ -18,12 +18,13 @@ A ring cache (`window=W`, with `S = W` slots) keeps the last W tokens:
 position p lives in slot `p % W`, and `pos` counts every token ever appended,
 up to the int32 limit (`kvattn.config.INT32_MAX`).
 
-`KVCache` implements the cache interface that `kvattn.layer.forward.extend` and the
-layer dispatch on (the paged cache, `kvattn.caches.paged.PagedKVCache`, is the
-other implementation): `fits` (which sequences a call may write), `attend`
-(the attention read, and any write made before it), `commit` (the write
-made after it); and, on the layer's side, `variables` (the `nnx.Cache`
-arrays it needs), `bind` (those arrays, checked, as a cache) and `unbind`.
+`KVCache` is the cache type of the `kvattn.caches.base.Contiguous` spec and
+implements `kvattn.caches.base.CacheType`: `fits` (which sequences a call may
+write), `attend` (the attention read, and any write made before it),
+`commit` (the write left pending, made after the output); and, on the
+layer's side, `variables` (the `nnx.Cache` arrays it needs), `bind` (those
+arrays, checked, as a cache) and `unbind`. It also serves `clear`,
+`truncate`, `fork` and `reorder`.
 
 A sequence whose `pos` is `INVALID_POS` (-1) is poisoned: an out-of-range
 index under `jit` (where nothing can raise) leaves it so. It holds no token,
@@ -35,15 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvattn import kernels
-from kvattn.math import ops
+from kvattn.math import ops, quant
 from kvattn import validation as check
+from kvattn.caches.base import INT32_MAX, Contiguous
 from kvattn.config import AttentionConfig
 from kvattn.math.ops import HEADS_MAJOR, SLOTS_MAJOR
 
@@ -80,15 +82,24 @@ class Stored(NamedTuple):
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=("k", "v", "pos"), meta_fields=("layout", "window", "kernel")
+    jax.tree_util.register_dataclass,
+    data_fields=("k", "v", "pos", "pending"),
+    meta_fields=("layout", "window", "kernel", "length_buckets", "logit_softcap", "block_diagonal"),
 )
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """The decoding state of a batch of sequences, as plain arrays plus its static layout, window and kernel.
+    """The decoding state of a batch of sequences, as plain arrays plus its static facts.
 
-    `pos` is int32 `(B,)`. The fields are typed loosely on purpose: JAX
-    rebuilds pytrees with other leaves (shardings, tracers, placeholders).
+    `pos` is int32 `(B,)`. `pending` is the `(k, v, written)` that `attend`
+    read first and `commit` writes (None outside `extend`). The static
+    facts: `layout`, a ring's `window`, the `kernel` a decode step runs,
+    and what its attention reads with (`length_buckets`, `logit_softcap`,
+    `block_diagonal`: see `kvattn.math.ops`). The fields are typed loosely
+    on purpose: JAX rebuilds pytrees with other leaves (shardings, tracers,
+    placeholders).
     """
+
+    spec: ClassVar[type] = Contiguous
 
     k: Any
     v: Any
@@ -96,6 +107,10 @@ class KVCache:
     layout: str = SLOTS_MAJOR
     window: int | None = None
     kernel: str = "auto"
+    length_buckets: tuple[int, ...] = ()
+    logit_softcap: float | None = None
+    block_diagonal: bool = True
+    pending: Any = None
 
     @property
     def num_slots(self) -> int:
@@ -106,11 +121,51 @@ class KVCache:
 
     # ---------------------------------------------- the interface of a cache type
 
-    def fits(self, lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
-        """Which sequences may append `lengths` tokens: valid, and within `capacity` tokens."""
-        return capacity_ok(self.pos, lengths, capacity)
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence may append in all: its slots, or the int32 limit of `pos` for a ring."""
+        return self.num_slots if self.window is None else INT32_MAX
 
-    def attend(self, q, k, v, lengths, written, *, options: dict, length_buckets, write_first: bool):
+    @classmethod
+    def variables(cls, config: AttentionConfig) -> dict:
+        return variables(config)
+
+    @classmethod
+    def bind(cls, config: AttentionConfig, arrays: dict, **how) -> KVCache:
+        return bind(config, arrays, **how)
+
+    def unbind(self, config: AttentionConfig, *, batched: bool = True) -> dict:
+        return unbind(config, self, batched=batched)
+
+    def fits(self, lengths: Int[Array, " B"]) -> Bool[Array, " B"]:
+        """Which sequences may append `lengths` tokens: valid, and within `capacity` tokens."""
+        return capacity_ok(self.pos, lengths, self.capacity)
+
+    def attend(self, q, k, v, lengths, written, *, write_first: bool):
+        """`(ctx, cache)`: read first, the write left pending for `commit`; or written first (`_read`)."""
+        ctx, cache = self._read(q, k, v, lengths, written, write_first)
+        return ctx, cache if write_first else cache.replace(pending=(k, v, written))
+
+    def commit(self, after) -> KVCache:
+        """The write `attend` left pending (a read first), after the output `after`, so XLA updates donated
+        buffers in place."""
+        if self.pending is None:
+            return self
+        return append(self.replace(pending=None), *self.pending, after=after)
+
+    def clear(self, which: Bool[Array, " B"]) -> KVCache:
+        return clear(self, which)
+
+    def truncate(self, keep: Int[Array, " B"]) -> KVCache:
+        return truncate(self, keep)
+
+    def fork(self, source: Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:
+        return fork(self, source, targets)
+
+    def reorder(self, order: Int[Array, " B"]) -> KVCache:
+        return reorder(self, order)
+
+    def _read(self, q, k, v, lengths, written, write_first: bool):
         """Attention of new queries `(B, T, N, H)` over the cache and the new chunk: `(ctx, cache)`.
 
         Read first (default), attention reads the old cache and the chunk
@@ -125,7 +180,9 @@ class KVCache:
             raise ValueError(f"a ring chunk of {q.shape[1]} tokens must be read first; use write_first only for steps")
         old_pos = self.pos
         cache = append(self, k, v, written) if write_first else self
-        limits = dict(window=self.window, write_first=write_first, logit_softcap=options["logit_softcap"])
+        limits = dict(window=self.window, write_first=write_first, logit_softcap=self.logit_softcap)
+        options = dict(layout=self.layout, window=self.window, block_diagonal=self.block_diagonal,
+                       logit_softcap=self.logit_softcap)
         native_cannot = kernels.native_limits(self.k.values, self.k.scale, self.layout, **limits)
         if q.shape[1] > 1:  # a chunk: the native prefill kernel reads first
             if not write_first and kernels.chunk_route(self.kernel, native_cannot) == "native":
@@ -154,11 +211,8 @@ class KVCache:
 
         # The longest filled prefix of the batch (at most the ring): what the read covers.
         filled = jnp.max(cache.pos) if cache.window is None else jnp.minimum(jnp.max(cache.pos), cache.window)
-        return ops.bucketed(read, (cache.k, cache.v), filled, length_buckets, cache.layout), cache
-
-    def commit(self, k, v, written, *, after, write_first: bool) -> KVCache:
-        """The write `attend` left for later: after the output `after`, so XLA updates donated buffers in place."""
-        return self if write_first else append(self, k, v, written, after=after)
+        return ops.bucketed(read, (cache.k, cache.v), filled, cache.length_buckets or (cache.num_slots,),
+                            cache.layout), cache
 
     def _kernel_read(self, q, k, v, lengths, written, old_pos, write_first: bool, path: str):
         """`attend`'s read on `kvattn.kernels.contiguous_step`: the written cache, or the old one and the new token."""
@@ -178,14 +232,12 @@ def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int)
 def encode(x: Float[Array, "B T K H"], dtype) -> Stored:
     """New keys or values in the storage dtype, with int8 scales.
 
-    int8 is symmetric per token and head: `x ≈ q * scale`, `scale = max|x| / 127`.
+    int8 is `kvattn.math.quant.quantize_rows` per token and head: `x ≈ q * scale`.
     """
     if dtype != jnp.int8:
         return Stored(x.astype(dtype))
-    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
-    safe = jnp.where(scale > 0, scale, 1.0)
-    quantized = jnp.clip(jnp.round(x / safe[..., None]), -127, 127).astype(jnp.int8)
-    return Stored(quantized, scale.astype(jnp.float32))
+    quantized, scale = quant.quantize_rows(x)
+    return Stored(quantized, scale[..., 0])
 
 
 def decode_values(stored: Stored) -> Float[Array, "..."]:
@@ -364,6 +416,8 @@ def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, bat
     cache = KVCache(
         k=Stored(arrays["k_cache"], arrays.get("k_scale")), v=Stored(arrays["v_cache"], arrays.get("v_scale")),
         pos=arrays["pos"], layout=config.layout, window=config.window, kernel=kernels.cache_kernel(config),
+        length_buckets=config.length_buckets, logit_softcap=config.logit_softcap,
+        block_diagonal=not config.heads_split,
     )
     if lengths is not None:
         check.capacity(config, check.state(config, cache.pos), lengths)
@@ -372,9 +426,9 @@ def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, bat
     return cache
 
 
-def unbind(config: AttentionConfig, cache: KVCache) -> dict:
-    """The inverse of `bind`: the arrays to store, by variable name."""
-    if config.batch_size is None:
+def unbind(config: AttentionConfig, cache: KVCache, *, batched: bool = True) -> dict:
+    """The inverse of `bind`: the arrays to store, by variable name (`batched=False`: `cache` is as stored)."""
+    if batched and config.batch_size is None:
         cache = jax.tree.map(lambda a: a[0], cache)
     arrays = {"k_cache": cache.k.values, "v_cache": cache.v.values, "pos": cache.pos.astype(jnp.int32)}
     if cache.k.scale is not None:

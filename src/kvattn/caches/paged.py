@@ -25,9 +25,10 @@ masked by the same `ops.masked_scores` as the contiguous cache. Positions
 are logical: slot s of a view starting at block f holds position
 `f*page + s`.
 
-`PagedKVCache` implements the same cache interface as `kvattn.caches.contiguous.KVCache`
-(`fits`, `attend`, `commit`; `variables`, `bind`, `unbind` on the layer's
-side): it always writes first, then reads. A decode step may read through
+`PagedKVCache` is the cache type of the `kvattn.caches.base.Paged` spec and
+implements `kvattn.caches.base.CacheType` (`fits`, `attend`, `commit`;
+`variables`, `bind`, `unbind` on the layer's side): it always writes first,
+then reads, so `commit` has nothing left to write. A decode step may read through
 jax's Pallas paged-attention kernel instead (`kvattn.kernels.route`), which
 reads the pool where it lies, whole pages at a time.
 """
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +46,9 @@ from jaxtyping import Array, Bool, Int
 from kvattn import kernels
 from kvattn.math import ops
 from kvattn import validation as check
+from kvattn.caches.base import NULL_PAGE, Paged, blocks_spanned
 from kvattn.caches.contiguous import Stored, capacity_ok, encode
-from kvattn.config import NULL_PAGE, AttentionConfig, blocks_spanned
+from kvattn.config import AttentionConfig
 from kvattn.math.ops import SLOTS_MAJOR
 
 __all__ = [
@@ -71,7 +73,7 @@ __all__ = [
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=("k", "v", "table", "pos", "copy_from", "copy_to"),
-    meta_fields=("layout", "window", "kernel"),
+    meta_fields=("layout", "window", "kernel", "max_len", "logit_softcap", "block_diagonal"),
 )
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -81,8 +83,12 @@ class PagedKVCache:
     `(P, page, K, H)`, `"BKSH"` for `(P, K, page, H)`); `window`, if set,
     limits what a query sees to the last `window` positions (pages that fall
     out of it are freed by the host, not overwritten in a ring); `kernel` is
-    `AttentionConfig.decode_kernel` (see `kvattn.kernels`).
+    `AttentionConfig.decode_kernel` (see `kvattn.kernels`); `max_len` caps
+    what a sequence holds (None: its table's blocks); `logit_softcap` and
+    `block_diagonal` are what attention reads with (see `kvattn.math.ops`).
     """
+
+    spec: ClassVar[type] = Paged
 
     k: Any
     v: Any
@@ -93,6 +99,9 @@ class PagedKVCache:
     layout: str = SLOTS_MAJOR
     window: int | None = None
     kernel: str = "auto"
+    max_len: int | None = None
+    logit_softcap: float | None = None
+    block_diagonal: bool = True
 
     @property
     def page_size(self) -> int:
@@ -104,25 +113,41 @@ class PagedKVCache:
 
     @property
     def capacity(self) -> int:
-        """Tokens one sequence may hold: its table's blocks times the page size."""
-        return self.table.shape[1] * self.page_size
+        """Tokens one sequence may hold: `max_len`, at most its table's blocks times the page size."""
+        blocks = self.table.shape[1] * self.page_size
+        return blocks if self.max_len is None else min(self.max_len, blocks)
 
     def replace(self, **changes) -> PagedKVCache:
         return dataclasses.replace(self, **changes)
 
     # ---------------------------------------------- the interface of a cache type
 
-    def fits(self, lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
-        """Which sequences may append `lengths` tokens: valid, within capacity, and every block they write mapped."""
-        return capacity_ok(self.pos, lengths, min(capacity, self.capacity)) & mapped(self, lengths)
+    @classmethod
+    def variables(cls, config: AttentionConfig) -> dict:
+        return variables(config)
 
-    def attend(self, q, k, v, lengths, written, *, options: dict, length_buckets, write_first: bool):
+    @classmethod
+    def bind(cls, config: AttentionConfig, arrays: dict, **how) -> PagedKVCache:
+        return bind(config, arrays, **how)
+
+    def unbind(self, config: AttentionConfig) -> dict:
+        return unbind(config, self)
+
+    def fits(self, lengths: Int[Array, " B"]) -> Bool[Array, " B"]:
+        """Which sequences may append `lengths` tokens: valid, within capacity, and every block they write mapped."""
+        return capacity_ok(self.pos, lengths, self.capacity) & mapped(self, lengths)
+
+    def attend(self, q, k, v, lengths, written, *, write_first: bool):
         """Writes the new tokens (a pool is always written first), then attends over each sequence's pages.
 
         Reads each sequence's blocks a chunk at a time, as many chunks as the
         batch's longest sequence needs (`ops.chunked_cached_attention`): short
         chunks while the longest chunk would hold it whole, else long ones.
+        A pool is written first whatever `write_first` allows (the
+        caller's buffers or not): the read goes through the pool.
         """
+        options = dict(layout=self.layout, window=self.window, block_diagonal=self.block_diagonal,
+                       logit_softcap=self.logit_softcap)
         old_pos = self.pos
         cache = append(self, k, v, written)
         filled = old_pos + written
@@ -155,8 +180,8 @@ class PagedKVCache:
             return read(sizes[0])(cache), cache
         return jax.lax.cond(needed > sizes[-1], read(sizes[-1]), read(sizes[0]), cache), cache
 
-    def commit(self, k, v, written, *, after, write_first: bool) -> PagedKVCache:
-        """Nothing left to write: `attend` wrote first."""
+    def commit(self, after) -> PagedKVCache:
+        """Nothing left pending: `attend` wrote first."""
         return self
 
 
@@ -383,7 +408,8 @@ def bound_pool(config: AttentionConfig, arrays: dict, table, pos, copy_from=None
     return PagedKVCache(
         k=Stored(arrays["k_pages"], arrays.get("k_page_scale")), v=Stored(arrays["v_pages"], arrays.get("v_page_scale")),
         table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=config.layout, window=config.window,
-        kernel=kernels.cache_kernel(config),
+        kernel=kernels.cache_kernel(config), max_len=config.max_len, logit_softcap=config.logit_softcap,
+        block_diagonal=not config.heads_split,
     )
 
 

@@ -2,9 +2,10 @@
 
 The layer is thin: it validates inputs through `kvattn.validation` (raising
 before any state changes), reads its variables, calls the pure step
-(`kvattn.layer.forward.extend`) and cache transitions (`kvattn.caches.contiguous`), and writes
+(`kvattn.layer.forward.extend`) and its cache type's transitions, and writes
 the results back. Its static settings live in one `AttentionConfig`
-(`layer.config`). Internally every path works on a batch; a layer built
+(`layer.config`), whose `cache` spec chooses the cache type
+(`kvattn.caches.registry`), once. Internally every path works on a batch; a layer built
 without `batch_size` holds one sequence and shows the unbatched shapes
 `(max_len, K, H)` and a scalar `pos`. Axis letters follow `kvattn.math.ops`.
 """
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from kvattn.caches import contiguous as cache_ops
 from kvattn.caches import paged as paged_ops
+from kvattn.caches.registry import cache_type
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
 from kvattn.layer.forward import Weights, causal_self_attention, extend
@@ -36,11 +37,12 @@ class MultiHeadAttention(nnx.Module):
     Parameters have the paths and shapes of `flax.nnx.MultiHeadAttention`:
     `query`, `key`, `value` kernels `(D, N|K, H)` and biases `(N|K, H)`; `out`
     kernel `(N, H, D)` and bias `(D,)`. The decoding state lives in
-    `nnx.Cache` variables: `k_cache`, `v_cache` float32 `(max_len, K, H)` (or
-    `(B, max_len, K, H)` with `batch_size`; `K` before `max_len` in the
-    heads-major layout) and `pos`, the next free slot, int32 `()` (or
-    `(B,)`). int8 storage adds `k_scale`, `v_scale`, one float32 per slot and
-    kv head.
+    `nnx.Cache` variables that the cache type names (`kvattn.caches`): for
+    the default `kvattn.Contiguous` cache, keys and values float32
+    `(max_len, K, H)` (or `(B, max_len, K, H)` with `batch_size`; `K` before
+    `max_len` in the heads-major layout), `pos`, the next free slot, int32
+    `()` (or `(B,)`), and int8 storage's scales, one float32 per slot and kv
+    head.
 
     Overflow contract: a layer holds at most `max_len` tokens per sequence.
     Called eagerly, a `step` or `prefill` that would pass it raises
@@ -55,11 +57,13 @@ class MultiHeadAttention(nnx.Module):
 
     Every size and option is a keyword argument normalised once into
     `layer.config`, a frozen `AttentionConfig`, which documents them all
-    (`max_len` or `window`, `head_dim`, `num_kv_heads`, `batch_size`,
-    `use_bias`, `cache_dtype`, `cache_layout`, `length_buckets`, `rope`,
-    `normalize_qk`, `logit_softcap`, `dtype`, `param_dtype`, mesh axes, and
-    `num_pages`/`page_size` for a paged cache); the attributes of the same
-    names read it.
+    (`window`, `head_dim`, `num_kv_heads`, `use_bias`, `rope`,
+    `normalize_qk`, `logit_softcap`, `dtype`, `param_dtype`, mesh axes) and
+    holds the cache as a spec: `cache=kvattn.Contiguous(max_len=...)` or
+    `cache=kvattn.Paged(num_pages=..., page_size=..., max_len=...,
+    batch_size=...)`, or the same as the keywords `max_len`, `batch_size`,
+    `cache_dtype`, `cache_layout`, `length_buckets`, `num_pages`,
+    `page_size`; the attributes of the same names read it.
 
     Args:
       num_heads: query heads N.
@@ -67,8 +71,9 @@ class MultiHeadAttention(nnx.Module):
       kernel_init, bias_init: initializers of the projections, as in Flax.
       out_kernel_init, out_bias_init: those of `out`, if they differ.
       rngs: random streams for the initializers.
-      **options: the fields of `AttentionConfig`, with its defaults:
-        `max_len` or `window` (exactly one), `head_dim`, `qkv_features`,
+      **options: the fields of `AttentionConfig`, with its defaults: `cache`
+        (a spec) or its keywords, `max_len` or `window` (for a contiguous
+        cache exactly one), `head_dim`, `qkv_features`,
         `out_features`, `num_kv_heads`, `batch_size`, `use_bias`, `rope`,
         `normalize_qk`, `qk_norm_eps`, `logit_softcap`, `cache_dtype`,
         `cache_layout`, `length_buckets`, `dtype`, `param_dtype`,
@@ -129,8 +134,11 @@ class MultiHeadAttention(nnx.Module):
             )
             self.query_ln, self.key_ln = norm(), norm()
 
-        # The cache type names its own arrays (`kvattn.caches.contiguous.variables`, `kvattn.caches.paged.variables`).
-        for name, (shape, axes, dtype) in self._cache_type.variables(config).items():
+        self._build_cache()
+
+    def _build_cache(self):
+        """The cache type's `nnx.Cache` variables, zeroed: it names its own arrays (`CacheType.variables`)."""
+        for name, (shape, axes, dtype) in self._cache_type.variables(self.config).items():
             setattr(self, name, nnx.Cache(jnp.zeros(shape, dtype), **self._annotation(axes)))
 
     def _annotation(self, axes) -> dict:
@@ -240,7 +248,7 @@ class MultiHeadAttention(nnx.Module):
             the sequences to empty; the others stay bit-identical.
         """
         cache = self._bind("reset")
-        self._store(cache_ops.clear(cache, check.which(self.config, which)))
+        self._store(cache.clear(check.which(self.config, which)))
 
     def truncate(self, keep):
         """Rolls back: keeps the first `keep` tokens of each sequence and drops the rest.
@@ -263,7 +271,7 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError("truncate is not supported on a windowed layer; reset() it or keep decoding")
         host_pos = check.state(self.config, cache.pos)
         keep = check.keep_counts(self.config, keep, cache.pos if host_pos is None else host_pos)
-        self._store(cache_ops.truncate(cache, jnp.clip(keep, 0, cache.pos)))
+        self._store(cache.truncate(jnp.clip(keep, 0, cache.pos)))
 
     def fork(self, source, targets):
         """Copies sequence `source` (cache and `pos`) into other sequences of the batch.
@@ -279,7 +287,7 @@ class MultiHeadAttention(nnx.Module):
         cache = self._bind("fork")
         check.require_batched(self.config, "fork")
         source = check.sequence_index(self.config, source, "source")
-        self._store(cache_ops.fork(cache, source, check.which(self.config, targets)))
+        self._store(cache.fork(source, check.which(self.config, targets)))
 
     def reorder(self, order):
         """Sequence b becomes what sequence `order[b]` was (beam search selection).
@@ -291,14 +299,14 @@ class MultiHeadAttention(nnx.Module):
         cache = self._bind("reorder")
         check.require_batched(self.config, "reorder")
         order = check.per_sequence_ints(self.config, order, "order", upper=self.config.batch_size - 1)
-        self._store(cache_ops.reorder(cache, order))
+        self._store(cache.reorder(order))
 
     # ---------------------------------------------------------------- internal
 
     @property
     def _cache_type(self):
-        """The module of the layer's cache type (`kvattn.caches.contiguous` or `kvattn.caches.paged`), chosen here only."""
-        return paged_ops if self.config.paged else cache_ops
+        """The layer's cache type, the registry's for its spec (`kvattn.caches.registry`), chosen here only."""
+        return cache_type(self.config.cache)
 
     def _extend(self, xs, lengths, pages=None):
         """Appends `xs` `([B,] T, D)` to the cache and attends; the core of step and prefill."""
@@ -321,7 +329,7 @@ class MultiHeadAttention(nnx.Module):
 
     def _store(self, cache):
         """Writes a cache value back into the `nnx.Cache` variables."""
-        for name, array in self._cache_type.unbind(self.config, cache).items():
+        for name, array in cache.unbind(self.config).items():
             getattr(self, name)[...] = array
 
     def paged_cache(self, table, pos, copy_from=None, copy_to=None) -> paged_ops.PagedKVCache:
@@ -353,12 +361,12 @@ class MultiHeadAttention(nnx.Module):
         )
 
     @property
-    def cache(self) -> cache_ops.KVCache:
+    def cache(self):
         """The decoding state as a `KVCache`, always with a leading batch axis."""
         return self._bind("a contiguous cache view")
 
     @property
-    def stored_cache(self) -> cache_ops.KVCache:
+    def stored_cache(self):
         """The decoding state exactly as the `nnx.Cache` variables hold it (no batch axis added).
 
         Unbatched, its arrays lack the batch axis that the `KVCache` legend

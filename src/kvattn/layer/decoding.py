@@ -66,12 +66,8 @@ def _extend(config: AttentionConfig, weights: Weights | FusedWeights, cache: cac
 
 def _write_back(layer: MultiHeadAttention, stored: cache_ops.KVCache) -> None:
     """Puts new cache arrays into the layer; `set_value` never reads the old (maybe donated) ones."""
-    layer.k_cache.set_value(stored.k.values)
-    layer.v_cache.set_value(stored.v.values)
-    layer.pos.set_value(stored.pos)
-    if stored.k.scale is not None:
-        layer.k_scale.set_value(stored.k.scale)
-        layer.v_scale.set_value(stored.v.scale)
+    for name, array in stored.unbind(layer.config, batched=False).items():
+        getattr(layer, name).set_value(array)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -212,7 +208,7 @@ def _run(layer: MultiHeadAttention, program, args, donate: bool):
 
 
 def _distinct_buffers(stored: cache_ops.KVCache) -> cache_ops.KVCache:
-    """`stored` with any array that appears twice (e.g. `k_cache is v_cache`) copied, so each is donated once."""
+    """`stored` with any array that appears twice (e.g. keys and values one array) copied, so each is donated once."""
     seen = set()
 
     def once(array):

@@ -15,9 +15,8 @@ import jax.numpy as jnp
 
 from kvattn.kernels import dots
 from kvattn.math import norms, ops, quant
-from kvattn.caches.contiguous import KVCache
+from kvattn.caches.base import CacheType
 from kvattn.config import AttentionConfig
-from kvattn.caches.paged import PagedKVCache
 from kvattn.math.rope import apply_rope
 
 __all__ = ["FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "output", "project_qkv"]
@@ -169,7 +168,7 @@ def causal_self_attention(weights: Weights | FusedWeights, xs, *, config: Attent
 @functools.partial(jax.jit, static_argnames=("config", "write_first"))
 def extend(
     weights: Weights | FusedWeights,
-    cache: KVCache | PagedKVCache,
+    cache: CacheType,
     xs,
     lengths,
     *,
@@ -187,31 +186,26 @@ def extend(
     so whatever they hold (NaN included) never reaches an output, and their
     outputs are zeros.
 
-    The cache chooses its own path (`fits`, `attend`, `commit`: see
-    `kvattn.caches.contiguous.KVCache` and `kvattn.caches.paged.PagedKVCache`). `write_first`
-    asks a contiguous cache to write the chunk before attention reads it,
-    one pass with fewer ops per step, which the decoding drivers use on the
-    buffers they own; by default it reads first and writes last, tied to the
-    output, so XLA updates donated buffers in place under any surrounding
-    `jit`. `config` gives the capacity, the length buckets and whether heads
-    are split over devices; the cache carries its own layout and window.
+    The cache chooses its own path (`fits`, `attend`, `commit`: the
+    `kvattn.caches.base.CacheType` interface) and carries its own static
+    facts (capacity, layout, window, what attention reads with). `write_first`
+    lets a cache write the chunk before attention reads it, one pass with
+    fewer ops per step, which the decoding drivers use on the buffers they
+    own; by default a contiguous cache reads first and writes last, tied to
+    the output, so XLA updates donated buffers in place under any
+    surrounding `jit`. `config` describes the attention (projections, norms,
+    rotary positions).
 
     Returns:
       `(ys, cache)`: outputs `(B, T, D)` and the advanced cache.
     """
     real = jnp.arange(xs.shape[1])[None, :] < lengths[:, None]
     xs = jnp.where(real[:, :, None], xs, jnp.zeros((), xs.dtype))
-    fits = cache.fits(lengths, config.capacity)
+    fits = cache.fits(lengths)
     written = jnp.where(fits, lengths, 0)
     q, k, v = attention_inputs(config, weights, xs, cache.pos[:, None] + jnp.arange(xs.shape[1])[None, :])
-    options = dict(
-        layout=cache.layout, window=cache.window, block_diagonal=not config.heads_split,
-        logit_softcap=config.logit_softcap,
-    )
-    ctx, cache = cache.attend(
-        q, k, v, lengths, written, options=options, length_buckets=config.length_buckets, write_first=write_first
-    )
+    ctx, cache = cache.attend(q, k, v, lengths, written, write_first=write_first)
     ys = output(config, weights, ctx, xs)
     ys = jnp.where(real[:, :, None], ys, jnp.zeros((), ys.dtype))  # padding tokens
     ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
-    return ys, cache.commit(k, v, written, after=ys, write_first=write_first)
+    return ys, cache.commit(ys)

@@ -96,7 +96,7 @@ def shard(layer: MultiHeadAttention, mesh: Mesh) -> MultiHeadAttention:
       >>> mesh = make_mesh(data=1, model=1)
       >>> layer = kvattn.MultiHeadAttention(  # annotated, on one device until placed
       ...     2, 8, max_len=16, batch_size=2, data_axis="data", model_axis="model", rngs=nnx.Rngs(0))
-      >>> shard(layer, mesh).k_cache[...].sharding.spec
+      >>> shard(layer, mesh).cache.k.values.sharding.spec
       P('data', None, 'model', None)
 
     Args:

@@ -349,8 +349,11 @@ def rows(kernel: Int8Weights | TiledInt8Weights, ids: Int[Array, "*B"]) -> Int8[
     return unbiased(picked).reshape(*ids.shape, kernel.inputs)
 
 
-def quantize_rows(x: Float[Array, "M D"] | Float[np.ndarray, "M D"]):
-    """Symmetric int8 per row: `(values, scale)` with `x ~= values * scale`, `scale = max|x| / 127` `(M, 1)`.
+def quantize_rows(x: Float[Array, "*M D"] | Float[np.ndarray, "*M D"]):
+    """Symmetric int8 per row: `(values, scale)` with `x ~= values * scale`, `scale = max|x| / 127` `(*M, 1)`.
+
+    The one int8 quantizer: weights (a row per output channel) and the KV
+    cache (a row per token and kv head, `kvattn.caches.contiguous.encode`).
 
     A row of zeros gets scale 1 (it quantizes to zeros either way); a row
     holding NaN or infinity gets a non-finite scale, so its products are

@@ -63,7 +63,7 @@ class Attention(MultiHeadAttention):
 
     def __init__(self, config: AttentionConfig, *, compact: bool, rngs: nnx.Rngs | None):
         # Not MultiHeadAttention.__init__: it would build the four projections apart, which these replace.
-        # The rest is made as it makes it: the config, the per-head norm scales and the cache type's variables.
+        # The rest is made as it makes it: the config, the per-head norm scales and (its own method) the cache.
         if not config.biased("query") == config.biased("key") == config.biased("value"):
             raise ValueError(f"the fused projection needs query, key and value biased alike, got {config.use_bias!r}")
         self.config = config
@@ -75,8 +75,7 @@ class Attention(MultiHeadAttention):
                           compact=compact, rngs=rngs)
         if config.normalize_qk:
             self.query_ln, self.key_ln = HeadScale(head_dim, dtype), HeadScale(head_dim, dtype)
-        for name, (shape, axes, cache_dtype) in self._cache_type.variables(config).items():
-            setattr(self, name, nnx.Cache(jnp.zeros(shape, cache_dtype), **self._annotation(axes)))
+        self._build_cache()
 
     @property
     def weights(self) -> FusedWeights:

@@ -6,7 +6,7 @@ what kvattn accepts, so a config that does not pass is never half read.
 
 from __future__ import annotations
 
-from kvattn import config as checks
+from kvattn import errors
 from kvattn.config import INT32_MAX
 from kvattn.errors import UnsupportedConfigError
 
@@ -15,7 +15,7 @@ __all__ = ["divide", "positive_int", "read", "refuse"]
 
 def positive_int(name: str, value) -> int:
     """`value` as an int in `[1, INT32_MAX]`; refused when it is anything else (a bool, a float, out of range)."""
-    return checks.positive_int(name, value, error=UnsupportedConfigError, at_most=INT32_MAX)
+    return errors.positive_int(name, value, error=UnsupportedConfigError, at_most=INT32_MAX)
 
 
 def read(config: dict, key: str, default=None):

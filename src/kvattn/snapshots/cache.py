@@ -1,9 +1,9 @@
 """A layer's or a model's KV cache on disk: save it, load it back, refuse anything else.
 
 A snapshot is a safetensors file (no pickle) holding the layer's `nnx.Cache`
-variables under their attribute paths (`k_cache`, `v_cache`, `pos`, and
-`k_scale`, `v_scale` for int8 storage; `blocks/0/attention/k_cache`... for a
-module holding several layers) and, in the safetensors string metadata:
+variables under their attribute paths (the names its cache type gives them,
+`kvattn.caches.base.CacheType.variables`, prefixed with the layer's path,
+`blocks/0/attention/...`, in a module holding several layers) and, in the safetensors string metadata:
 
   format               "kvattn.cache_snapshot"
   format_version       "3"
