@@ -108,12 +108,12 @@ def kernel(target: str) -> Kernel:
 
 
 @functools.cache
-def _compiled() -> tuple[dict, dict]:
-    """The compiled module's handlers and this CPU's features; both empty where the extension is not built."""
+def _compiled() -> tuple[dict | None, dict]:
+    """The compiled module's handlers (None where the extension is not built) and this CPU's features."""
     try:
         from kvattn.kernels.native import compiled  # the extension setup.py builds
     except ImportError:
-        return {}, {}
+        return None, {}
     return compiled.handlers(), compiled.cpu_features()
 
 
@@ -127,9 +127,10 @@ def unavailable_reason(target: str) -> str | None:
     """
     entry = kernel(target)
     handlers, features = _compiled()
+    if handlers is None:
+        return "the native extension is not built (no C++ compiler at install, or another platform)"
     if entry.name not in handlers:
-        return "the native extension is not built for this platform" if not handlers else (
-            f"the native extension has no {entry.name!r} (rebuild it)")
+        return f"the native extension has no {entry.name!r}: it compiles the kernels for x86-64 only (or rebuild it)"
     lacking = [feature for feature in entry.features if not features.get(feature)]
     if lacking:
         return f"this CPU lacks {', '.join(lacking)}"

@@ -99,7 +99,6 @@ void Part(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const int32_t
   }
 }
 
-
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
   const auto dims = w.dimensions();
   const int64_t tiles = dims[0], K = dims[1] * kGroup, N = tiles * kTileOutputs;
