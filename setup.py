@@ -6,6 +6,7 @@ without it and XLA runs what the kernels would (`kvattn.kernels.native`). It com
 the XLA FFI headers that jaxlib ships (a build requirement, not imported).
 """
 
+import glob
 import importlib.util
 import os
 
@@ -22,10 +23,8 @@ setup(
     ext_modules=[
         Extension(
             "kvattn.kernels.native.compiled",
-            sources=[
-                f"src/kvattn/kernels/native/{name}.cc"
-                for name in ("module", "int8_dot", "f32_dot", "decode_attention", "prefill_attention")
-            ],
+            # Every kernel is one .cc file that registers itself (native.h, `KVATTN_KERNEL`).
+            sources=sorted(glob.glob("src/kvattn/kernels/native/*.cc")),
             include_dirs=["src", ffi_headers()],  # kvattn/kernels/native/native.h, xla/ffi/api/ffi.h
             depends=["src/kvattn/kernels/native/native.h"],
             extra_compile_args=["-O3", "-std=c++17"],

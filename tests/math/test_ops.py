@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvattn.kernels import dots
 from kvattn.caches import contiguous as cache_ops
-from kvattn import kernels
-from kvattn.kernels import native
-from kvattn.math import ops
 from kvattn.config import default_length_buckets
+from kvattn.math import ops
 from tests.reference import assert_close
 from tests.reference import attention as reference_attention
 
@@ -138,8 +132,6 @@ CHUNK_PATHS = {
         q, kn, vn, fresh, jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2), cached, ops.SLOTS_MAJOR),
     "ops.cached_attention": lambda q, kn, vn, kc, vc, cached, fresh: ops.cached_attention(
         q, fresh, kc, vc, cached, ops.HEADS_MAJOR),
-    "kvattn.kernels.native.prefill_attention": lambda q, kn, vn, kc, vc, cached, fresh: kernels.contiguous_chunk(
-        q, kn, vn, fresh, kc, vc, cached),
 }
 
 
@@ -150,8 +142,6 @@ def test_a_nan_or_inf_spreads_as_in_float64_and_only_to_the_queries_that_see_it(
 
     A masked key or value (later in the chunk, unfilled, padding) adds nothing, not 0 * NaN.
     """
-    if path.startswith("kvattn.kernels.native") and not native.available(native.PREFILL_ATTENTION):
-        pytest.skip("kvattn's native prefill kernel is not built or cannot run here")
     if poison in XLA_LEAKS.get(path, ()):
         request.applymarker(pytest.mark.xfail(reason=XLA_LEAK, strict=True))
     rng = np.random.default_rng(3)
@@ -194,13 +184,10 @@ STEP_POISONS = {
 }
 
 
-@pytest.mark.parametrize("native_kernel", [False, True], ids=["ops.cached_attention", "kvattn.kernels.native"])
 @pytest.mark.parametrize("poison", STEP_POISONS)
-def test_a_decode_step_over_a_nan_or_inf_gives_what_float64_gives(native_kernel, poison, request):
-    """One query over 10 of 16 slots: `decode_kernel="auto"`'s CPU kernel and its XLA twin against float64."""
-    if native_kernel and not native.available(native.DECODE_ATTENTION):
-        pytest.skip("kvattn's native decode kernel is not built or cannot run here")
-    if not native_kernel and poison == "NaN and inf past the visible slots":
+def test_a_decode_step_over_a_nan_or_inf_gives_what_float64_gives(poison, request):
+    """One query over 10 of 16 slots on XLA against float64 (the native kernels: `tests/kernels/test_native.py`)."""
+    if poison == "NaN and inf past the visible slots":
         request.applymarker(pytest.mark.xfail(reason=XLA_LEAK, strict=True))
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 1, 2, WIDTH)).astype(np.float32)
@@ -214,73 +201,10 @@ def test_a_decode_step_over_a_nan_or_inf_gives_what_float64_gives(native_kernel,
             v_cache[0, 0, slot:] = np.inf
     one, visible = jnp.ones(1, jnp.int32), jnp.full(1, 10, jnp.int32)
     q, k_cache, v_cache = (jnp.asarray(x) for x in (q, k_cache, v_cache))
-    if native_kernel:
-        step = jax.jit(kernels.contiguous_step, static_argnames=("layout", "native_kernel"))
-        got = step(q, one, k_cache, v_cache, visible, layout=ops.HEADS_MAJOR, native_kernel=True)
-    else:
-        got = jax.jit(ops.cached_attention, static_argnames="layout")(q, one, k_cache, v_cache, visible - 1,
-                                                                      layout=ops.HEADS_MAJOR)
+    got = jax.jit(ops.cached_attention, static_argnames="layout")(q, one, k_cache, v_cache, visible - 1,
+                                                                  layout=ops.HEADS_MAJOR)
     keys, values = (np.asarray(x[0]).transpose(1, 0, 2)[:10] for x in (k_cache, v_cache))
     assert_close(got[0], reference_attention(np.asarray(q[0]), keys, values, [9]))
-
-
-# ------------------------------------------------ kvattn.kernels.native's wrappers: checked in Python, per kernel
-
-F32, I32 = np.float32, np.int32
-WRAPPER_MISUSES = [
-    (native.int8_dot, [(3, 32), (2, 7, 16, 4)], [np.int8, np.uint8], ValueError,
-     r"rows \(M, D\) and tiles .*; got int8\(3, 32\), uint8\(2, 7, 16, 4\)"),
-    (native.int8_dot, [(3, 32), (2, 8, 16, 4)], [np.int16, np.uint8], TypeError, "rows must be int8, got int16"),
-    (native.f32_dot, [(3, 8), (2, 8, 16)], [np.float64, F32], TypeError, "rows must be float32, got float64"),
-    (native.f32_dot, [(3, 8), (2, 9, 16)], [F32, F32], ValueError, r"got float32\(3, 8\), float32\(2, 9, 16\)"),
-    (native.decode_attention, [(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (2,)], [F32, F32, F32, I32],
-     ValueError, r"visible \(B,\); got .*int32\(2,\)"),
-    (native.decode_attention, [(1, 2, 1, 12), (1, 2, 5, 12), (1, 2, 5, 12), (1,)], [F32, F32, F32, I32],
-     ValueError, "H a multiple of 16"),
-    (native.decode_attention, [(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,)], [F32, F32, F32, np.int64],
-     TypeError, "visible must be int32, got int64"),
-    (native.prefill_attention, [(1, 3, 3, 16), (1, 3, 2, 16), (1, 3, 2, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,),
-                                (1,)], [F32] * 5 + [I32] * 2, ValueError, "K dividing N"),
-    (native.prefill_attention, [(1, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,),
-                                (1,)], [F32, F32, F32, jnp.bfloat16, F32, I32, I32], TypeError,
-     "k_cache must be float32, got bfloat16"),
-]
-
-
-@pytest.mark.parametrize("call, shapes, dtypes, error, match", WRAPPER_MISUSES)
-def test_a_native_kernel_names_the_shapes_and_dtypes_it_expected_and_got(call, shapes, dtypes, error, match):
-    """Refused in Python, before the FFI handler (whose one fixed sentence named neither)."""
-    with pytest.raises(error, match=match):
-        call(*(np.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)))
-
-
-def test_a_native_kernel_called_first_registers_itself():
-    """A fresh process calls a kernel before `available()`: it registers first, or says why it cannot run."""
-    program = (
-        "import numpy as np\nfrom kvattn.kernels import native\n"
-        "rows, panels = np.ones((2, 8), 'f4'), np.ones((1, 8, 16), 'f4')\n"
-        "try:\n    print(float(native.f32_dot(rows, panels).sum()))\nexcept RuntimeError as error:\n    print(error)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "256.0" if native.available(native.F32_DOT) else "available('kvattn_f32_dot') is False" in out
-
-
-def test_each_native_kernel_needs_only_the_cpu_features_it_uses(monkeypatch):
-    """On a CPU with AVX512F but no VNNI, only the int8 dot is lost: the float32 dot and attention remain."""
-    if not native.available(native.F32_DOT):
-        pytest.skip("kvattn's native float32 kernels are not built or cannot run here")
-    registered = native._registered()
-    monkeypatch.setattr(native, "_registered", lambda: registered - {native.INT8_DOT})
-    native.available.cache_clear()
-    try:
-        assert [native.available(name) for name in native.KERNELS] == [False, True, True, True]
-        assert not native.available() and not dots.use_tiles(32, 8) and dots.use_panels(32, jnp.float32)
-        with pytest.raises(RuntimeError, match="kvattn.kernels.native.int8_dot cannot run here"):
-            native.int8_dot(jnp.zeros((1, 8), jnp.int8), jnp.zeros((2, 2, 16, 4), jnp.uint8))
-        with pytest.raises(ValueError, match="one of .* or None, got 'kvattn_gemm'"):
-            native.available("kvattn_gemm")
-    finally:
-        native.available.cache_clear()
 
 
 @settings(max_examples=10)

@@ -47,7 +47,7 @@ from kvattn.math import ops, quant
 from kvattn import validation as check
 from kvattn.caches.base import INT32_MAX, Contiguous
 from kvattn.config import AttentionConfig
-from kvattn.math.ops import HEADS_MAJOR, SLOTS_MAJOR
+from kvattn.math.ops import SLOTS_MAJOR
 
 __all__ = [
     "INVALID_POS",
@@ -173,31 +173,15 @@ class KVCache:
         tokens now and reads the cache alone (one pass, fewer ops per step). A
         ring chunk of several tokens cannot be written first (a later token
         would overwrite a slot an earlier one still sees): refused. A decode
-        step may run on a Pallas or native kernel instead (`kvattn.kernels.route`),
-        a chunk read first on the native prefill kernel (`kvattn.kernels.chunk_route`).
+        step or chunk may run on a Pallas or native kernel instead: the route
+        picks (`kvattn.kernels.contiguous_attention`).
         """
         if write_first and self.window is not None and q.shape[1] > 1:
             raise ValueError(f"a ring chunk of {q.shape[1]} tokens must be read first; use write_first only for steps")
         old_pos = self.pos
         cache = append(self, k, v, written) if write_first else self
-        limits = dict(window=self.window, write_first=write_first, logit_softcap=self.logit_softcap)
         options = dict(layout=self.layout, window=self.window, block_diagonal=self.block_diagonal,
                        logit_softcap=self.logit_softcap)
-        native_cannot = kernels.native_limits(self.k.values, self.k.scale, self.layout, **limits)
-        if q.shape[1] > 1:  # a chunk: the native prefill kernel reads first
-            if not write_first and kernels.chunk_route(self.kernel, native_cannot) == "native":
-                ctx = kernels.contiguous_chunk(q, k, v, lengths, self.k.values, self.v.values, old_pos)
-                return ctx, cache
-            path = "xla"
-        else:
-            path = kernels.route(
-                self.kernel,
-                kernels.contiguous_limits(self.k.values, self.k.scale, self.layout, **limits),
-                in_place=self.layout == HEADS_MAJOR,
-                native_cannot=native_cannot,
-            )
-        if path != "xla":
-            return cache._kernel_read(q, k, v, lengths, written, old_pos, write_first, path), cache
 
         def read(kv):
             (k_cache, k_scale), (v_cache, v_scale) = kv
@@ -209,19 +193,17 @@ class KVCache:
                 q, k, v, lengths, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
             )
 
-        # The longest filled prefix of the batch (at most the ring): what the read covers.
-        filled = jnp.max(cache.pos) if cache.window is None else jnp.minimum(jnp.max(cache.pos), cache.window)
-        return ops.bucketed(read, (cache.k, cache.v), filled, cache.length_buckets or (cache.num_slots,),
-                            cache.layout), cache
+        def on_xla():  # the longest filled prefix of the batch (at most the ring): what the read covers
+            filled = jnp.max(cache.pos) if cache.window is None else jnp.minimum(jnp.max(cache.pos), cache.window)
+            return ops.bucketed(read, (cache.k, cache.v), filled, cache.length_buckets or (cache.num_slots,),
+                                cache.layout)
 
-    def _kernel_read(self, q, k, v, lengths, written, old_pos, write_first: bool, path: str):
-        """`attend`'s read on `kvattn.kernels.contiguous_step`: the written cache, or the old one and the new token."""
-        how = {"interpret": path == "interpret", "native_kernel": path == "native"}
-        if write_first:  # a ring written first holds exactly the window up to the new token
-            visible = self.pos if self.window is None else jnp.minimum(self.pos, self.window)
-            return kernels.contiguous_step(q, written, self.k.values, self.v.values, visible, self.layout, **how)
-        return kernels.contiguous_step(q, lengths, self.k.values, self.v.values, old_pos, self.layout, new=(k, v),
-                                       **how)
+        ctx = kernels.contiguous_attention(
+            q, k, v, lengths, written, cache.k.values, cache.v.values, cache.k.scale, old_pos, cache.pos,
+            mode=self.kernel, layout=self.layout, window=self.window, write_first=write_first,
+            logit_softcap=self.logit_softcap, on_xla=on_xla,
+        )
+        return ctx, cache
 
 
 def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:

@@ -151,9 +151,7 @@ class PagedKVCache:
         old_pos = self.pos
         cache = append(self, k, v, written)
         filled = old_pos + written
-        path = "xla" if q.shape[1] > 1 else kernels.route(
-            self.kernel, kernels.paged_limits(self.k.values, self.layout, window=self.window)
-        )
+        path = kernels.paged_path(self.kernel, q.shape[1], self.k.values, self.layout, window=self.window)
         if path != "xla":
             cache = zero_page_tails(cache, filled, written)
             ctx = kernels.paged_step(

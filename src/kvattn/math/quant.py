@@ -240,9 +240,6 @@ class PanelWeights(Form):
         return jnp.asarray(self.panels)[ids // PANEL_OUTPUTS, :, ids % PANEL_OUTPUTS].astype(dtype)
 
 
-# The name `kvattn.kernels.native` still builds its self-test operand with; "kernel" now means a compute kernel.
-Int8Kernel = Int8Weights
-
 
 def is_form(weights) -> bool:
     """Whether `weights` is a `Form` rather than a plain float array (a form is read as it is, never converted)."""
@@ -397,5 +394,3 @@ def dequantize(kernel: Int8Weights | TiledInt8Weights) -> Float[Array, " D *F"]:
     """The float32 kernel `(D, *F)` an int8 kernel stands for."""
     kernel = untile(kernel)
     return jnp.moveaxis(kernel.values.astype(jnp.float32) * kernel.scale[..., None], -1, 0)
-
-

@@ -1,132 +1,185 @@
 """kvattn's native kernels for XLA:CPU, called from jitted programs through XLA's FFI.
 
-- `int8_dot` (`int8_dot.cc`): the int8 dot of `kvattn.math.quant`, int8 rows by
-  int8 weights laid out once in AVX512-VNNI's tile order, into exact int32.
-- `f32_dot` (`f32_dot.cc`): the float32 dot of `kvattn.math.quant`'s panel
-  kernels, rows by weights laid out once as contiguous panels of 16 outputs.
+- `int8_dot` (`int8_dot.cc`): the int8 dot of `kvattn.kernels.dots`, int8
+  rows by int8 weights laid out once in AVX512-VNNI's tile order
+  (`kvattn.math.quant.tile`), into exact int32.
+- `f32_dot` (`f32_dot.cc`): the float32 dot of panel kernels, rows by
+  weights laid out once as contiguous panels of 16 outputs
+  (`kvattn.math.quant.panel`).
 - `decode_attention` (`decode_attention.cc`): one query per sequence and
   head over a contiguous float32 heads-major cache, unnormalised with its
-  residuals, as `kvattn.kernels.contiguous_step` takes jax's Pallas GPU
-  kernel's.
+  residuals, as jax's Pallas GPU decode kernel returns them.
 - `prefill_attention` (`prefill_attention.cc`): a chunk of new tokens over
   a contiguous float32 heads-major cache and causally over themselves,
   `kvattn.math.ops.attention` without a window or a soft-cap.
 
-They are compiled with the package (`setup.py`) where a C++ compiler is
-found, and each is used only where it can run: the extension is present,
-the CPU has the instructions that kernel uses (AVX512F; the int8 dot also
-AVX512BW and AVX512-VNNI), and JAX accepted its FFI target and got its
-result on a small input through it (`available`). Everywhere else XLA runs
-what it would. Every wrapper checks its operands' shapes and dtypes before
-they reach the FFI handler, and registers its kernel first, or says why it
-cannot run here.
+`KERNELS` lists them once, each with its checked wrapper, its XLA twin (the
+same function in `jax.numpy`, on any backend, agreeing on every input, NaN
+and inf included), the CPU features it uses and a small example input. From
+that table follow: registration with XLA (only where the extension is
+built, the CPU has that kernel's features, and the kernel agrees with its
+twin on its example through JAX: `available`), the FFI call's output shapes
+(the twin's), and derivatives (the twin's, through `jax.custom_jvp`). The
+route (`kvattn.kernels.route`) uses a kernel only where it is available;
+everywhere else XLA runs the twin. Every wrapper checks its operands'
+shapes and dtypes before they reach the FFI handler, and registers its
+kernel first, or says why it cannot run here.
+
+A new kernel is its `.cc` file (which registers itself, `native.h`), its
+wrapper, twin and example here with one `Kernel` entry in `KERNELS`, and
+its lines in the shared harness (`tests/kernels/test_native.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8, Int32, UInt8
 
-from kvattn.math import ops
+from kvattn.math import ops, quant
 
 __all__ = [
-    "DECODE_ATTENTION", "F32_DOT", "INT8_DOT", "KERNELS", "PREFILL_ATTENTION", "available", "decode_attention",
-    "f32_dot", "f32_dot_on_xla", "int8_dot", "prefill_attention",
+    "DECODE_ATTENTION",
+    "F32_DOT",
+    "INT8_DOT",
+    "KERNELS",
+    "PREFILL_ATTENTION",
+    "Kernel",
+    "available",
+    "decode_attention",
+    "decode_attention_on_xla",
+    "f32_dot",
+    "f32_dot_on_xla",
+    "int8_dot",
+    "int8_dot_on_xla",
+    "kernel",
+    "prefill_attention",
+    "prefill_attention_on_xla",
+    "unavailable_reason",
 ]
 
-# The FFI targets' names, registered for the CPU platform on first use.
+# The FFI targets' names ("kvattn_" and the kernel's name), registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
 F32_DOT = "kvattn_f32_dot"
 DECODE_ATTENTION = "kvattn_decode_attention"
 PREFILL_ATTENTION = "kvattn_prefill_attention"
 
 
-KERNELS = (INT8_DOT, F32_DOT, DECODE_ATTENTION, PREFILL_ATTENTION)
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One native kernel: what the registration, the self-test, the derivatives and the harness read.
+
+    Attributes:
+      name: the kernel's name in the compiled module (its `.cc`'s `KVATTN_KERNEL`); its FFI target is
+        `"kvattn_" + name`.
+      wrapper: the public, checked function (`int8_dot`, ...).
+      twin: the same function in `jax.numpy`, on any backend: the kernel's outputs' shapes and dtypes, its
+        derivatives, and the answer it must agree with.
+      features: the CPU features (`compiled.cpu_features()` names) the kernel's instructions need.
+      example: `rng -> arguments`, a small valid input; the self-test runs the kernel on it against the twin.
+      differentiable: whether its derivatives are the twin's (an integer dot has none).
+      tolerance: how far the kernel may stray from the twin (0: bit for bit).
+    """
+
+    name: str
+    wrapper: Callable
+    twin: Callable
+    features: tuple[str, ...]
+    example: Callable[[np.random.Generator], tuple]
+    differentiable: bool = True
+    tolerance: float = 1e-5
+
+    @property
+    def target(self) -> str:
+        return "kvattn_" + self.name
+
+
+def kernel(target: str) -> Kernel:
+    """The entry of `KERNELS` whose FFI target is `target` (`INT8_DOT`, ...)."""
+    for entry in KERNELS:
+        if entry.target == target:
+            return entry
+    raise ValueError(f"kvattn.kernels.native takes one of {[k.target for k in KERNELS]}, got {target!r}")
 
 
 @functools.cache
-def _registered() -> frozenset[str]:
-    """The kernels this CPU can run, registered with JAX; empty where the extension is not built."""
+def _compiled() -> tuple[dict | None, dict]:
+    """The compiled module's handlers (None where the extension is not built) and this CPU's features."""
     try:
         from kvattn.kernels.native import compiled  # the extension setup.py builds
     except ImportError:
-        return frozenset()
-    supported = compiled.supported()
-    runs = frozenset(name for name in KERNELS if supported[name.removeprefix("kvattn_")])
-    for name in runs:
-        jax.ffi.register_ffi_target(name, getattr(compiled, name.removeprefix("kvattn_"))(), platform="cpu")
-    return runs
+        return None, {}
+    return compiled.handlers(), compiled.cpu_features()
 
 
 @functools.cache
-def available(kernel: str | None = None) -> bool:
-    """Whether `kernel` (one of `KERNELS`; None: every one) is built, can run on this CPU, and works through JAX.
+def unavailable_reason(target: str) -> str | None:
+    """Why the kernel `target` cannot run here, or None: it is then registered with XLA and passed its self-test.
 
-    A small input through the compiled call, against NumPy's answer, checks
-    each: an FFI mismatch between the jaxlib the extension was built against
-    and this one fails here rather than in a model's program.
+    The self-test runs the kernel's example through a jitted FFI call
+    against its twin: an FFI mismatch between the jaxlib the extension was
+    built against and this one fails here rather than in a model's program.
     """
-    if kernel is None:
-        return all(available(name) for name in KERNELS)
-    if kernel not in KERNELS:
-        raise ValueError(f"kvattn.kernels.native.available takes one of {KERNELS} or None, got {kernel!r}")
-    if kernel not in _registered():
-        return False
+    entry = kernel(target)
+    handlers, features = _compiled()
+    if handlers is None:
+        return "the native extension is not built (no C++ compiler at install, or another platform)"
+    if entry.name not in handlers:
+        return f"the native extension has no {entry.name!r}: it compiles the kernels for x86-64 only (or rebuild it)"
+    lacking = [feature for feature in entry.features if not features.get(feature)]
+    if lacking:
+        return f"this CPU lacks {', '.join(lacking)}"
     try:
+        jax.ffi.register_ffi_target(entry.target, handlers[entry.name], platform="cpu")
         with jax.ensure_compile_time_eval():
-            return _SELF_TESTS[kernel](np.random.default_rng(0))
-    except Exception:  # noqa: BLE001 - any failure (an FFI mismatch included): XLA's path instead
-        return False
+            arguments = entry.example(np.random.default_rng(0))
+            got = jax.tree.leaves(jax.jit(_call(target))(*arguments))
+            want = jax.tree.leaves(jax.jit(entry.twin)(*arguments))
+        agree = all(np.allclose(a, b, rtol=entry.tolerance, atol=entry.tolerance) for a, b in zip(got, want, strict=True))
+    except Exception as error:  # noqa: BLE001 - any failure (an FFI mismatch included): XLA's path instead
+        return f"it failed its self-test through JAX ({type(error).__name__}: {error})"
+    return None if agree else "it disagreed with its XLA twin in its self-test"
 
 
-def _int8_dot_works(rng) -> bool:
-    from kvattn.math import quant
+def available(target: str | None = None) -> bool:
+    """Whether the kernel `target` (`INT8_DOT`, ...; None: every one) is built, runs on this CPU, and works through JAX.
 
-    rows = rng.integers(-128, 128, (3, 8), dtype=np.int8)
-    values = rng.integers(-127, 128, (16, 8), dtype=np.int8)
-    got = np.asarray(jax.jit(_int8_call)(rows, quant.tile(quant.Int8Kernel(values, None)).tiles))
-    return bool((got == rows.astype(np.int32) @ values.astype(np.int32).T).all())
-
-
-def _f32_dot_works(rng) -> bool:
-    rows, kernel = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
-    got = np.asarray(jax.jit(_f32_call)(rows, kernel.reshape(8, 1, 16).transpose(1, 0, 2)))
-    return bool(np.allclose(got, rows.astype(np.float64) @ kernel, rtol=1e-5, atol=1e-5))
+    See `unavailable_reason`.
+    """
+    if target is None:
+        return all(available(entry.target) for entry in KERNELS)
+    return unavailable_reason(target) is None
 
 
-def _decode_attention_works(rng) -> bool:
-    q, k_cache, v_cache = rng.standard_normal((3, 1, 1, 3, 16)).astype(np.float32)
-    visible = np.array([3], np.int32)
-    got = jax.jit(_decode_call)(q[:, :, :1], k_cache, v_cache, visible)
-    want = _decode_sums(*(jnp.asarray(x) for x in (q[:, :, :1], k_cache, v_cache, visible)))
-    return all(np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want, strict=True))
+@functools.cache
+def _call(target: str):
+    """The kernel's FFI call: its outputs shaped as its twin's; differentiable as its twin."""
+    entry = kernel(target)
 
+    def call(*arguments):
+        shapes = jax.eval_shape(entry.twin, *arguments)
+        got = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")(*arguments)
+        return tuple(got) if isinstance(shapes, tuple) else got
 
-def _prefill_attention_works(rng) -> bool:
-    q, k_new, v_new = rng.standard_normal((3, 1, 2, 1, 16)).astype(np.float32)
-    k_cache, v_cache = rng.standard_normal((2, 1, 1, 3, 16)).astype(np.float32)
-    arrays = (q, k_new, v_new, k_cache, v_cache, np.array([2], np.int32), np.array([2], np.int32))
-    got = jax.jit(_prefill_call)(*arrays)
-    return bool(np.allclose(got, _chunk_on_xla(*(jnp.asarray(x) for x in arrays)), rtol=1e-5, atol=1e-5))
-
-
-_SELF_TESTS = {
-    INT8_DOT: _int8_dot_works, F32_DOT: _f32_dot_works, DECODE_ATTENTION: _decode_attention_works,
-    PREFILL_ATTENTION: _prefill_attention_works,
-}
+    if not entry.differentiable:
+        return call
+    call = jax.custom_jvp(call)
+    call.defjvp(lambda primals, tangents: jax.jvp(entry.twin, primals, tangents))
+    return call
 
 
 def _ready(kernel: str, caller: str):
     """Registers `kernel` (through `available`), or raises saying why `caller` cannot run here."""
-    if not available(kernel):
+    reason = unavailable_reason(kernel)
+    if reason is not None:
         raise RuntimeError(
-            f"kvattn.kernels.native.{caller} cannot run here: its kernel is not built, this CPU lacks the instructions it "
-            f"uses, or it failed its check through JAX (kvattn.kernels.native.available({kernel!r}) is False); use its XLA "
-            "twin, or let kvattn.kernels and kvattn.math.quant choose"
+            f"kvattn.kernels.native.{caller} cannot run here: {reason}; use {caller}_on_xla, its XLA twin, or let "
+            "kvattn.kernels.route choose"
         )
 
 
@@ -163,7 +216,7 @@ def int8_dot(
     _expect(rows.ndim == 2 and tiles.ndim == 4 and tiles.shape[2:] == (16, 4) and rows.shape[1] == 4 * tiles.shape[1],
             "int8_dot", "rows (M, D) and tiles (N / 16, D / 4, 16, 4)", rows, tiles)
     _ready(INT8_DOT, "int8_dot")
-    return _int8_call(rows, tiles)
+    return _call(INT8_DOT)(rows, tiles)
 
 
 def f32_dot(
@@ -186,7 +239,7 @@ def f32_dot(
     _expect(rows.ndim == 2 and panels.ndim == 3 and panels.shape[2] == 16 and rows.shape[1] == panels.shape[1],
             "f32_dot", "rows (M, D) and panels (N / 16, D, 16)", rows, panels)
     _ready(F32_DOT, "f32_dot")
-    return _f32_call(rows, panels)
+    return _call(F32_DOT)(rows, panels)
 
 
 def decode_attention(
@@ -217,7 +270,7 @@ def decode_attention(
             "decode_attention", "q (B, K, G, H) with H a multiple of 16, caches (B, K, S, H), visible (B,)",
             q, k_cache, v_cache, visible)
     _ready(DECODE_ATTENTION, "decode_attention")
-    return _decode_call(q, k_cache, v_cache, visible)
+    return _call(DECODE_ATTENTION)(q, k_cache, v_cache, visible)
 
 
 def prefill_attention(
@@ -252,27 +305,28 @@ def prefill_attention(
             "q (B, T, N, H) with H a multiple of 16, new keys and values (B, T, K, H) with K dividing N, caches "
             "(B, K, S, H), lengths (B,)", q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
     _ready(PREFILL_ATTENTION, caller)
-    return _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
+    return _call(PREFILL_ATTENTION)(q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
 
 
-# An FFI call has no derivatives of its own: each kernel takes those of its XLA twin (`kvattn.math.ops.attention`
-# for a chunk; for a step, the same unnormalised sums in jax.numpy, which kvattn.math.ops never forms; for the
-# float32 dot, the dot of the kernel the panels lay out), so a cached layer or a model differentiates on the
-# native path as on XLA's.
+# ------------------------------------------------------------------ the XLA twins
 
 
-def _derivatives_of(twin):
-    """A `jax.custom_jvp` of the decorated kernel call whose derivatives are `twin`'s."""
-
-    def wrap(kernel):
-        call = jax.custom_jvp(kernel)
-        call.defjvp(lambda primals, tangents: jax.jvp(twin, primals, tangents))
-        return call
-
-    return wrap
+def int8_dot_on_xla(rows: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) -> Int32[Array, "M N"]:
+    """What `int8_dot` computes, as XLA's int32 dot of the values `tiles` lays out, on any backend."""
+    weights = jnp.transpose(quant.unbiased(tiles), (0, 2, 1, 3)).reshape(-1, rows.shape[-1])
+    return jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
-def _decode_sums(q, k_cache, v_cache, visible):
+def f32_dot_on_xla(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
+    """What `f32_dot` computes, as XLA's dot of the kernel the panels lay out, on any backend."""
+    return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
+
+
+def decode_attention_on_xla(
+    q: Float[Array, "B K G H"], k_cache: Float[Array, "B K S H"], v_cache: Float[Array, "B K S H"],
+    visible: Int32[Array, " B"],
+) -> tuple[Float[Array, "B K G H"], Float[Array, "B K G"], Float[Array, "B K G"]]:
+    """What `decode_attention` computes, in `jax.numpy`: the unnormalised sums `kvattn.math.ops` never forms."""
     seen = jnp.arange(k_cache.shape[2])[None, None, None, :] < visible[:, None, None, None]
     scores = jnp.where(seen, jnp.einsum("bkgh,bksh->bkgs", q, k_cache), -jnp.inf)
     top = jnp.max(scores, axis=-1)
@@ -284,38 +338,41 @@ def _decode_sums(q, k_cache, v_cache, visible):
     return jnp.einsum("bkgs,bksh->bkgh", weights, values), jnp.sum(weights, axis=-1), top
 
 
-def _chunk_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
+def prefill_attention_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len) -> Float[Array, "B T N H"]:
+    """What `prefill_attention` computes: `kvattn.math.ops.attention` over heads-major caches."""
     return ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, ops.HEADS_MAJOR)
 
 
-def f32_dot_on_xla(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
-    """What `f32_dot` computes, as XLA's dot of the kernel the panels lay out: it runs on any backend, and its
-    derivatives are `f32_dot`'s."""
-    return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
+# ------------------------------------------------- examples (the self-tests' inputs)
 
 
-def _int8_call(rows, tiles):
-    out = jax.ShapeDtypeStruct((rows.shape[0], tiles.shape[0] * tiles.shape[2]), jnp.int32)
-    return jax.ffi.ffi_call(INT8_DOT, out, vmap_method="sequential")(rows, tiles)
+def _int8_example(rng):
+    rows = rng.integers(-128, 128, (3, 8), dtype=np.int8)
+    values = rng.integers(-127, 128, (16, 8), dtype=np.int8)
+    return rows, quant.tile(quant.Int8Weights(values, None)).tiles
 
 
-@_derivatives_of(f32_dot_on_xla)
-def _f32_call(rows, panels):
-    out = jax.ShapeDtypeStruct((rows.shape[0], panels.shape[0] * panels.shape[2]), jnp.float32)
-    return jax.ffi.ffi_call(F32_DOT, out, vmap_method="sequential")(rows, panels)
+def _f32_example(rng):
+    rows, weights = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
+    return rows, weights.reshape(8, 1, 16).transpose(1, 0, 2)
 
 
-@_derivatives_of(_decode_sums)
-def _decode_call(q, k_cache, v_cache, visible):
-    batch, heads, group, _ = q.shape
-    residual = jax.ShapeDtypeStruct((batch, heads, group), jnp.float32)
-    out = (jax.ShapeDtypeStruct(q.shape, jnp.float32), residual, residual)
-    return jax.ffi.ffi_call(DECODE_ATTENTION, out, vmap_method="sequential")(q, k_cache, v_cache, visible)
+def _decode_example(rng):
+    q, k_cache, v_cache = rng.standard_normal((3, 1, 1, 3, 16)).astype(np.float32)
+    return q[:, :, :1], k_cache, v_cache, np.array([3], np.int32)
 
 
-@_derivatives_of(_chunk_on_xla)
-def _prefill_call(q, k_new, v_new, k_cache, v_cache, cache_len, new_len):
-    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(PREFILL_ATTENTION, out, vmap_method="sequential")(
-        q, k_new, v_new, k_cache, v_cache, cache_len, new_len
-    )
+def _prefill_example(rng):
+    q, k_new, v_new = rng.standard_normal((3, 1, 2, 1, 16)).astype(np.float32)
+    k_cache, v_cache = rng.standard_normal((2, 1, 1, 3, 16)).astype(np.float32)
+    return q, k_new, v_new, k_cache, v_cache, np.array([2], np.int32), np.array([2], np.int32)
+
+
+# The kernels, once: what registers, self-tests and differentiates each, and what the harness runs.
+KERNELS = (
+    Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx512f", "avx512bw", "avx512vnni"), _int8_example,
+           differentiable=False, tolerance=0.0),
+    Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx512f",), _f32_example),
+    Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx512f",), _decode_example),
+    Kernel("prefill_attention", prefill_attention, prefill_attention_on_xla, ("avx512f",), _prefill_example),
+)

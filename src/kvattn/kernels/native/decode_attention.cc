@@ -29,7 +29,6 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::HasAvx512;
 
 namespace {
 
@@ -83,12 +82,6 @@ KVATTN_AVX512 void Pair(const float* q, const float* keys, const float* values, 
   }
 }
 
-#else
-
-void Pair(const float*, const float*, const float*, int64_t, int64_t, int64_t, float*, float*, float*,
-          std::vector<float>&) {}
-
-#endif  // KVATTN_X86
 
 using Rank4 = ffi::Buffer<ffi::F32, 4>;
 using Rank3 = ffi::Buffer<ffi::F32, 3>;
@@ -96,7 +89,6 @@ using Lengths = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Lengths visible, ffi::Result<Rank4> o,
                    ffi::Result<Rank3> total, ffi::Result<Rank3> top) {
-  if (!HasAvx512()) return Failed("kvattn's decode attention needs AVX512F, which this CPU lacks");
   const auto qd = q.dimensions(), kd = keys.dimensions();
   const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], S = kd[2];
   const auto vd = values.dimensions();
@@ -121,15 +113,8 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Leng
   });
 }
 
-}  // namespace
+KVATTN_KERNEL(decode_attention, Attend);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnDecodeAttention, Attend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rank4>()
-                                  .Arg<Rank4>()
-                                  .Arg<Rank4>()
-                                  .Arg<Lengths>()
-                                  .Ret<Rank4>()
-                                  .Ret<Rank3>()
-                                  .Ret<Rank3>());
+#endif  // KVATTN_X86
+
+}  // namespace

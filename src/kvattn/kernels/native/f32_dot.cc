@@ -20,7 +20,6 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::HasAvx512;
 
 namespace {
 
@@ -90,14 +89,8 @@ void Part(const float* a, int64_t M, int64_t K, const float* w, float* out, int6
   }
 }
 
-#else
-
-void Part(const float*, int64_t, int64_t, const float*, float*, int64_t, int64_t, int64_t) {}
-
-#endif  // KVATTN_X86
 
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, Panels w, ffi::ResultBuffer<ffi::F32> out) {
-  if (!HasAvx512()) return Failed("kvattn's float32 dot needs AVX512F, which this CPU lacks");
   const auto dims = w.dimensions();
   const auto shape = a.dimensions();
   const int64_t panels = dims[0], K = dims[1], N = panels * kLanes;
@@ -114,11 +107,8 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, Panels w, ffi::Re
   });
 }
 
-}  // namespace
+KVATTN_KERNEL(f32_dot, Dot);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnF32Dot, Dot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<Panels>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#endif  // KVATTN_X86
+
+}  // namespace

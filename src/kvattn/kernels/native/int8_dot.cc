@@ -27,7 +27,6 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::HasAvx512Vnni;
 
 namespace {
 
@@ -100,17 +99,7 @@ void Part(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const int32_t
   }
 }
 
-#else
-
-void Part(const int8_t*, int64_t, int64_t, const uint8_t*, const int32_t*, int32_t*, int64_t, int64_t,
-          int64_t) {}
-
-#endif  // KVATTN_X86
-
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
-  if (!HasAvx512Vnni()) {
-    return Failed("kvattn's int8 dot needs AVX512F, AVX512BW and AVX512-VNNI, which this CPU lacks");
-  }
   const auto dims = w.dimensions();
   const int64_t tiles = dims[0], K = dims[1] * kGroup, N = tiles * kTileOutputs;
   if (dims[2] != kTileOutputs || dims[3] != kGroup || a.dimensions().size() == 0 || a.dimensions().back() != K ||
@@ -133,11 +122,8 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
   });
 }
 
-}  // namespace
+KVATTN_KERNEL(int8_dot, Dot);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnInt8Dot, Dot,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<TiledWeights>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+#endif  // KVATTN_X86
+
+}  // namespace

@@ -1,49 +1,43 @@
-// The Python module `kvattn.kernels.native.compiled`: each kernel's XLA FFI handler as a PyCapsule, and
-// `supported()`, which of them this CPU can run: each needs only the instructions it uses (the int8 dot
-// AVX512F, AVX512BW and AVX512-VNNI; the others AVX512F).
+// The Python module `kvattn.kernels.native.compiled`: `handlers()`, each compiled kernel's XLA FFI handler
+// as a PyCapsule by name (every kernel file joins through `KVATTN_KERNEL`, so nothing here names one), and
+// `cpu_features()`, which of the instructions kernels use this CPU has. Python's table of kernels says which
+// features each needs and registers it only where the CPU has them all.
 
 #include <Python.h>
 
 #include "kvattn/kernels/native/native.h"
-#include "xla/ffi/api/c_api.h"
-
-extern "C" XLA_FFI_Error* KvattnInt8Dot(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* KvattnF32Dot(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* KvattnDecodeAttention(XLA_FFI_CallFrame* call_frame);
-extern "C" XLA_FFI_Error* KvattnPrefillAttention(XLA_FFI_CallFrame* call_frame);
 
 namespace {
 
-PyObject* Int8Dot(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&KvattnInt8Dot), nullptr, nullptr);
+PyObject* Handlers(PyObject*, PyObject*) {
+  PyObject* handlers = PyDict_New();
+  if (handlers == nullptr) return nullptr;
+  for (const kvattn::Kernel& kernel : kvattn::Kernels()) {
+    PyObject* capsule = PyCapsule_New(reinterpret_cast<void*>(kernel.handler), nullptr, nullptr);
+    if (capsule == nullptr || PyDict_SetItemString(handlers, kernel.name, capsule) < 0) {
+      Py_XDECREF(capsule);
+      Py_DECREF(handlers);
+      return nullptr;
+    }
+    Py_DECREF(capsule);
+  }
+  return handlers;
 }
 
-PyObject* F32Dot(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&KvattnF32Dot), nullptr, nullptr);
-}
-
-PyObject* DecodeAttention(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&KvattnDecodeAttention), nullptr, nullptr);
-}
-
-PyObject* PrefillAttention(PyObject*, PyObject*) {
-  return PyCapsule_New(reinterpret_cast<void*>(&KvattnPrefillAttention), nullptr, nullptr);
-}
-
-PyObject* Supported(PyObject*, PyObject*) {
-  const bool avx512 = kvattn::HasAvx512(), vnni = kvattn::HasAvx512Vnni();
-  return Py_BuildValue("{s:O,s:O,s:O,s:O}", "int8_dot", vnni ? Py_True : Py_False, "f32_dot",
-                       avx512 ? Py_True : Py_False, "decode_attention", avx512 ? Py_True : Py_False,
-                       "prefill_attention", avx512 ? Py_True : Py_False);
+PyObject* CpuFeatures(PyObject*, PyObject*) {
+#ifdef KVATTN_X86
+  __builtin_cpu_init();
+  return Py_BuildValue("{s:O,s:O,s:O}", "avx512f", __builtin_cpu_supports("avx512f") ? Py_True : Py_False,
+                       "avx512bw", __builtin_cpu_supports("avx512bw") ? Py_True : Py_False, "avx512vnni",
+                       __builtin_cpu_supports("avx512vnni") ? Py_True : Py_False);
+#else
+  return PyDict_New();  // no x86 instructions, and no kernel compiled that would use them
+#endif
 }
 
 PyMethodDef kMethods[] = {
-    {"int8_dot", Int8Dot, METH_NOARGS, "The XLA FFI handler of the int8 dot, as a PyCapsule."},
-    {"f32_dot", F32Dot, METH_NOARGS, "The XLA FFI handler of the float32 dot, as a PyCapsule."},
-    {"decode_attention", DecodeAttention, METH_NOARGS, "The XLA FFI handler of decode attention, as a PyCapsule."},
-    {"prefill_attention", PrefillAttention, METH_NOARGS,
-     "The XLA FFI handler of prefill (chunk) attention, as a PyCapsule."},
-    {"supported", Supported, METH_NOARGS, "Each kernel's name and whether this CPU has what it uses."},
+    {"handlers", Handlers, METH_NOARGS, "Each compiled kernel's XLA FFI handler, as a PyCapsule, by name."},
+    {"cpu_features", CpuFeatures, METH_NOARGS, "Which instructions the kernels use this CPU has, by name."},
     {nullptr, nullptr, 0, nullptr},
 };
 

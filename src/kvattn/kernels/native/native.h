@@ -1,12 +1,20 @@
-// What kvattn's native kernels share: the CPU checks, a handler's refusal, the split over XLA's thread pool,
-// exp, and a maximum that keeps NaN.
+// What kvattn's native kernels share: the registry each kernel joins (`KVATTN_KERNEL`), a handler's refusal,
+// the split over XLA's thread pool, exp, and a maximum that keeps NaN.
+//
+// A kernel is one .cc file: its code inside `#ifdef KVATTN_X86` (the instructions it uses named in its
+// functions' target attributes), ending with `KVATTN_KERNEL(name, Handler);`. The handler's FFI binding is
+// read from its signature; the module (`module.cc`) hands every registered kernel to Python, which checks
+// the CPU features the kernel's entry in `kvattn.kernels.native`'s table names before registering it with
+// XLA. Off x86-64 no kernel is compiled, so none is registered and Python reports each as unsupported.
 
 #ifndef KVATTN_NATIVE_NATIVE_H_
 #define KVATTN_NATIVE_NATIVE_H_
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
+#include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -17,23 +25,23 @@
 
 namespace kvattn {
 
-// Whether this CPU has AVX512F, all that the float32 kernels (the float32 dot, both attentions) use.
-inline bool HasAvx512() {
-#ifdef KVATTN_X86
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
+// A compiled kernel: the name its table entry and FFI target take (without the "kvattn_" prefix), and its
+// XLA FFI handler.
+struct Kernel {
+  const char* name;
+  XLA_FFI_Handler* handler;
+};
+
+// Every kernel compiled into the module, in the order their files were linked.
+inline std::vector<Kernel>& Kernels() {
+  static std::vector<Kernel> kernels;
+  return kernels;
 }
 
-// Whether this CPU has AVX512F, AVX512BW and AVX512-VNNI, which the int8 dot is compiled for.
-inline bool HasAvx512Vnni() {
-#ifdef KVATTN_X86
-  return HasAvx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
+// Adds a kernel to `Kernels()` when the module is loaded (a namespace-scope object of each kernel's file).
+struct Registration {
+  Registration(const char* name, XLA_FFI_Handler* handler) { Kernels().push_back({name, handler}); }
+};
 
 // A handler's result that fails with `message` (an invalid argument), as an already completed future.
 inline xla::ffi::Future Failed(const char* message) {
@@ -58,6 +66,21 @@ xla::ffi::Future Split(xla::ffi::ThreadPool& pool, int64_t items, int64_t most_p
   }
   return future;
 }
+
+}  // namespace kvattn
+
+// A handler's thread pool, bound from its signature as the other parameters are (`KVATTN_KERNEL`).
+template <>
+struct xla::ffi::CtxBinding<xla::ffi::ThreadPool> {
+  using Ctx = xla::ffi::ThreadPool;
+};
+
+// Registers `handler` (an `ffi::Future handler(ffi::ThreadPool, arguments..., results...)`) as kernel `name`.
+#define KVATTN_KERNEL(name, handler)                        \
+  XLA_FFI_DEFINE_HANDLER_AUTO(kvattn_##name##_ffi, handler); \
+  const ::kvattn::Registration kvattn_##name##_registration(#name, kvattn_##name##_ffi)
+
+namespace kvattn {
 
 #ifdef KVATTN_X86
 

@@ -24,7 +24,6 @@
 
 namespace ffi = xla::ffi;
 using kvattn::Failed;
-using kvattn::HasAvx512;
 
 namespace {
 
@@ -161,19 +160,12 @@ KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, co
   }
 }
 
-#else
-
-void Pair(const Shape&, int64_t, int64_t, const float*, const float*, const float*, const float*, const float*,
-          int64_t, int64_t, float*, Scratch&) {}
-
-#endif  // KVATTN_X86
 
 using Rank4 = ffi::Buffer<ffi::F32, 4>;
 using Lengths = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank4 k_cache, Rank4 v_cache,
                    Lengths cache_len, Lengths new_len, ffi::Result<Rank4> out) {
-  if (!HasAvx512()) return Failed("kvattn's prefill attention needs AVX512F, which this CPU lacks");
   const auto qd = q.dimensions(), nd = k_new.dimensions(), cd = k_cache.dimensions();
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = nd[2], S = cd[2];
   const auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
@@ -198,16 +190,8 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank
   });
 }
 
-}  // namespace
+KVATTN_KERNEL(prefill_attention, Attend);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvattnPrefillAttention, Attend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<Rank4>()
-                                  .Arg<Rank4>()
-                                  .Arg<Rank4>()
-                                  .Arg<Rank4>()
-                                  .Arg<Rank4>()
-                                  .Arg<Lengths>()
-                                  .Arg<Lengths>()
-                                  .Ret<Rank4>());
+#endif  // KVATTN_X86
+
+}  // namespace

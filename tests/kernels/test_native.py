@@ -1,0 +1,396 @@
+"""One harness for kvattn's native kernels (`kvattn.kernels.native.KERNELS`), parametrised over the table.
+
+Every kernel, on a small grid of shapes, equals its XLA twin and a float64
+reference; NaN and inf in its inputs spread as in float64; its derivatives
+are its twin's; bad shapes and dtypes are refused in Python with a message
+naming what was expected and what came. A kernel joins with one `Harness`
+entry in `HARNESS` (its cases, its non-finite inputs, its misuses).
+Everything here skips a kernel that is not available on this machine, but
+the table itself (features, registration) is checked everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvattn
+from kvattn.kernels import dots, native
+from kvattn.layer.forward import extend
+from kvattn.math import quant
+from tests.math.test_ops import CACHED, FRESH, POISONS, XLA_LEAKS, poison_chunk
+from tests.reference import attention as reference_attention
+
+F32, I32 = np.float32, np.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Harness:
+    """What the shared tests need of one kernel.
+
+    Attributes:
+      cases: `rng -> {id: (arguments, float64 outputs)}`, a small grid of valid shapes.
+      poisons: `rng -> {id: (arguments, float64 outputs)}`, NaN and inf in the inputs.
+      misuses: `(shapes, dtypes, error, match)` the wrapper refuses before the FFI.
+      twin_leaks: poisons the XLA twin does not yet follow float64 on (a known gap, #33).
+    """
+
+    cases: Callable[[np.random.Generator], dict]
+    poisons: Callable[[np.random.Generator], dict] = lambda rng: {}
+    misuses: tuple = ()
+    twin_leaks: frozenset = frozenset()
+
+
+# ------------------------------------------------------------------ int8_dot
+
+
+def _int8_case(rng, rows, groups, tiles):
+    a = rng.integers(-128, 128, (rows, 4 * groups), dtype=np.int8)
+    w = rng.integers(-128, 128, (16 * tiles, 4 * groups), dtype=np.int8)
+    a[0, :2], w[0, :2] = (-128, 127), (-128, -128)  # int8's extremes
+    return (a, quant.tile(quant.Int8Weights(w, None)).tiles), a.astype(np.int64) @ w.astype(np.int64).T
+
+
+def _int8_cases(rng):
+    # Blocks of eight rows and the rest, tiles read four, two and one at a time, and 37 tiles: every thread of
+    # XLA's pool takes an uneven part.
+    shapes = {"1x4x16": (1, 1, 1), "9x160x96": (9, 40, 6), "8x8x32": (8, 2, 2), "9x64x592": (9, 16, 37)}
+    return {name: _int8_case(rng, *shape) for name, shape in shapes.items()}
+
+
+# ------------------------------------------------------------------- f32_dot
+
+
+def _f32_case(rng, rows, inputs, panels, poison=None):
+    x = rng.standard_normal((rows, inputs)).astype(np.float32)
+    kernel = rng.standard_normal((inputs, 16 * panels)).astype(np.float32)
+    if poison == "a NaN row":
+        x[1, 3] = np.nan
+    elif poison == "an inf weight":
+        kernel[2, 5] = np.inf
+    return (x, quant.panel(kernel).panels), x.astype(np.float64) @ kernel.astype(np.float64)
+
+
+def _f32_cases(rng):
+    shapes = {"0x5x16": (0, 5, 1), "1x24x48": (1, 24, 3), "9x70x128": (9, 70, 8), "21x1x32": (21, 1, 2)}
+    return {name: _f32_case(rng, *shape) for name, shape in shapes.items()}
+
+
+def _f32_poisons(rng):
+    return {poison: _f32_case(rng, 3, 8, 2, poison) for poison in ("a NaN row", "an inf weight")}
+
+
+# ---------------------------------------------------------- decode_attention
+
+
+def _decode_sums64(q, keys, values, visible):
+    """The unnormalised softmax sums in float64, NaN and inf spreading as they do there."""
+    o, total = np.zeros(q.shape), np.zeros(q.shape[:-1])
+    top = np.full(q.shape[:-1], -np.inf)
+    for b in range(len(q)):
+        if visible[b]:
+            scores = np.einsum("kgh,ksh->kgs", q[b].astype(np.float64), keys[b, :, : visible[b]].astype(np.float64))
+            top[b] = scores.max(-1)
+            weights = np.exp(scores - top[b][..., None])
+            o[b], total[b] = np.einsum("kgs,ksh->kgh", weights, values[b, :, : visible[b]]), weights.sum(-1)
+    return o, total, top
+
+
+def _decode_case(rng, batch, kv_heads, group, head_dim, slots, spread, visible):
+    q = (spread * rng.standard_normal((batch, kv_heads, group, head_dim))).astype(np.float32)
+    keys, values = rng.standard_normal((2, batch, kv_heads, slots, head_dim)).astype(np.float32)
+    visible = np.asarray(visible, np.int32)
+    return (q, keys, values, visible), _decode_sums64(q, keys, values, visible)
+
+
+def _decode_cases(rng):
+    # Every visible count from none to all; head dims of one to four vectors; large scores.
+    return {
+        "mha-none-visible": _decode_case(rng, 1, 1, 1, 16, 5, 1.0, [0]),
+        "gqa3-ragged": _decode_case(rng, 3, 2, 3, 32, 19, 1.0, [19, 7, 1]),
+        "gqa4-spread8": _decode_case(rng, 2, 3, 4, 64, 70, 8.0, [70, 33]),
+    }
+
+
+STEP_POISONS = {  # slot, head dims, value; one query over 10 of 16 slots
+    "a NaN key": (3, 0, np.nan), "an inf key": (3, slice(None), np.inf), "a NaN query": None,
+    "a NaN in the last visible slot": (9, 0, np.nan), "NaN and inf past the visible slots": (10, slice(None), np.nan),
+}
+
+
+def _decode_poisons(rng):
+    cases = {}
+    for poison, where in STEP_POISONS.items():
+        q = rng.standard_normal((1, 1, 2, 16)).astype(np.float32)
+        keys, values = rng.standard_normal((2, 1, 1, 16, 16)).astype(np.float32)
+        if where is None:
+            q[0, 0, 1, 2] = np.nan
+        else:
+            slot, dims, value = where
+            keys[0, 0, slot:slot + 1, dims] = value
+            if slot == 10:
+                values[0, 0, slot:] = np.inf
+        visible = np.array([10], np.int32)
+        cases[poison] = (q, keys, values, visible), _decode_sums64(q, keys, values, visible)
+    return cases
+
+
+# --------------------------------------------------------- prefill_attention
+
+
+def _chunk64(q, k_new, v_new, keys, values, cache_len, new_len):
+    """Each real query against float64 over exactly the keys it sees; padding queries give zeros."""
+    want = np.zeros(q.shape)
+    for b in range(len(q)):
+        k_seq = np.concatenate([keys[b, :, : cache_len[b]].transpose(1, 0, 2), k_new[b]])
+        v_seq = np.concatenate([values[b, :, : cache_len[b]].transpose(1, 0, 2), v_new[b]])
+        for t in range(new_len[b]):
+            seen = cache_len[b] + t + 1
+            want[b, t : t + 1] = reference_attention(q[b, t : t + 1], k_seq[:seen], v_seq[:seen], [seen - 1])
+    return want
+
+
+def _prefill_case(rng, batch, kv_heads, group, new, head_dim, slots, spread, cache_len, new_len):
+    q = (spread * rng.standard_normal((batch, new, kv_heads * group, head_dim))).astype(np.float32)
+    k_new, v_new = rng.standard_normal((2, batch, new, kv_heads, head_dim)).astype(np.float32)
+    keys, values = rng.standard_normal((2, batch, kv_heads, slots, head_dim)).astype(np.float32)
+    args = (q, k_new, v_new, keys, values, np.asarray(cache_len, np.int32), np.asarray(new_len, np.int32))
+    return args, _chunk64(*args)
+
+
+def _prefill_cases(rng):
+    # Rows in blocks of four (a group of 3 splits a token across blocks), keys in pairs of 16, head dims past 64
+    # in two passes over the values; every fill from none to all, ragged and padding rows.
+    return {
+        "mha-empty-cache": _prefill_case(rng, 1, 1, 1, 1, 16, 1, 1.0, [0], [1]),
+        "gqa3-ragged-padding": _prefill_case(rng, 3, 2, 3, 11, 32, 40, 1.0, [40, 0, 17], [11, 4, 0]),
+        "gqa2-h80-spread8": _prefill_case(rng, 2, 1, 2, 5, 80, 33, 8.0, [33, 2], [5, 5]),
+        "h128": _prefill_case(rng, 1, 2, 2, 3, 128, 9, 0.1, [9], [2]),
+    }
+
+
+def _prefill_poisons(rng):
+    cases = {}
+    for poison in POISONS:
+        q = rng.standard_normal((2, 6, 2, 16)).astype(np.float32)
+        k_new, v_new = rng.standard_normal((2, 2, 6, 1, 16)).astype(np.float32)
+        keys, values = rng.standard_normal((2, 2, 1, 12, 16)).astype(np.float32)
+        poison_chunk(poison, q, k_new, v_new, keys, values)
+        args = (q, k_new, v_new, keys, values, CACHED, FRESH)
+        cases[poison] = args, _chunk64(*args)
+    return cases
+
+
+# ------------------------------------------------------------------ the harness
+
+HARNESS = {
+    native.INT8_DOT: Harness(_int8_cases, misuses=(
+        ([(3, 32), (2, 7, 16, 4)], [np.int8, np.uint8], ValueError,
+         r"rows \(M, D\) and tiles .*; got int8\(3, 32\), uint8\(2, 7, 16, 4\)"),
+        ([(3, 32), (2, 8, 16, 4)], [np.int16, np.uint8], TypeError, "rows must be int8, got int16"),
+    )),
+    native.F32_DOT: Harness(_f32_cases, _f32_poisons, misuses=(
+        ([(3, 8), (2, 8, 16)], [np.float64, F32], TypeError, "rows must be float32, got float64"),
+        ([(3, 8), (2, 9, 16)], [F32, F32], ValueError, r"got float32\(3, 8\), float32\(2, 9, 16\)"),
+    )),
+    native.DECODE_ATTENTION: Harness(_decode_cases, _decode_poisons, misuses=(
+        ([(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (2,)], [F32, F32, F32, I32], ValueError,
+         r"visible \(B,\); got .*int32\(2,\)"),
+        ([(1, 2, 1, 12), (1, 2, 5, 12), (1, 2, 5, 12), (1,)], [F32, F32, F32, I32], ValueError, "H a multiple of 16"),
+        ([(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,)], [F32, F32, F32, np.int64], TypeError,
+         "visible must be int32, got int64"),
+    )),
+    native.PREFILL_ATTENTION: Harness(_prefill_cases, _prefill_poisons, twin_leaks=frozenset(XLA_LEAKS), misuses=(
+        ([(1, 3, 3, 16), (1, 3, 2, 16), (1, 3, 2, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,), (1,)], [F32] * 5 + [I32] * 2,
+         ValueError, "K dividing N"),
+        ([(1, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,), (1,)],
+         [F32, F32, F32, jnp.bfloat16, F32, I32, I32], TypeError, "k_cache must be float32, got bfloat16"),
+    )),
+}
+KERNELS = [pytest.param(entry, id=entry.name) for entry in native.KERNELS]
+
+
+def test_every_kernel_in_the_table_has_a_harness_and_a_compiled_handler_where_it_is_built():
+    assert set(HARNESS) == {entry.target for entry in native.KERNELS}
+    handlers, _ = native._compiled()
+    if handlers:  # built: the C++ side registers exactly the table's kernels
+        assert set(handlers) == {entry.name for entry in native.KERNELS}
+
+
+def _needs(entry):
+    if not native.available(entry.target):
+        pytest.skip(f"{entry.name}: {native.unavailable_reason(entry.target)}")
+
+
+@functools.cache
+def _compiled(entry):
+    return jax.jit(entry.wrapper), jax.jit(entry.twin)
+
+
+def _check(entry, arguments, want, *, twin: bool = True):
+    kernel, xla = _compiled(entry)
+    got = jax.tree.leaves(kernel(*arguments))
+    wants = want if isinstance(want, tuple) else (want,)
+    for index, (g, w) in enumerate(zip(got, wants, strict=True)):
+        # NaN and inf exactly where float64 has them; finite values close (integers: equal).
+        tolerance = 0 if entry.tolerance == 0 else 1e-5
+        atol = tolerance * max(1, arguments[0].shape[-1]) if entry.name == "f32_dot" else tolerance
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=tolerance, atol=atol, err_msg=f"output {index}")
+    if twin:
+        for g, t in zip(got, jax.tree.leaves(xla(*arguments)), strict=True):
+            np.testing.assert_allclose(g, t, rtol=entry.tolerance, atol=entry.tolerance or 0)
+
+
+@pytest.mark.parametrize("entry", KERNELS)
+def test_each_kernel_equals_its_twin_and_float64_over_a_grid_of_shapes(entry):
+    _needs(entry)
+    for name, (arguments, want) in HARNESS[entry.target].cases(np.random.default_rng(0)).items():
+        try:
+            _check(entry, arguments, want)
+        except AssertionError as error:
+            raise AssertionError(f"{entry.name} on {name}") from error
+
+
+@pytest.mark.parametrize("entry", KERNELS)
+def test_nan_and_inf_spread_as_in_float64(entry):
+    """Non-finite keys, values, queries or rows: NaN and inf exactly where float64 puts them, and only there."""
+    _needs(entry)
+    harness = HARNESS[entry.target]
+    for name, (arguments, want) in harness.poisons(np.random.default_rng(1)).items():
+        try:
+            _check(entry, arguments, want, twin=name not in harness.twin_leaks)
+        except AssertionError as error:
+            raise AssertionError(f"{entry.name} with {name}") from error
+
+
+@pytest.mark.parametrize("entry", [p for p in KERNELS if p.values[0].differentiable])
+def test_derivatives_are_the_twins(entry):
+    """An FFI call has no derivatives of its own: each kernel takes its twin's (`jax.custom_jvp`)."""
+    _needs(entry)
+    arguments = [jnp.asarray(x) for x in entry.example(np.random.default_rng(2))]
+    floats = tuple(i for i, x in enumerate(arguments) if jnp.issubdtype(x.dtype, jnp.floating))
+    probe = jax.tree.map(lambda s: jnp.asarray(np.random.default_rng(3).standard_normal(s.shape), s.dtype),
+                         jax.eval_shape(entry.twin, *arguments))
+
+    def loss(call, *arguments):
+        return sum(jnp.sum(jnp.tanh(o) * p) for o, p in zip(jax.tree.leaves(call(*arguments)),
+                                                            jax.tree.leaves(probe), strict=True))
+
+    got = jax.grad(functools.partial(loss, entry.wrapper), argnums=floats)(*arguments)
+    want = jax.grad(functools.partial(loss, entry.twin), argnums=floats)(*arguments)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("entry", "shapes", "dtypes", "error", "match"),
+    [pytest.param(entry, *misuse, id=f"{entry.name}-{i}") for entry in native.KERNELS
+     for i, misuse in enumerate(HARNESS[entry.target].misuses)],
+)
+def test_a_kernel_names_the_shapes_and_dtypes_it_expected_and_got(entry, shapes, dtypes, error, match):
+    """Refused in Python, before the FFI handler (and whether or not the kernel runs here)."""
+    with pytest.raises(error, match=match):
+        entry.wrapper(*(np.zeros(shape, dtype) for shape, dtype in zip(shapes, dtypes, strict=True)))
+
+
+# ------------------------------------------------------------------ the table's other promises
+
+
+def test_each_kernel_needs_only_the_cpu_features_it_uses(monkeypatch):
+    """On a CPU with AVX512F but no VNNI, only the int8 dot is lost: the float32 dot and attention remain."""
+    handlers, features = native._compiled()
+    monkeypatch.setattr(native, "_compiled", lambda: (handlers, {**features, "avx512vnni": False}))
+    reasons = {entry.name: entry.features for entry in native.KERNELS}
+    assert "avx512vnni" in reasons["int8_dot"] and all("avx512vnni" not in f for n, f in reasons.items() if n != "int8_dot")
+    if handlers:
+        assert native.unavailable_reason.__wrapped__(native.INT8_DOT) == "this CPU lacks avx512vnni"
+    with pytest.raises(ValueError, match="one of .*, got 'kvattn_gemm'"):
+        native.available("kvattn_gemm")
+
+
+def test_a_kernel_is_self_tested_at_registration(monkeypatch):
+    """A kernel that disagrees with its twin on its example is not used (an FFI mismatch fails here)."""
+    entry = native.kernel(native.F32_DOT)
+    if not native._compiled()[0]:
+        pytest.skip("the native extension is not built here")
+    wrong = dataclasses.replace(entry, twin=lambda rows, panels: native.f32_dot_on_xla(rows, panels) + 1)
+    monkeypatch.setattr(native, "KERNELS", tuple(wrong if e is entry else e for e in native.KERNELS))
+    monkeypatch.setattr(native, "_call", native._call.__wrapped__)  # uncached: built from the patched table
+    assert native.unavailable_reason.__wrapped__(native.F32_DOT) == "it disagreed with its XLA twin in its self-test"
+
+
+def test_a_kernel_called_first_registers_itself():
+    """A fresh process calls a kernel before `available()`: it registers first, or says why it cannot run."""
+    program = (
+        "import numpy as np\nfrom kvattn.kernels import native\n"
+        "rows, panels = np.ones((2, 8), 'f4'), np.ones((1, 8, 16), 'f4')\n"
+        "try:\n    print(float(native.f32_dot(rows, panels).sum()))\nexcept RuntimeError as error:\n    print(error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
+    if native.available(native.F32_DOT):
+        assert out.strip() == "256.0"
+    else:
+        assert "kvattn.kernels.native.f32_dot cannot run here" in out
+
+
+def test_an_unavailable_kernel_says_why_and_the_dots_fall_back(monkeypatch):
+    monkeypatch.setattr(native, "unavailable_reason", lambda target: "this CPU lacks avx512vnni")
+    with pytest.raises(RuntimeError, match="int8_dot cannot run here: this CPU lacks avx512vnni; use int8_dot_on_xla"):
+        native.int8_dot(jnp.zeros((1, 8), jnp.int8), jnp.zeros((2, 2, 16, 4), jnp.uint8))
+    assert not dots.use_tiles(32, 8) and not dots.use_panels(32, jnp.float32)
+
+
+def test_the_f32_dot_gives_each_row_the_same_bits_alone():
+    """A row's bits do not depend on the rows computed beside it (a prompt's chunks and a batch's rows agree)."""
+    entry = native.kernel(native.F32_DOT)
+    _needs(entry)
+    (x, panels), _ = _f32_case(np.random.default_rng(4), 21, 70, 8)
+    got = np.asarray(native.f32_dot(x, panels))
+    for row in (0, 8, 20):
+        np.testing.assert_array_equal(np.asarray(native.f32_dot(x[row:row + 1], panels))[0], got[row])
+
+
+def test_a_cached_layer_differentiates_on_the_native_kernels_as_on_xla():
+    """Through a layer: a ragged prefill (the prefill kernel) then a step (the decode kernel), against XLA's."""
+    for target in (native.DECODE_ATTENTION, native.PREFILL_ATTENTION):
+        _needs(native.kernel(target))
+    rng = np.random.default_rng(2)
+    xs, x = (jnp.asarray(rng.standard_normal((*shape, 64)).astype(np.float32)) for shape in ((3, 5), (3,)))
+    lengths = jnp.asarray([5, 3, 0], jnp.int32)
+    grads = {}
+    for kernel in ("auto", "xla"):
+        built = kvattn.MultiHeadAttention(4, 64, num_kv_heads=2, batch_size=3, rngs=nnx.Rngs(0), max_len=16,
+                                          cache_layout="heads_major", decode_kernel=kernel)
+
+        def loss(weights, xs, x, built=built):
+            ys, cache = extend(weights, built.cache, xs, lengths, config=built.config)
+            y, _ = extend(weights, cache, x[:, None], jnp.ones((3,), jnp.int32), config=built.config)
+            return jnp.sum(ys**2) + jnp.sum(jnp.sin(y))
+
+        grads[kernel] = jax.grad(loss, argnums=(0, 1, 2))(built.weights, xs, x)
+    for got, want in zip(jax.tree.leaves(grads["auto"]), jax.tree.leaves(grads["xla"]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def _has_vnni() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    return platform.machine() == "x86_64" and all(f" {flag}" in flags for flag in ("avx512bw", "avx512_vnni"))
+
+
+def test_every_kernel_is_built_and_runs_where_the_cpu_has_vnni():
+    """A build that silently failed would only make models slower, every other test still passing: not here."""
+    if not _has_vnni():
+        pytest.skip("this CPU lacks AVX512-VNNI, which the native int8 dot needs")
+    assert native.available(), {entry.name: native.unavailable_reason(entry.target) for entry in native.KERNELS}
