@@ -124,13 +124,13 @@ class PagedHarness:
         return layer.prefill(xs, jnp.asarray(counts, jnp.int32), pages=pages)
 
     def lengths(self, layer) -> list[int]:
-        return self.manager.lengths.tolist()
+        return self.manager.pos.tolist()
 
     def capacity(self) -> float:
         return MAX_LEN
 
     def unchecked(self, layer):
-        return layer.paged_cache(jnp.asarray(self.manager.tables), jnp.asarray(self.manager.lengths, jnp.int32))
+        return layer.paged_cache(jnp.asarray(self.manager.tables), jnp.asarray(self.manager.pos, jnp.int32))
 
     def reset(self, layer, which):
         for slot in sorted(set(which)):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvattn.caches import contiguous as cache_ops
 from kvattn.config import default_length_buckets
 from kvattn.math import ops
+from tests.helpers import CACHED, FRESH, POISONS, SLOTS, WIDTH, XLA_LEAKS, poison_chunk
 from tests.reference import assert_close
 from tests.reference import attention as reference_attention
 
@@ -82,38 +83,6 @@ def test_unfilled_slots_get_zero_weight_whatever_they_hold():
 
 # ---------------------------------------------- NaN and inf: as float64, and only where they are seen
 
-# A chunk of 6 tokens (the second sequence 4, then padding) over 3 and 0 cached tokens, 2 query heads on 1 kv head.
-CACHED, FRESH, SLOTS, WIDTH = np.array([3, 0], np.int32), np.array([6, 4], np.int32), 12, 16
-
-
-def poison_chunk(kind, q, k_new, v_new, k_cache, v_cache):
-    """Puts NaN or inf into the arrays of `test_a_nan_or_inf_spreads...` in place."""
-    if kind == "a NaN token":  # token 3 of the first sequence, as a NaN hidden state makes it
-        q[0, 3, :, 0] = k_new[0, 3, :, 0] = v_new[0, 3, :, 0] = np.nan
-    elif kind == "an inf key":
-        k_new[0, 2, 0] = np.inf
-    elif kind == "infinite values":  # +inf seen from token 2 on, then -inf beside it from token 4: NaN there
-        v_new[0, 2, 0, 1], v_new[0, 4, 0, 1], v_new[0, 4, 0, 2] = np.inf, -np.inf, -np.inf
-    elif kind == "a NaN query":
-        q[0, 1, 1, 5] = np.nan
-    elif kind == "a NaN cached key":
-        k_cache[0, 0, 1, 0] = np.nan
-    else:  # unfilled slots and padding tokens, which no query sees
-        k_cache[0, :, 3:], v_cache[0, :, 3:], k_cache[1], v_cache[1] = np.nan, np.inf, np.nan, -np.inf
-        k_new[1, 4:], v_new[1, 4:] = np.nan, np.nan
-
-
-POISONS = ["a NaN token", "an inf key", "infinite values", "a NaN query", "a NaN cached key",
-           "unfilled slots and padding"]
-# The chunk's own tokens are mixed leak-free (`ops.attention` reads their finite values and counts the rest), but
-# XLA still mixes *cached* values by weights that are 0 where a query does not see a slot, and 0 * NaN is NaN.
-# Selecting unseen slots to zero costs a pass over the cache (1.2-2.6x a step's attention, measured) and a
-# `lax.cond` on finiteness an all-reduce in every sharded step; the layer keeps unfilled slots at zero, so only
-# NaN written into the cache by hand, or a chunk written before it is read, reaches this. Strict xfails keep the
-# gap in view and fail once it is closed.
-XLA_LEAKS = {"ops.attention heads-major": {"unfilled slots and padding"},
-             "ops.attention slots-major": {"unfilled slots and padding"},
-             "ops.cached_attention": {"a NaN token", "infinite values", "unfilled slots and padding"}}
 XLA_LEAK = "XLA mixes unseen cached values by a weight of 0, and 0 * NaN is NaN (#33)"
 
 
