@@ -140,7 +140,7 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
     from flax import nnx
 
     import kvattn
-    from kvattn.caches import paged
+    from kvattn.caches import paged, storage
     batch, max_len, page_size, burst = sizes["batch_size"], sizes["max_len"], sizes["page_size"], sizes["burst"]
     num_pages = 1 + batch * math.ceil(max_len / page_size)
 
@@ -171,8 +171,8 @@ def decode_steps(sizes: dict, rng, repeats: int) -> list[dict[str, Any]]:
         state = {"contiguous": jax.tree.map(jnp.zeros_like, layers["contiguous"].cache)}
         for name, layer in layers.items():
             if layer.config.paged:
-                k_pool, v_pool = paged.empty_pool(num_pages, page_size, config.num_kv_heads, config.head_dim,
-                                                  jnp.float32, layer.config.layout)
+                k_pool, v_pool = storage.empty_pool(num_pages, page_size, config.num_kv_heads, config.head_dim,
+                                                    jnp.float32, layer.config.layout)
                 state[name] = paged.PagedKVCache(k_pool, v_pool, jnp.asarray(pages.table), jnp.asarray(pages.pos),
                                                  layout=layer.config.layout)
 

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn.caches import contiguous as cache_ops
+from kvattn.caches import storage
 from kvattn.layer.forward import extend  # the pure step, without the layer's checks and state
 
 __all__ = ["PREFILL_CHUNK", "CacheFiller", "CacheState", "Timing", "load_state", "median_ms", "step_loop", "time_calls",
@@ -102,8 +102,8 @@ def load_state(layer: kvattn.MultiHeadAttention, state: CacheState) -> kvattn.Mu
     # Encoding is per token and head, so encoding the whole float32 cache
     # stores exactly what appending its tokens one by one would.
     dtype = jnp.dtype(config.cache_dtype)
-    keys = cache_ops.encode(to_layout(state.keys, config.cache_layout), dtype)
-    values = cache_ops.encode(to_layout(state.values, config.cache_layout), dtype)
+    keys = storage.encode(to_layout(state.keys, config.cache_layout), dtype)
+    values = storage.encode(to_layout(state.values, config.cache_layout), dtype)
     layer.k_cache.set_value(keys.values)
     layer.v_cache.set_value(values.values)
     if keys.scale is not None:

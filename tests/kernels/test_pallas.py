@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
+from kvattn.caches import storage
 from kvattn.caches import contiguous as cache_ops
 from kvattn.caches import paged as paged_ops
 from kvattn.config import NULL_PAGE
@@ -49,7 +50,7 @@ def paged_pair(layout: str, softcap: float | None):
         ones = jnp.ones_like(filled)
         kernel = pallas.paged_step(q, ones, k, v, table, filled, layout, k_scale=k_scale, v_scale=v_scale,
                                     logit_softcap=softcap, interpret=True)
-        cache = paged_ops.PagedKVCache(cache_ops.Stored(k, k_scale), cache_ops.Stored(v, v_scale), table, filled,
+        cache = paged_ops.PagedKVCache(storage.Stored(k, k_scale), storage.Stored(v, v_scale), table, filled,
                                        layout=layout)
         (k_view, k_s), (v_view, v_s), positions = paged_ops.view(cache, BLOCKS, jnp.zeros_like(filled), filled)
         xla = ops.cached_attention(q, ones, k_view, v_view, filled - 1, layout, k_scale=k_s, v_scale=v_s,
@@ -85,8 +86,8 @@ def test_paged_kernel_equals_xla_and_reference(heads, layout, dtype, softcap, da
     tokens[:, ~in_tables] = np.nan
     q = jnp.asarray(rng.standard_normal((BATCH, 1, num_heads, HEAD_DIM)).astype(np.float32))
 
-    stored = [cache_ops.encode(jnp.asarray(x), jnp.dtype(dtype)) for x in tokens]  # int8: NaN scales
-    dequantized = [np.asarray(cache_ops.decode_values(s)) for s in stored]
+    stored = [storage.encode(jnp.asarray(x), jnp.dtype(dtype)) for x in tokens]  # int8: NaN scales
+    dequantized = [np.asarray(storage.decode_values(s)) for s in stored]
     if layout == HEADS_MAJOR:
         stored = [jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), s) for s in stored]
     (k, k_scale), (v, v_scale) = stored
@@ -121,7 +122,7 @@ def contiguous_programs(kernel: str):
 
     @jax.jit
     def run(q, k_new, v_new, new_len, k_cache, v_cache, old_pos):
-        cache = cache_ops.KVCache(cache_ops.Stored(k_cache), cache_ops.Stored(v_cache), old_pos, HEADS_MAJOR)
+        cache = cache_ops.KVCache(storage.Stored(k_cache), storage.Stored(v_cache), old_pos, HEADS_MAJOR)
         written = cache_ops.append(cache, k_new, v_new, new_len)
         k_all, v_all = written.k.values, written.v.values
         return {

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvattn.caches import storage
+
 from kvattn.caches import contiguous as cache_ops
 from kvattn.config import default_length_buckets
 from kvattn.math import ops
@@ -282,7 +284,7 @@ def values_of(cache, layout=ops.SLOTS_MAJOR):
 
 
 def empty_cache(batch, slots, layout=ops.SLOTS_MAJOR, dtype=jnp.float32, window=None):
-    k = cache_ops.Stored(to_layout(jnp.zeros((batch, slots, 1, 1), dtype), layout))
+    k = storage.Stored(to_layout(jnp.zeros((batch, slots, 1, 1), dtype), layout))
     return cache_ops.KVCache(k, k, jnp.zeros(batch, jnp.int32), layout=layout, window=window)
 
 
@@ -316,20 +318,20 @@ def test_append_after_a_result_is_exact_even_when_it_is_nan():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
 def test_encode_round_trips_within_the_storage_precision(dtype):
     x = jax.random.normal(jax.random.key(0), (2, 3, 4, 16))
-    stored = cache_ops.encode(x, dtype)
+    stored = storage.encode(x, dtype)
     assert stored.values.dtype == dtype
     assert (stored.scale is None) == (dtype != jnp.int8)
-    back = cache_ops.decode_values(stored)
+    back = storage.decode_values(stored)
     bound = 2.0**-8 if dtype == jnp.bfloat16 else 0.5 / 127  # half a step, relative to max|x|
     peak = np.abs(np.asarray(x)).max(axis=-1, keepdims=True)
     assert (np.abs(np.asarray(back - x)) <= bound * peak + 1e-7).all()
-    zeros = cache_ops.encode(jnp.zeros((1, 1, 1, 4)), dtype)
-    np.testing.assert_array_equal(cache_ops.decode_values(zeros), 0.0)
+    zeros = storage.encode(jnp.zeros((1, 1, 1, 4)), dtype)
+    np.testing.assert_array_equal(storage.decode_values(zeros), 0.0)
 
 
 def test_clear_truncate_fork_reorder():
     k = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
-    cache = cache_ops.KVCache(cache_ops.Stored(k), cache_ops.Stored(k), jnp.array([4, 4, 4]))
+    cache = cache_ops.KVCache(storage.Stored(k), storage.Stored(k), jnp.array([4, 4, 4]))
     cleared = cache_ops.clear(cache, jnp.array([False, True, False]))
     np.testing.assert_array_equal(values_of(cleared), [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
     np.testing.assert_array_equal(cleared.pos, [4, 0, 4])
@@ -345,16 +347,16 @@ def test_clear_truncate_fork_reorder():
     np.testing.assert_array_equal(forked.pos, [3, 2, 3])
     reordered = cache_ops.reorder(cache, jnp.array([1, 1, 0]))
     np.testing.assert_array_equal(values_of(reordered), [[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
-    assert cache_ops.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), 4).tolist() == [True, False]
+    assert storage.capacity_ok(jnp.array([2, 3]), jnp.array([2, 2]), 4).tolist() == [True, False]
     # A ring's capacity is the int32 limit of pos; the check itself never overflows, and a poisoned pos has no room.
     limit = jnp.iinfo(jnp.int32).max
-    assert cache_ops.capacity_ok(jnp.array([2, limit - 1, -1]), jnp.array([2, 2, 0]), limit).tolist() == [True, False, False]
+    assert storage.capacity_ok(jnp.array([2, limit - 1, -1]), jnp.array([2, 2, 0]), limit).tolist() == [True, False, False]
 
 
 def test_out_of_range_fork_and_reorder_poison_their_targets():
     """Under jit nothing can raise: a bad index empties its targets with pos = -1, never a clamped copy."""
     k = jnp.arange(1.0, 13.0).reshape(3, 4, 1, 1)
-    cache = cache_ops.KVCache(cache_ops.Stored(k), cache_ops.Stored(k), jnp.array([4, 3, 2]))
+    cache = cache_ops.KVCache(storage.Stored(k), storage.Stored(k), jnp.array([4, 3, 2]))
     forked = jax.jit(cache_ops.fork)(cache, jnp.int32(7), jnp.array([False, True, False]))
     np.testing.assert_array_equal(values_of(forked), [[1, 2, 3, 4], [0, 0, 0, 0], [9, 10, 11, 12]])
     np.testing.assert_array_equal(forked.pos, [4, cache_ops.INVALID_POS, 2])

@@ -36,29 +36,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvattn import kernels
-from kvattn.math import ops, quant
 from kvattn import validation as check
 from kvattn.caches.base import INT32_MAX, Contiguous
+from kvattn.caches.storage import Stored, capacity_ok, encode
 from kvattn.config import AttentionConfig
+from kvattn.math import ops
 from kvattn.math.ops import SLOTS_MAJOR
 
 __all__ = [
     "INVALID_POS",
     "KVCache",
-    "Stored",
     "append",
     "bind",
-    "capacity_ok",
     "clear",
-    "decode_values",
-    "encode",
     "fork",
     "relayout",
     "reorder",
@@ -68,17 +65,6 @@ __all__ = [
 ]
 
 INVALID_POS = -1
-
-
-class Stored(NamedTuple):
-    """Keys or values in their storage dtype; for int8, one float32 scale per slot and kv head.
-
-    `values` is `(B, S, K, H)` or `(B, K, S, H)`; `scale` drops the last
-    axis, or is None for float storage. The two always travel together.
-    """
-
-    values: Array
-    scale: Float[Array, "B S K"] | Float[Array, "B K S"] | None = None
 
 
 @functools.partial(
@@ -204,28 +190,6 @@ class KVCache:
             logit_softcap=self.logit_softcap, on_xla=on_xla,
         )
         return ctx, cache
-
-
-def capacity_ok(pos: Int[Array, " B"], lengths: Int[Array, " B"], capacity: int) -> Bool[Array, " B"]:
-    """Whether each sequence is valid and has room for its `lengths` new tokens (written without overflow)."""
-    return (pos >= 0) & (lengths <= capacity - pos)
-
-
-def encode(x: Float[Array, "B T K H"], dtype) -> Stored:
-    """New keys or values in the storage dtype, with int8 scales.
-
-    int8 is `kvattn.math.quant.quantize_rows` per token and head: `x ≈ q * scale`.
-    """
-    if dtype != jnp.int8:
-        return Stored(x.astype(dtype))
-    quantized, scale = quant.quantize_rows(x)
-    return Stored(quantized, scale[..., 0])
-
-
-def decode_values(stored: Stored) -> Float[Array, "..."]:
-    """float32 keys or values from storage; the inverse of `encode` up to rounding."""
-    values = stored.values.astype(jnp.float32)
-    return values if stored.scale is None else values * stored.scale[..., None]
 
 
 def _write(buffer: Array, new: Array, start: Int[Array, " B"], lengths: Int[Array, " B"], layout: str, ring: bool) -> Array:

@@ -47,7 +47,7 @@ from kvattn import kernels
 from kvattn.math import ops
 from kvattn import validation as check
 from kvattn.caches.base import NULL_PAGE, Paged, blocks_spanned
-from kvattn.caches.contiguous import Stored, capacity_ok, encode
+from kvattn.caches.storage import Stored, capacity_ok, encode
 from kvattn.config import AttentionConfig
 from kvattn.math.ops import SLOTS_MAJOR
 
@@ -58,14 +58,11 @@ __all__ = [
     "apply_copies",
     "bind",
     "chunk_sizes",
-    "empty_pool",
     "first_block",
     "mapped",
-    "read_sequence",
     "unbind",
     "variables",
     "view",
-    "write_sequence",
     "zero_page_tails",
 ]
 
@@ -181,17 +178,6 @@ class PagedKVCache:
     def commit(self, after) -> PagedKVCache:
         """Nothing left pending: `attend` wrote first."""
         return self
-
-
-def empty_pool(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, layout: str = SLOTS_MAJOR):
-    """Zeroed key and value pools (`Stored`, with int8 scales)."""
-    shape = (num_pages, page_size, num_kv_heads) if layout == SLOTS_MAJOR else (num_pages, num_kv_heads, page_size)
-
-    def one():
-        scale = jnp.zeros(shape, jnp.float32) if jnp.dtype(dtype) == jnp.int8 else None
-        return Stored(jnp.zeros((*shape, head_dim), dtype), scale)
-
-    return one(), one()
 
 
 def apply_copies(cache: PagedKVCache) -> PagedKVCache:
@@ -326,36 +312,6 @@ def view(cache: PagedKVCache, num_blocks: int, first: Int[Array, " B"], filled: 
         return jnp.where(mask, merged, jnp.zeros((), merged.dtype))
 
     return jax.tree.map(gather, cache.k), jax.tree.map(gather, cache.v), slot_positions
-
-
-def read_sequence(stored: Stored, pages, length: int, layout: str = SLOTS_MAJOR) -> Stored:
-    """The first `length` tokens held in `pages` (a sequence's table entries), as `(length, K, H)` (scales `(length, K)`).
-
-    Host-side sizes (`length` is a Python int); the layout of the result
-    never depends on the pool's.
-    """
-    def take(pool):
-        taken = pool[jnp.asarray(pages)]  # n page K [H]  or  n K page [H]
-        if layout != SLOTS_MAJOR:
-            taken = jnp.swapaxes(taken, 1, 2)
-        return taken.reshape(-1, *taken.shape[2:])[:length]
-
-    return jax.tree.map(take, stored)
-
-
-def write_sequence(stored: Stored, pages, values: Stored, layout: str = SLOTS_MAJOR) -> Stored:
-    """`stored` with `values` (`(length, K, H)`, as `read_sequence` gives) written into `pages`, from their start."""
-    length = values.values.shape[0]
-    page_size = stored.values.shape[1 if layout == SLOTS_MAJOR else 2]
-    positions = jnp.arange(length)
-    page = jnp.asarray(pages)[positions // page_size]
-
-    def put(pool, new):
-        if layout == SLOTS_MAJOR:
-            return pool.at[page, positions % page_size].set(new.astype(pool.dtype))
-        return pool.at[page, :, positions % page_size].set(new.astype(pool.dtype))
-
-    return jax.tree.map(put, stored, values)
 
 
 # ------------------------------------------------------------ the layer's side

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvattn.caches import storage
+
 from kvattn.caches import contiguous as cache_ops
 from kvattn.math import ops
 from kvattn import validation as check
@@ -284,7 +286,7 @@ def _rollout(config: AttentionConfig, weights: Weights | FusedWeights, stored: c
 
     def cond(carry):
         i, cache, _, _ = carry
-        return (i < num_steps) & jnp.any(cache_ops.capacity_ok(cache.pos, ones, config.capacity))
+        return (i < num_steps) & jnp.any(storage.capacity_ok(cache.pos, ones, config.capacity))
 
     def body(carry):
         i, cache, x, outputs = carry

@@ -350,7 +350,7 @@ def quantize_rows(x: Float[Array, "*M D"] | Float[np.ndarray, "*M D"]):
     """Symmetric int8 per row: `(values, scale)` with `x ~= values * scale`, `scale = max|x| / 127` `(*M, 1)`.
 
     The one int8 quantizer: weights (a row per output channel) and the KV
-    cache (a row per token and kv head, `kvattn.caches.contiguous.encode`).
+    cache (a row per token and kv head, `kvattn.caches.storage.encode`).
 
     A row of zeros gets scale 1 (it quantizes to zeros either way); a row
     holding NaN or infinity gets a non-finite scale, so its products are

@@ -29,7 +29,7 @@ Versions 1 and 2, which had no `metadata_sha256`, are still read: every
 entry a load trusts in them is cross-checked anyway (the config and every
 tensor's dtype and shape against the layer, the tensors against their
 checksums, the fingerprint against the weights). Version 1 also predates
-the options recorded since (`_V1_FIELDS`).
+the options recorded since (`kvattn.snapshots.recorded`).
 
 A cache is only meaningful for the weights that produced its keys and values,
 so loading refuses a snapshot taken under other weights unless asked not to.
@@ -50,10 +50,9 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn.config import AttentionConfig
 from kvattn.errors import SnapshotError
 from kvattn.layer.attention import MultiHeadAttention
-from kvattn.snapshots import atomic, files, pieces
+from kvattn.snapshots import atomic, files, pieces, recorded
 from kvattn.validation import host
 
 __all__ = [
@@ -63,13 +62,6 @@ __all__ = [
 
 FORMAT_NAME = "kvattn.cache_snapshot"
 FORMAT_VERSION = 3
-# Version 1 recorded only these fields; every field added since had its
-# default value then (the options did not exist), so a version 1 file reads
-# as if it recorded those defaults.
-_V1_FIELDS = ("num_heads", "num_kv_heads", "head_dim", "in_features", "max_len", "window", "batch_size",
-              "cache_dtype", "cache_layout")
-
-CONFIG_FIELDS = AttentionConfig.recorded_fields()
 _METADATA_KEYS = ("format", "format_version", "config", "tensors", "weights_fingerprint")
 # Each version this kvattn reads -> the metadata it must hold (versions 1 and 2 had no checksum).
 _VERSIONS = {"1": _METADATA_KEYS, "2": _METADATA_KEYS, str(FORMAT_VERSION): (*_METADATA_KEYS, files.METADATA_CHECKSUM)}
@@ -80,7 +72,7 @@ class SnapshotInfo:
 
     format_version: int
     config: dict
-    """The saving layer's configuration, keyed by `CONFIG_FIELDS`."""
+    """The saving layer's configuration, keyed by `kvattn.snapshots.recorded.CONFIG_FIELDS`."""
     tensors: dict
     """Tensor name -> {"dtype": str, "shape": list[int], "sha256": str}."""
     weights_fingerprint: str
@@ -209,8 +201,8 @@ def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_misma
         header = files.read_header(file)
         info = _parse_info(header.metadata)
         files.check_entries_match_specs(header, {} if info.pieces else info.tensors)
-        _check_config(info.config, _layer_config(layer))
-        _check_specs_fit_layer(info.tensors, {name: variable[...] for name, variable in variables.items()})
+        recorded.check_config(info.config, _layer_config(layer))
+        recorded.check_specs_fit_layer(info.tensors, {name: variable[...] for name, variable in variables.items()})
         if info.pieces:
             legacy = info.format_version < 3
             tensors = pieces.read_pieces(Path(path).parent, list(info.pieces), info.tensors, legacy=legacy)
@@ -220,8 +212,8 @@ def load_cache(layer: nnx.Module, path: str | os.PathLike, *, allow_weight_misma
         for prefix, attention in attention_layers(layer).items():
             own = {name[len(prefix) + 1 :] if prefix else name: array for name, array in tensors.items()
                    if not prefix or name.startswith(prefix + "/")}
-            _check_pos(own["pos"], attention.max_len)
-            _check_unfilled_slots_zero(own, attention.config)
+            recorded.check_pos(own["pos"], attention.max_len)
+            recorded.check_unfilled_slots_zero(own, attention.config)
         if not allow_weight_mismatch:
             files.check_weights(info.weights_fingerprint, weights_fingerprint(layer))
     # Everything is checked and on its devices before the first assignment.
@@ -309,7 +301,7 @@ def _contiguous(module: nnx.Module) -> None:
 
 
 def _layer_config(module: nnx.Module) -> dict:
-    """The configuration a snapshot records: a layer's `CONFIG_FIELDS`, or `{"layers": {path: fields}}`."""
+    """The configuration a snapshot records: a layer's `recorded.CONFIG_FIELDS`, or `{"layers": {path: fields}}`."""
     layers = attention_layers(module)
     if list(layers) == [""]:
         return layers[""].config.recorded()
@@ -328,9 +320,9 @@ def _parse_info(metadata) -> SnapshotInfo:
     version = int(metadata["format_version"])
     config = files.loads_object(metadata, "config")
     if version > 1 and sorted(config) == ["layers"] and isinstance(config["layers"], dict) and config["layers"]:
-        config = {"layers": {prefix: _fields(fields, version) for prefix, fields in config["layers"].items()}}
+        config = {"layers": {prefix: recorded.fields(fields, version) for prefix, fields in config["layers"].items()}}
     else:
-        config = _fields(config, version)
+        config = recorded.fields(config, version)
     piece_files = _pieces(metadata)
     tensors = files.tensor_specs(metadata, checksummed=not piece_files)
     return SnapshotInfo(version, config, tensors, files.checked_fingerprint(metadata), piece_files)
@@ -349,90 +341,6 @@ def _pieces(metadata: dict) -> tuple[str, ...]:
             f"corrupted snapshot: metadata 'pieces' must list piece file names, got {metadata['pieces']!r}"
         )
     return tuple(pieces)
-
-
-def _fields(config, version: int) -> dict:
-    """One layer's recorded configuration, checked; a version 1 one completed with the later defaults."""
-    fields = _V1_FIELDS if version == 1 else CONFIG_FIELDS
-    if not isinstance(config, dict) or sorted(config) != sorted(fields):
-        found = sorted(config) if isinstance(config, dict) else config
-        raise SnapshotError(f"corrupted snapshot: config has fields {found}, expected {sorted(fields)}")
-    return {**_defaults_after_v1(config), **config} if version == 1 else config
-
-
-def _defaults_after_v1(config: dict) -> dict:
-    """The recorded values of the fields version 2 added, as a layer of version 1's days had them."""
-    try:
-        sizes = AttentionConfig(**config).recorded()
-    except (TypeError, ValueError) as error:
-        raise SnapshotError(f"corrupted snapshot: its version 1 config is not a valid layer configuration ({error})")
-    return {field: value for field, value in sizes.items() if field not in _V1_FIELDS}
-
-
-def _check_config(saved: dict, expected: dict) -> None:
-    if "layers" in saved or "layers" in expected:
-        saved_layers, expected_layers = saved.get("layers", {"": saved}), expected.get("layers", {"": expected})
-        if sorted(saved_layers) != sorted(expected_layers):
-            raise SnapshotError(
-                f"snapshot holds the caches of layers {sorted(saved_layers)}, the module has {sorted(expected_layers)}"
-            )
-        pairs = [(f"{prefix}: ", saved_layers[prefix], expected_layers[prefix]) for prefix in sorted(expected_layers)]
-    else:
-        pairs = [("", saved, expected)]
-    differences = [
-        f"{where}{field}={fields[field]!r} (layer has {wanted[field]!r})"
-        for where, fields, wanted in pairs
-        for field in CONFIG_FIELDS
-        if type(fields[field]) is not type(wanted[field]) or fields[field] != wanted[field]
-    ]
-    if differences:
-        raise SnapshotError(
-            f"snapshot was saved by a differently configured layer: {', '.join(differences)}. "
-            "Build the layer with the snapshot's configuration (see snapshot_info)."
-        )
-
-
-def _check_specs_fit_layer(specs: dict, current: dict) -> None:
-    """The metadata's tensors are the layer's, in dtype and shape: what bounds the data a load reads."""
-    if sorted(specs) != sorted(current):
-        raise SnapshotError(f"snapshot holds tensors {sorted(specs)}, the layer's cache is {sorted(current)}")
-    for name, spec in sorted(specs.items()):
-        want_dtype, want_shape = np.dtype(current[name].dtype), tuple(current[name].shape)
-        if spec["dtype"] != want_dtype.name or tuple(spec["shape"]) != want_shape:
-            raise SnapshotError(
-                f"tensor {name!r} is {spec['dtype']} {tuple(spec['shape'])} in the snapshot, "
-                f"the layer expects {want_dtype.name} {want_shape}"
-            )
-
-
-def _check_pos(pos: np.ndarray, max_len: int | None) -> None:
-    """`pos` counts tokens: at most `max_len`, or any count for a ring (`max_len` None)."""
-    past_capacity = pos > max_len if max_len is not None else np.zeros(pos.shape, np.bool_)
-    bad = np.flatnonzero((pos < 0) | past_capacity)
-    if bad.size:
-        valid = "be >= 0" if max_len is None else f"lie in [0, max_len={max_len}]"
-        raise SnapshotError(
-            f"corrupted snapshot: pos must {valid}, got {pos.reshape(-1)[bad].tolist()} at sequences {bad.tolist()}"
-        )
-
-
-def _check_unfilled_slots_zero(tensors: dict[str, np.ndarray], config: AttentionConfig) -> None:
-    """Slots at or past each sequence's filled count (`min(pos, slots)`) hold exact zeros in every cache tensor."""
-    pos = tensors["pos"].reshape(-1).astype(np.int64)
-    filled = np.minimum(pos, config.num_slots)
-    for name, array in sorted(tensors.items()):
-        if name == "pos":
-            continue
-        batched = array if config.batch_size is not None else array[None]
-        slots = np.moveaxis(batched, config.layout.index("S"), 1)
-        nonzero = np.any(slots.reshape(*slots.shape[:2], -1) != 0, axis=-1)  # B S
-        unfilled = np.arange(slots.shape[1])[None, :] >= filled[:, None]
-        bad = np.flatnonzero(np.any(nonzero & unfilled, axis=1))
-        if bad.size:
-            raise SnapshotError(
-                f"corrupted snapshot: tensor {name!r} holds non-zero values in unfilled slots (past pos) of "
-                f"sequences {bad.tolist()}; a layer keeps them at exactly zero"
-            )
 
 
 # ------------------------------------------------------------------- helpers

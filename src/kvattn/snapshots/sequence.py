@@ -41,7 +41,9 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from kvattn.caches.contiguous import Stored
+from kvattn.caches import storage
+
+from kvattn.caches.storage import Stored
 from kvattn.config import NULL_PAGE, blocks_spanned
 from kvattn.errors import OutOfPagesError, SnapshotError
 from kvattn.paging import PageManager
@@ -93,7 +95,7 @@ def save_sequence(module: nnx.Module, manager: PageManager, seq: int, path: str 
     tensors = {}
     for prefix, layer in layers.items():
         for name, stored in zip("kv", _pool(layer), strict=True):
-            held = paged.read_sequence(stored, pages, length, layer.config.layout)
+            held = storage.read_sequence(stored, pages, length, layer.config.layout)
             tensors[_name(prefix, name)] = np.asarray(held.values)
             if held.scale is not None:
                 tensors[_name(prefix, f"{name}_scale")] = np.asarray(held.scale)
@@ -171,7 +173,7 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
         pages = manager.reserve(counts).table[seq, :num_pages]
         pools = {
             prefix: [
-                paged.write_sequence(
+                storage.write_sequence(
                     stored, pages, Stored(tensors[_name(prefix, name)], tensors.get(_name(prefix, f"{name}_scale"))),
                     layer.config.layout,
                 )
