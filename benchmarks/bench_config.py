@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import kvattn
-from kvattn.config import CACHE_DTYPES, LAYOUTS
+from kvattn.caches.base import CACHE_DTYPES, LAYOUTS
 
 __all__ = [
     "DEFAULT_LAYOUT",

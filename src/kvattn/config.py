@@ -19,16 +19,10 @@ from collections.abc import Iterable
 import jax.numpy as jnp
 import numpy as np
 
-from kvattn.caches.base import (  # noqa: F401  (their old home: re-exported)
-    CACHE_DTYPES, HEADS_MAJOR, INT32_MAX, LAYOUTS, NULL_PAGE, SLOTS_MAJOR, CacheSpec, blocks_spanned, cache_dtype_name,
-    default_length_buckets, spec_from_options,
-)
+from kvattn.caches.base import CACHE_DTYPES, INT32_MAX, LAYOUTS, CacheSpec, spec_from_options
 from kvattn.errors import positive_int
 
-__all__ = [
-    "CACHE_DTYPES", "DECODE_KERNELS", "INT32_MAX", "LAYOUTS", "NULL_PAGE", "AttentionConfig", "RoPE",
-    "default_length_buckets",
-]
+__all__ = ["DECODE_KERNELS", "AttentionConfig", "RoPE"]
 
 # What a decode step's attention runs (the rule is `kvattn.kernels.route`).
 DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")

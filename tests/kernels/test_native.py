@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 import kvattn
-from kvattn.kernels import dots, native
+from kvattn.kernels import native, route
 from kvattn.layer.forward import extend
 from kvattn.math import quant
 from tests.helpers import CACHED, FRESH, POISONS, XLA_LEAKS, poison_chunk
@@ -349,7 +349,7 @@ def test_an_unavailable_kernel_says_why_and_the_dots_fall_back(monkeypatch):
     monkeypatch.setattr(native, "unavailable_reason", lambda target: "this CPU lacks avx512vnni")
     with pytest.raises(RuntimeError, match="int8_dot cannot run here: this CPU lacks avx512vnni; use int8_dot_on_xla"):
         native.int8_dot(jnp.zeros((1, 8), jnp.int8), jnp.zeros((2, 2, 16, 4), jnp.uint8))
-    assert not dots.use_tiles(32, 8) and not dots.use_panels(32, jnp.float32)
+    assert not route.use_tiles(32, 8) and not route.use_panels(32, jnp.float32)
 
 
 def test_the_f32_dot_gives_each_row_the_same_bits_alone():

@@ -24,7 +24,7 @@ import kvattn
 from kvattn.caches import storage
 from kvattn.caches import contiguous as cache_ops
 from kvattn.caches import paged as paged_ops
-from kvattn.config import NULL_PAGE
+from kvattn.caches.base import NULL_PAGE
 from kvattn.kernels import cpu, native, pallas
 from kvattn.math import ops
 from kvattn.paging import PageManager

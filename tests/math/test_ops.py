@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvattn.caches import storage
 
 from kvattn.caches import contiguous as cache_ops
-from kvattn.config import default_length_buckets
+from kvattn.caches.base import default_length_buckets
 from kvattn.math import ops
 from tests.helpers import CACHED, FRESH, POISONS, SLOTS, WIDTH, XLA_LEAKS, poison_chunk
 from tests.reference import assert_close

@@ -27,7 +27,7 @@ from flax import nnx
 import kvattn
 from kvattn import generation, models
 from kvattn.config import AttentionConfig, RoPE
-from kvattn.kernels import dots, native
+from kvattn.kernels import dots, native, route
 from kvattn.layer import forward
 from kvattn.math import norms, quant
 from kvattn.models import ModelConfig
@@ -135,7 +135,7 @@ def test_a_tiled_kernel_reads_the_same_through_xla_without_the_native_dot(monkey
     x = jnp.asarray(rng.standard_normal((3, 20), np.float32))
     want = np.asarray(jax.jit(lambda x, k: dots.dense(x, k))(x, int8))
     monkeypatch.setattr(native, "available", lambda kernel=None: False)
-    assert not dots.use_tiles(48, 20)
+    assert not route.use_tiles(48, 20)
     np.testing.assert_array_equal(jax.jit(lambda x, k: dots.dense(x, k))(x, quant.tile(int8)), want)
 
 
@@ -221,9 +221,9 @@ def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(c
             linear = Linear(inputs, outputs, bias=False, dtype=dtype, compact=compact, rngs=None)
             out, fan_in = int(np.prod(outputs)), int(np.prod(inputs))
             if compact:
-                want = quant.TiledInt8Weights if dots.use_tiles(out, fan_in) else quant.Int8Weights
+                want = quant.TiledInt8Weights if route.use_tiles(out, fan_in) else quant.Int8Weights
             else:
-                want = quant.PanelWeights if dots.use_panels(out, dtype) else quant.FloatWeights
+                want = quant.PanelWeights if route.use_panels(out, dtype) else quant.FloatWeights
             assert linear.form is want, (dtype, inputs, outputs)
             held = [value for value in vars(linear).values() if isinstance(value, type) and issubclass(value, quant.Form)]
             assert held == [want] and isinstance(linear.weight, want)
@@ -236,9 +236,9 @@ def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(c
         if not tied:
             want = quant.TableWeights
         elif compact:
-            want = quant.TiledInt8Weights if dots.use_tiles(64, 32) else quant.Int8Weights
+            want = quant.TiledInt8Weights if route.use_tiles(64, 32) else quant.Int8Weights
         else:
-            want = quant.PanelWeights if dots.use_panels(64, jnp.float32) else quant.TableWeights
+            want = quant.PanelWeights if route.use_panels(64, jnp.float32) else quant.TableWeights
         assert model.embed_form is want and isinstance(model.table, want)
         assert (model.embed_scale is not None) == (want in INT8_FORMS)
         assert (model.lm_head is None) == tied
@@ -408,8 +408,8 @@ def test_panels_hold_the_kernel_and_give_it_back():
         quant.panel(kernel[:, :, :12])
     with pytest.raises(ValueError, match="got float64 with 32 outputs"):
         quant.panel(kernel.astype(np.float64))
-    assert not dots.use_panels(24, jnp.float32) and not dots.use_panels(32, jnp.bfloat16)
-    assert dots.use_panels(32, jnp.float32) == native.available()
+    assert not route.use_panels(24, jnp.float32) and not route.use_panels(32, jnp.bfloat16)
+    assert route.use_panels(32, jnp.float32) == native.available()
 
 
 @needs_native

@@ -16,7 +16,7 @@ masked contribution exactly zero).
 
 A ring cache (`window=W`, with `S = W` slots) keeps the last W tokens:
 position p lives in slot `p % W`, and `pos` counts every token ever appended,
-up to the int32 limit (`kvattn.config.INT32_MAX`).
+up to the int32 limit (`kvattn.caches.base.INT32_MAX`).
 
 `KVCache` is the cache type of the `kvattn.caches.base.Contiguous` spec and
 implements `kvattn.caches.base.CacheType`: `fits` (which sequences a call may

@@ -14,11 +14,9 @@ from jax import lax
 from jaxtyping import Array, Shaped
 
 from kvattn.kernels import route
-from kvattn.kernels.route import use_panels, use_tiles
 from kvattn.math import quant
 
-# `use_panels` and `use_tiles` live in the route (the one place that chooses); models read them here too.
-__all__ = ["dense", "use_panels", "use_tiles"]
+__all__ = ["dense"]
 
 
 def dense(x: Shaped[Array, "*M D"], kernel) -> Shaped[Array, "*M *F"]:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Shaped
 
-from kvattn.config import HEADS_MAJOR, SLOTS_MAJOR, blocks_spanned
+from kvattn.caches.base import HEADS_MAJOR, SLOTS_MAJOR, blocks_spanned
 from kvattn.kernels import partials
 from kvattn.math import ops
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 
-from kvattn.config import HEADS_MAJOR, SLOTS_MAJOR
+from kvattn.caches.base import HEADS_MAJOR, SLOTS_MAJOR
 from kvattn.errors import UnsupportedConfigError
 from kvattn.kernels import cpu, native, pallas
 from kvattn.math import quant

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from kvattn.config import HEADS_MAJOR, LAYOUTS, SLOTS_MAJOR
+from kvattn.caches.base import HEADS_MAJOR, LAYOUTS, SLOTS_MAJOR
 from kvattn.math import reads
 
 __all__ = [

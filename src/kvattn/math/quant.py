@@ -13,7 +13,7 @@ the dot reads it):
     `kvattn.kernels.native`'s int8 dot (AVX512-VNNI) reads them (`tile`);
   - `PanelWeights`: a float32 kernel as contiguous panels of 16 outputs
     (`panel`), which the native float32 dot streams whole.
-`kvattn.kernels.dots.use_tiles` and `use_panels` say where the laid-out
+`kvattn.kernels.route.use_tiles` and `use_panels` say where the laid-out
 forms run; `benchmarks/dots.py` measures each against XLA's dots.
 
 Axis legend: M rows (tokens), D input features, F output features (one or

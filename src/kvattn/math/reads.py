@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kvattn.config import HEADS_MAJOR, SLOTS_MAJOR
+from kvattn.caches.base import HEADS_MAJOR, SLOTS_MAJOR
 
 __all__ = ["mixed_values", "scores", "visible_slots"]
 

@@ -113,7 +113,7 @@ class CausalLM(nnx.Module):
         float32 scales, its dots int8 by int8 (`kvattn.math.quant`). An untied
         embedding table, only ever gathered, stays float. Float32 kernels
         (and a tied table, the head's) are stored as panels where
-        `kvattn.kernels.dots.use_panels` says kvattn's float32 dot runs.
+        `kvattn.kernels.route.use_panels` says kvattn's float32 dot runs.
       cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
       num_pages, page_size: a paged cache per layer (see
         `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence

@@ -36,7 +36,7 @@ import numpy as np
 import safetensors
 from flax import nnx
 
-from kvattn.config import CACHE_DTYPES
+from kvattn.caches.base import CACHE_DTYPES
 from kvattn.errors import CheckpointError
 from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.families import FAMILIES

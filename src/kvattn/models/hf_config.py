@@ -7,7 +7,7 @@ what kvattn accepts, so a config that does not pass is never half read.
 from __future__ import annotations
 
 from kvattn import errors
-from kvattn.config import INT32_MAX
+from kvattn.caches.base import INT32_MAX
 from kvattn.errors import UnsupportedConfigError
 
 __all__ = ["divide", "positive_int", "read", "refuse"]

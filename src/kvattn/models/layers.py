@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn.kernels import dots
+from kvattn.kernels import dots, route
 from kvattn.math import norms, quant
 from kvattn.models.model_config import ModelConfig
 
@@ -33,8 +33,8 @@ def weight_form(outputs: int, inputs: int, dtype, *, compact: bool) -> type[quan
     """The form a projection of `outputs` by `inputs` stores here: int8 (tiled where the native int8 dot runs)
     when `compact`, else float32 panels where the native float32 dot runs, else the float kernel in `dtype`."""
     if compact:
-        return quant.TiledInt8Weights if dots.use_tiles(outputs, inputs) else quant.Int8Weights
-    return quant.PanelWeights if dots.use_panels(outputs, dtype) else quant.FloatWeights
+        return quant.TiledInt8Weights if route.use_tiles(outputs, inputs) else quant.Int8Weights
+    return quant.PanelWeights if route.use_panels(outputs, dtype) else quant.FloatWeights
 
 
 def table_form(vocab: int, hidden: int, dtype, *, compact: bool, tied: bool) -> type[quant.Form]:

@@ -33,7 +33,7 @@ import operator
 
 import numpy as np
 
-from kvattn.config import INT32_MAX, NULL_PAGE, blocks_spanned
+from kvattn.caches.base import INT32_MAX, NULL_PAGE, blocks_spanned
 from kvattn.paging.pool import BlockPool, OutOfPagesError, block_chain, require
 from kvattn.paging.prompts import cached_prefix, checked_salt, prompt_blocks, token_array
 from kvattn.paging.reservation import PageBatch, checked_counts, reserve_pages

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvattn.config import INT32_MAX, NULL_PAGE
+from kvattn.caches.base import INT32_MAX, NULL_PAGE
 from kvattn.errors import OutOfPagesError
 
 DIGEST_SIZE = 32

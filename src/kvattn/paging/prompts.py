@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvattn.config import INT32_MAX
+from kvattn.caches.base import INT32_MAX
 from kvattn.paging.pool import BlockPool, block_chain
 
 __all__ = ["cached_prefix", "checked_salt", "prompt_blocks", "token_array"]

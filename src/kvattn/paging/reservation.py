@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvattn.config import NULL_PAGE, blocks_spanned
+from kvattn.caches.base import NULL_PAGE, blocks_spanned
 from kvattn.paging.pool import BlockPool, OutOfPagesError
 from kvattn.paging.windows import FullAttention
 

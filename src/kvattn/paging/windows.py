@@ -14,7 +14,7 @@ the kind of attention.
 
 from __future__ import annotations
 
-from kvattn.config import blocks_spanned
+from kvattn.caches.base import blocks_spanned
 
 
 class FullAttention:

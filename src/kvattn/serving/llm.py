@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kvattn.config import blocks_spanned
+from kvattn.caches.base import blocks_spanned
 from kvattn.extra import require
 from kvattn.generation.sampling import SamplingParams
 from kvattn.generation.drafters import PromptLookup

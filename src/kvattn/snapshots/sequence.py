@@ -44,7 +44,7 @@ from flax import nnx
 from kvattn.caches import storage
 
 from kvattn.caches.storage import Stored
-from kvattn.config import NULL_PAGE, blocks_spanned
+from kvattn.caches.base import NULL_PAGE, blocks_spanned
 from kvattn.errors import OutOfPagesError, SnapshotError
 from kvattn.paging import PageManager
 from kvattn.caches import paged

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvattn import models
-from kvattn.config import blocks_spanned
+from kvattn.caches.base import blocks_spanned
 from kvattn.generation.drafters import PromptLookup
 from kvattn.serving.engine import Engine
 from kvattn.serving.openai.app import create_app
