@@ -154,4 +154,4 @@ POISONS = ["a NaN token", "an inf key", "infinite values", "a NaN query", "a NaN
 # gap in view and fail once it is closed.
 XLA_LEAKS = {"ops.attention heads-major": {"unfilled slots and padding"},
              "ops.attention slots-major": {"unfilled slots and padding"},
-             "ops.cached_attention": {"a NaN token", "infinite values", "unfilled slots and padding"}}
+             "ops.cached_attention": {"unfilled slots and padding"}}

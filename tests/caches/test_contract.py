@@ -171,6 +171,26 @@ def test_every_registered_cache_type_runs_the_contract(spec_type):
     assert CACHE_TYPES[spec_type].spec is spec_type
 
 
+@pytest.mark.parametrize("variant", [name for name, _ in VARIANTS])
+def test_a_nan_token_in_a_chunk_reaches_only_the_tokens_that_see_it(variant):
+    """A NaN hidden state at token 1 of a prefill: token 0 and the other sequences get what float64 gives them.
+
+    A pool writes the chunk before reading it, so a later token's slot is
+    weighed 0 by an earlier query, and 0 * NaN is NaN unless it is kept out.
+    """
+    layer, harness = layer_pair(0, variant)[0], dict(VARIANTS)[variant]
+    harness.start(layer)
+    model = ReferenceCache(weights_of(layer), BATCH, layer.config.window)
+    xs = np.random.default_rng(4).standard_normal((BATCH, CHUNK, IN_FEATURES)).astype(np.float32)
+    xs[0, 1] = np.nan
+    ys = np.asarray(harness.call(layer, jnp.asarray(xs), np.full(BATCH, CHUNK, np.int32), step=False))
+    for b in range(BATCH):
+        for t in range(CHUNK):
+            assert_close(ys[b, t], model.append(b, xs[b, t]))  # NaN where float64 has it, and only there
+    assert np.isfinite(ys[0, 0]).all() and np.isnan(ys[0, 1:]).all()
+    harness.start(layer)
+
+
 def layer_arrays(layer) -> dict:
     return {name: getattr(layer, name)[...] for name in cache_type(layer.config.cache).variables(layer.config)}
 

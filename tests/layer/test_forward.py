@@ -261,16 +261,20 @@ def test_complex_inputs_are_refused_clearly():
 
 
 @pytest.mark.parametrize("decode_kernel", ["xla", "auto"])
-def test_a_nan_token_in_a_prefill_reaches_no_earlier_token(decode_kernel):
+@pytest.mark.parametrize("write_first", [False, True], ids=["read first", "written first"])
+def test_a_nan_token_in_a_prefill_reaches_no_earlier_token(decode_kernel, write_first):
     """A NaN hidden state at token 3 of a prefill: tokens 0-2 get what a prefill of them alone gets, the rest NaN.
 
-    `"auto"` takes the native prefill kernel where it runs (heads-major float32), `"xla"` the XLA twin.
+    `"auto"` takes the native prefill kernel where it runs (heads-major float32), `"xla"` the XLA twin. A
+    `Decoder` writes the chunk before it reads it.
     """
     layer = kvattn.MultiHeadAttention(2, 32, max_len=16, batch_size=1, cache_layout="heads_major",
                                       decode_kernel=decode_kernel, rngs=nnx.Rngs(0))  # head_dim 16: the kernel's
     xs = jax.random.normal(jax.random.key(1), (1, 8, 32)).at[0, 3].set(jnp.nan)
-    alone = np.asarray(layer.prefill(xs[:, :3]))
-    layer.reset()
-    got = np.asarray(layer.prefill(xs))
+    def prefill(xs):
+        layer.reset()
+        return np.asarray(kvattn.Decoder(layer).prefill(xs) if write_first else layer.prefill(xs))
+
+    alone, got = prefill(xs[:, :3]), prefill(xs)
     np.testing.assert_array_equal(got[0, :3], alone[0])
     assert np.isnan(got[0, 3:]).all()

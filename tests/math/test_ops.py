@@ -102,7 +102,7 @@ CHUNK_PATHS = {
     "ops.attention slots-major": lambda q, kn, vn, kc, vc, cached, fresh: ops.attention(
         q, kn, vn, fresh, jnp.swapaxes(kc, 1, 2), jnp.swapaxes(vc, 1, 2), cached, ops.SLOTS_MAJOR),
     "ops.cached_attention": lambda q, kn, vn, kc, vc, cached, fresh: ops.cached_attention(
-        q, fresh, kc, vc, cached, ops.HEADS_MAJOR),
+        q, fresh, kc, vc, cached, ops.HEADS_MAJOR, v_new=vn),
 }
 
 

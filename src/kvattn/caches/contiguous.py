@@ -173,7 +173,7 @@ class KVCache:
             (k_cache, k_scale), (v_cache, v_scale) = kv
             if write_first:
                 return ops.cached_attention(
-                    q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options
+                    q, written, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, v_new=v, **options
                 )
             return ops.attention(
                 q, k, v, lengths, k_cache, v_cache, old_pos, k_scale=k_scale, v_scale=v_scale, **options

@@ -167,7 +167,8 @@ class PagedKVCache:
                     return k, v, k_scale, v_scale, slot_positions
 
                 num_chunks = (needed + chunk - 1) // chunk
-                return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, **options)
+                return ops.chunked_cached_attention(q, written, read_chunk, num_chunks, old_pos, v_new=v,
+                                                    **options)
 
             return attend
 

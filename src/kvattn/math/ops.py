@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from kvattn.caches.base import HEADS_MAJOR, LAYOUTS, SLOTS_MAJOR
-from kvattn.math import reads
+from kvattn.math import finite, reads
 
 __all__ = [
     "HEADS_MAJOR", "LAYOUTS", "SLOTS_MAJOR", "attention", "bucket_index", "bucketed", "cached_attention",
@@ -153,35 +153,10 @@ def attention(
     scores, visible = jnp.concatenate(scores, axis=-1), jnp.concatenate(visible, axis=-1)
     weights = masked_softmax(scores, visible, real, logit_softcap)
 
-    ctx = _mix_new_values(weights[..., -num_new:], v_new, real, window)
+    ctx = finite.mixed_new_values(weights[..., -num_new:], v_new, real, window)
     if k_cache is not None:
         ctx = ctx + reads.mixed_values(weights[..., :-num_new], v_cache, v_scale, layout, block_diagonal)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
-
-
-def _mix_new_values(weights, v_new, real, window):
-    """The chunk's values mixed by `weights` `(B, T, K, G, U)`, where each query sees only `u <= t` (and the window).
-
-    A weight of 0 times a NaN or infinite value is NaN, so a non-finite value
-    at a later token would reach every earlier query through the dot. The
-    dot reads the finite values only; each query then takes the NaN and
-    infinities it sees back from running counts over the tokens, as float64
-    arithmetic gives them (a NaN, or +inf beside -inf, is NaN; else the
-    infinity), linear in the chunk's length. A visible infinite value whose
-    weight underflows to exactly 0 gives the infinity, where float64 would
-    give NaN.
-    """
-    finite = jnp.isfinite(v_new)
-    ctx = jnp.einsum("BTKGU,BUKH->BTKGH", weights, jnp.where(finite, v_new, 0.0))
-    kinds = jnp.stack([jnp.isnan(v_new), v_new == jnp.inf, v_new == -jnp.inf]).astype(jnp.int32)  # 3 B U K H
-    seen = jnp.cumsum(kinds, axis=2)  # tokens u <= t
-    if window is not None and window < v_new.shape[1]:  # less those that left the window, u <= t - W
-        seen = seen - jnp.pad(seen, ((0, 0), (0, 0), (window, 0), (0, 0), (0, 0)))[:, :, : v_new.shape[1]]
-    seen = (seen > 0) & real[None, :, :, None, None]
-    nan, plus, minus = (x[:, :, :, None, :] for x in seen)  # B T K 1 H, against ctx's B T K G H
-    ctx = jnp.where(plus, jnp.inf, ctx)
-    ctx = jnp.where(minus, -jnp.inf, ctx)
-    return jnp.where(nan | (plus & minus), jnp.nan, ctx)
 
 
 def cached_attention(
@@ -198,6 +173,7 @@ def cached_attention(
     block_diagonal: bool = True,
     logit_softcap: float | None = None,
     slot_positions: Int[Array, "B S"] | None = None,
+    v_new: Float[Array, "B T K H"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of a chunk whose keys and values are already written to the cache.
 
@@ -228,6 +204,10 @@ def cached_attention(
       slot_positions: the position each slot holds, when the cache is a
         gathered view rather than slots `0..S-1` or a ring (a paged cache);
         `window` then masks by position, with no ring.
+      v_new: the chunk's values as they were written, for a chunk of
+        several tokens: a NaN or infinite value then reaches only the
+        queries that see it (`kvattn.math.finite`). Without them, an
+        earlier query of the chunk mixes a later token's slot by 0.
 
     Returns:
       The attended values of every query head.
@@ -239,7 +219,13 @@ def cached_attention(
     num_slots = k_cache.shape[layout.index("S")]
     visible = reads.visible_slots(cache_len + new_len, cache_len[:, None] + query_t, num_slots, window, slot_positions)
     weights = masked_softmax(reads.scores(q, k_cache, k_scale, layout, block_diagonal), visible, real, logit_softcap)
+    guard = v_new is not None and num_new > 1
+    if guard:
+        v_cache, v_scale = finite.written_chunk_read_finite(v_cache, v_scale, cache_len, new_len, layout,
+                                                            slot_positions)
     ctx = reads.mixed_values(weights, v_cache, v_scale, layout, block_diagonal)
+    if guard:
+        ctx = finite.nonfinite_seen(ctx, v_new, real, window)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
@@ -284,6 +270,7 @@ def chunked_cached_attention(
     window: int | None = None,
     block_diagonal: bool = True,
     logit_softcap: float | None = None,
+    v_new: Float[Array, "B T K H"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """`cached_attention` over a cache read in chunks of slots, with a running (online) softmax.
 
@@ -294,7 +281,7 @@ def chunked_cached_attention(
     everywhere; the running maximum, sum and weighted values then combine
     the chunks, so no chunk outlives its iteration: a paged cache gathers
     each chunk of pages into a buffer that stays in the CPU cache instead of
-    copying out the whole sequence.
+    copying out the whole sequence. `v_new`: as in `cached_attention`.
     """
     batch, num_new, num_heads, head_dim = q.shape
     num_kv_heads = read_chunk(jnp.int32(0))[0].shape[layout.index("K")]
@@ -302,10 +289,13 @@ def chunked_cached_attention(
     real = jnp.arange(num_new)[None, :] < new_len[:, None]
     query_pos = cache_len[:, None] + jnp.arange(num_new)[None, :]
     stats_shape = (batch, num_new, num_kv_heads, num_heads // num_kv_heads)
+    guard = v_new is not None and num_new > 1
 
     def body(chunk, carry):
         running_max, total, values = carry
         k, v, k_scale, v_scale, slot_positions = read_chunk(chunk)
+        if guard:
+            v, v_scale = finite.written_chunk_read_finite(v, v_scale, cache_len, new_len, layout, slot_positions)
         visible = reads.visible_slots(cache_len + new_len, query_pos, None, window, slot_positions)
         scores = masked_scores(reads.scores(q, k, k_scale, layout, block_diagonal), visible, real, logit_softcap)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
@@ -324,6 +314,8 @@ def chunked_cached_attention(
     )
     _, total, values = jax.lax.fori_loop(0, num_chunks, body, carry)
     ctx = jnp.where(real[:, :, None, None, None], values / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    if guard:
+        ctx = finite.nonfinite_seen(ctx, v_new, real, window)
     return ctx.reshape(batch, num_new, num_heads, head_dim)
 
 
