@@ -24,6 +24,7 @@ __all__ = [
     "free_tokens",
     "host",
     "is_traced",
+    "ints",
     "keep_counts",
     "lead",
     "mask",
@@ -57,20 +58,20 @@ def host(value) -> np.ndarray:
 
 def lead(config: AttentionConfig) -> int:
     """Leading batch axes of the layer's per-call arrays: 1 for a batched layer, else 0."""
-    return 0 if config.batch_size is None else 1
+    return 0 if config.cache.batch_size is None else 1
 
 
 def require_batched(config: AttentionConfig, name: str) -> None:
-    if config.batch_size is None:
+    if config.cache.batch_size is None:
         raise ValueError(f"{name} is only for layers built with batch_size; this layer holds one sequence")
 
 
 def tokens(config: AttentionConfig, x, name: str, rank: int) -> jax.Array:
     """Floating tokens of rank `rank` per sequence (plus the batch axis of a batched layer), ending in D."""
     x = _floating(config, x, name, (rank + lead(config),))
-    # A paged layer's calls take any rows: each brings its own page tables.
-    if config.batch_size is not None and not config.paged and x.shape[0] != config.batch_size:
-        raise ValueError(f"{name} must have batch_size={config.batch_size} rows, got shape {x.shape}")
+    rows = config.cache.rows
+    if rows is not None and x.shape[0] != rows:
+        raise ValueError(f"{name} must have batch_size={rows} rows, got shape {x.shape}")
     return x
 
 
@@ -104,14 +105,14 @@ def nonempty(xs: jax.Array, name: str = "xs") -> None:
 def mask(config: AttentionConfig, value, name: str, batch: int | None = None) -> jax.Array:
     """A bool `(B,)` mask (`batch` rows, by default the layer's `batch_size`)."""
     require_batched(config, name)
-    batch = config.batch_size if batch is None else batch
+    batch = config.cache.batch_size if batch is None else batch
     value = jnp.asarray(value)
     if value.dtype != jnp.bool_ or value.shape != (batch,):
         raise ValueError(f"{name} must be bool ({batch},), got {value.dtype} {value.shape}")
     return value
 
 
-def _ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bool = False) -> jax.Array | np.ndarray:
+def ints(value, name: str, shapes: tuple, lower: int, upper: int, half_open: bool = False) -> jax.Array | np.ndarray:
     """Integers of one of `shapes`, each in `[lower, upper]` unless traced: int32 (NumPy when eager).
 
     `half_open` only changes how the message writes the range: `[lower, upper + 1)` for indices.
@@ -139,19 +140,19 @@ def positive_int(value, name: str) -> int:
 def per_sequence_ints(config: AttentionConfig, value, name: str, upper: int, batch: int | None = None) -> jax.Array:
     """Int `(B,)` (`batch` rows, by default `batch_size`), each in `[0, upper]` when not traced, as int32."""
     require_batched(config, name)
-    return jnp.asarray(_ints(value, name, ((config.batch_size if batch is None else batch,),), 0, upper))
+    return jnp.asarray(ints(value, name, ((config.cache.batch_size if batch is None else batch,),), 0, upper))
 
 
 def sequence_index(config: AttentionConfig, value, name: str) -> jax.Array:
     """One sequence index in `[0, B)`, as an int32 scalar."""
     require_batched(config, name)
-    return jnp.asarray(_ints(value, name, ((),), 0, config.batch_size - 1, half_open=True))
+    return jnp.asarray(ints(value, name, ((),), 0, config.cache.batch_size - 1, half_open=True))
 
 
 def keep_counts(config: AttentionConfig, value, pos: np.ndarray | jax.Array) -> jax.Array:
     """`truncate`'s counts: an int or int `(B,)`, `0 <= keep <= pos` when not traced; int32 `(B,)`."""
     batch = pos.shape
-    keep = _ints(value, "keep", ((), batch), 0, config.capacity)
+    keep = ints(value, "keep", ((), batch), 0, config.capacity)
     if not is_traced(keep, pos):
         over = np.flatnonzero(np.broadcast_to(keep, batch) > np.asarray(pos))
         if over.size:
@@ -164,7 +165,7 @@ def keep_counts(config: AttentionConfig, value, pos: np.ndarray | jax.Array) -> 
 
 def which(config: AttentionConfig, value) -> jax.Array:
     """Bool mask `(B,)` of the sequences to act on, from indices or a mask; all of them for None."""
-    batch = config.batch_size or 1
+    batch = config.cache.batch_size or 1
     if value is None:
         return jnp.ones((batch,), jnp.bool_)
     require_batched(config, "which")
@@ -175,7 +176,7 @@ def which(config: AttentionConfig, value) -> jax.Array:
     if isinstance(value, (list, tuple)) and not value:
         value = np.zeros((0,), np.int32)  # `[]` is float64 to NumPy: no sequence, not a type error
     size = int(np.size(value)) if not is_traced(value) else value.size
-    indices = _ints(value, "which indices", ((), (size,)), 0, batch - 1, half_open=True)
+    indices = ints(value, "which indices", ((), (size,)), 0, batch - 1, half_open=True)
     # Under jit an index out of range names no sequence: dropped, never wrapped.
     indices = jnp.where((indices < 0) | (indices >= batch), batch, jnp.asarray(indices))
     return jnp.zeros((batch,), jnp.bool_).at[indices].set(True, mode="drop")
@@ -208,42 +209,10 @@ def capacity(config: AttentionConfig, pos: np.ndarray | None, lengths) -> None:
     lengths = np.broadcast_to(host(lengths).astype(np.int64), pos.shape)
     over = np.flatnonzero(pos.astype(np.int64) + lengths > config.capacity)
     if over.size:
-        where = "" if config.batch_size is None else f" for sequences {over.tolist()}"
-        limit = f"max_len={config.max_len}" if config.max_len is not None else f"the int32 position limit {config.capacity}"
+        where = "" if config.cache.batch_size is None else f" for sequences {over.tolist()}"
+        max_len = config.cache.max_len
+        limit = f"max_len={max_len}" if max_len is not None else f"the int32 position limit {config.capacity}"
         raise CacheOverflowError(
             f"cache overflow{where}: pos {pos[over].tolist()} + {lengths[over].tolist()} new tokens "
             f"exceeds {limit}; nothing was written. Call reset() or build the layer with a larger max_len."
         )
-
-
-def page_batch(config: AttentionConfig, pages, lengths, batch: int) -> tuple:
-    """A `PageBatch`'s arrays for `batch` rows as int32 (`table`, `pos`, `copy_from`, `copy_to`), checked when not traced.
-
-    Eagerly it also checks that every block the call writes has a page (the
-    host reserved them), raising `CacheOverflowError` for a sequence past
-    `max_len` and `ValueError` for a missing reservation, before any state changes.
-    """
-    if not config.paged:
-        raise ValueError("pages= is only for a paged layer (built with num_pages and page_size)")
-    if pages is None:
-        raise ValueError("a paged layer needs pages=: the PageBatch that PageManager.reserve(counts) returns")
-    width = config.pages_per_sequence
-    table = _ints(pages.table, "pages.table", ((batch, width),), 0, config.num_pages - 1, half_open=True)
-    pos = _ints(pages.pos, "pages.pos", ((batch,),), 0, config.max_len)
-    copies = getattr(pages, "copy_from", None)
-    if copies is not None:
-        copy_from = _ints(pages.copy_from, "pages.copy_from", (np.shape(copies),), 0, config.num_pages - 1)
-        copy_to = _ints(pages.copy_to, "pages.copy_to", (np.shape(copies),), 1, config.num_pages)
-        copies = (copy_from, copy_to)
-    if not is_traced(table, pos, lengths):
-        capacity(config, pos, lengths)
-        lengths = np.broadcast_to(host(lengths), pos.shape)
-        for b in np.flatnonzero(lengths):
-            blocks = np.arange(pos[b] // config.page_size, (pos[b] + lengths[b] - 1) // config.page_size + 1)
-            if np.any(table[b, blocks] == 0):
-                raise ValueError(
-                    f"sequence {b} writes positions {pos[b]}..{pos[b] + lengths[b] - 1}, but blocks "
-                    f"{blocks[table[b, blocks] == 0].tolist()} of its page table have no page; reserve them with "
-                    "PageManager.reserve before the call. Nothing was changed."
-                )
-    return (jnp.asarray(table), jnp.asarray(pos), *(copies or (None, None)))

@@ -24,6 +24,7 @@ import kvattn
 from kvattn.caches import storage
 from kvattn.caches import contiguous as cache_ops
 from kvattn.caches import paged as paged_ops
+from kvattn.caches import views
 from kvattn.caches.base import NULL_PAGE
 from kvattn.kernels import cpu, native, pallas
 from kvattn.math import ops
@@ -52,7 +53,7 @@ def paged_pair(layout: str, softcap: float | None):
                                     logit_softcap=softcap, interpret=True)
         cache = paged_ops.PagedKVCache(storage.Stored(k, k_scale), storage.Stored(v, v_scale), table, filled,
                                        layout=layout)
-        (k_view, k_s), (v_view, v_s), positions = paged_ops.view(cache, BLOCKS, jnp.zeros_like(filled), filled)
+        (k_view, k_s), (v_view, v_s), positions = views.view(cache, BLOCKS, jnp.zeros_like(filled), filled)
         xla = ops.cached_attention(q, ones, k_view, v_view, filled - 1, layout, k_scale=k_s, v_scale=v_s,
                                    logit_softcap=softcap, slot_positions=positions)
         return kernel, xla

@@ -99,6 +99,11 @@ class CacheSpec:
         if self.layout not in LAYOUTS:
             raise ValueError(f"cache_layout must be one of {sorted(LAYOUTS)}, got {self.layout!r}")
 
+    @property
+    def rows(self) -> int | None:
+        """Rows a call's tokens must have: `batch_size` (None: any number, or an unbatched layer's one sequence)."""
+        return self.batch_size
+
     def num_slots(self, window: int | None) -> int:
         """Slots per sequence: `max_len`, or the ring's `window`."""
         return window if self.max_len is None else self.max_len
@@ -176,6 +181,11 @@ class Paged(CacheSpec):
                 f"and batch_size (sequences), got num_pages={self.num_pages}, max_len={self.max_len!r}, "
                 f"batch_size={self.batch_size!r}"
             )
+
+    @property
+    def rows(self) -> None:
+        """Any: each call brings its own page tables."""
+        return None
 
     @property
     def pages_per_sequence(self) -> int:

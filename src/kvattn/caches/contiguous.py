@@ -331,18 +331,18 @@ def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtyp
     `(B, S, K, H)` or `(B, K, S, H)` keys and values without the batch axis
     for an unbatched layer, `pos` `(B,)` or `()`, and int8's scales.
     """
-    lead, lead_axes = ((), ()) if config.batch_size is None else ((config.batch_size,), (config.data_axis,))
+    lead, lead_axes = ((), ()) if config.cache.batch_size is None else ((config.cache.batch_size,), (config.data_axis,))
     if config.layout == SLOTS_MAJOR:
         slots, slot_axes = (config.num_slots, config.num_kv_heads), (None, config.model_axis)
     else:
         slots, slot_axes = (config.num_kv_heads, config.num_slots), (config.model_axis, None)
-    dtype = jnp.dtype(config.cache_dtype)
+    dtype = jnp.dtype(config.cache.dtype)
     specs = {
         "k_cache": ((*lead, *slots, config.head_dim), (*lead_axes, *slot_axes, None), dtype),
         "v_cache": ((*lead, *slots, config.head_dim), (*lead_axes, *slot_axes, None), dtype),
         "pos": (lead, lead_axes, jnp.dtype(jnp.int32)),
     }
-    if config.cache_dtype == "int8":
+    if config.cache.dtype == "int8":
         specs["k_scale"] = ((*lead, *slots), (*lead_axes, *slot_axes), jnp.dtype(jnp.float32))
         specs["v_scale"] = ((*lead, *slots), (*lead_axes, *slot_axes), jnp.dtype(jnp.float32))
     return specs
@@ -362,19 +362,19 @@ def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, bat
     cache = KVCache(
         k=Stored(arrays["k_cache"], arrays.get("k_scale")), v=Stored(arrays["v_cache"], arrays.get("v_scale")),
         pos=arrays["pos"], layout=config.layout, window=config.window, kernel=kernels.cache_kernel(config),
-        length_buckets=config.length_buckets, logit_softcap=config.logit_softcap,
+        length_buckets=config.cache.length_buckets, logit_softcap=config.logit_softcap,
         block_diagonal=not config.heads_split,
     )
     if lengths is not None:
         check.capacity(config, check.state(config, cache.pos), lengths)
-    if batched and config.batch_size is None:
+    if batched and config.cache.batch_size is None:
         return jax.tree.map(lambda a: a[None], cache)
     return cache
 
 
 def unbind(config: AttentionConfig, cache: KVCache, *, batched: bool = True) -> dict:
     """The inverse of `bind`: the arrays to store, by variable name (`batched=False`: `cache` is as stored)."""
-    if batched and config.batch_size is None:
+    if batched and config.cache.batch_size is None:
         cache = jax.tree.map(lambda a: a[0], cache)
     arrays = {"k_cache": cache.k.values, "v_cache": cache.v.values, "pos": cache.pos.astype(jnp.int32)}
     if cache.k.scale is not None:

@@ -41,12 +41,14 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from kvattn import kernels
 from kvattn.math import ops
 from kvattn import validation as check
 from kvattn.caches.base import NULL_PAGE, Paged, blocks_spanned
+from kvattn.caches import views
 from kvattn.caches.storage import Stored, capacity_ok, encode
 from kvattn.config import AttentionConfig
 from kvattn.math.ops import SLOTS_MAJOR
@@ -57,12 +59,10 @@ __all__ = [
     "append",
     "apply_copies",
     "bind",
-    "chunk_sizes",
-    "first_block",
+    "bound_pool",
     "mapped",
     "unbind",
     "variables",
-    "view",
     "zero_page_tails",
 ]
 
@@ -156,14 +156,14 @@ class PagedKVCache:
                 v_scale=cache.v.scale, logit_softcap=options["logit_softcap"], interpret=path == "interpret",
             )
             return ctx, cache
-        first = first_block(cache, old_pos)
+        first = views.first_block(cache, old_pos)
         needed = jnp.max(blocks_spanned(filled, cache.page_size) - first)
-        sizes = chunk_sizes(cache)
+        sizes = views.chunk_sizes(cache)
 
         def read(chunk):
             def attend(cache):
                 def read_chunk(index):
-                    (k, k_scale), (v, v_scale), slot_positions = view(cache, chunk, first + index * chunk, filled)
+                    (k, k_scale), (v, v_scale), slot_positions = views.view(cache, chunk, first + index * chunk, filled)
                     return k, v, k_scale, v_scale, slot_positions
 
                 num_chunks = (needed + chunk - 1) // chunk
@@ -263,58 +263,6 @@ def zero_page_tails(cache: PagedKVCache, filled: Int[Array, " B"], written: Int[
     return cache.replace(k=put(cache.k), v=put(cache.v))
 
 
-# Attention reads a sequence in chunks of pages gathered into a view: short
-# chunks while the batch's sequences are short (a chunk is gathered whole), long
-# ones past that (fewer loop iterations). Measured on the benchmarks page (docs/benchmarks).
-CHUNK_TOKENS = (256, 1024)
-
-
-def chunk_sizes(cache: PagedKVCache) -> tuple[int, ...]:
-    """Blocks per chunk of each chunked reading, increasing (at most the table's width)."""
-    width = cache.table.shape[1]
-    return tuple(sorted({max(1, min(width, tokens // cache.page_size)) for tokens in CHUNK_TOKENS}))
-
-
-def first_block(cache: PagedKVCache, query_start: Int[Array, " B"]) -> Int[Array, " B"]:
-    """The first block a query at `query_start[b]` can see: 0, or the window's first."""
-    if cache.window is None:
-        return jnp.zeros_like(query_start)
-    return jnp.maximum(query_start - cache.window + 1, 0) // cache.page_size
-
-
-def view(cache: PagedKVCache, num_blocks: int, first: Int[Array, " B"], filled: Int[Array, " B"]):
-    """Blocks `first[b] .. first[b] + num_blocks - 1` of each sequence gathered into a contiguous view.
-
-    Slots that hold no token (at or past `filled[b]`, past the table, or in
-    an unmapped block) are zeroed, so whatever a free page holds never
-    reaches an output.
-
-    Returns:
-      `(k, v, slot_positions)`: `Stored` views `(B, S, K, H)` (or
-      `(B, K, S, H)`), `S = num_blocks * page`, and int32 `(B, S)`.
-    """
-    page, width = cache.page_size, cache.table.shape[1]
-    blocks = first[:, None] + jnp.arange(num_blocks)[None, :]  # B nb
-    pages = jnp.take_along_axis(cache.table, jnp.clip(blocks, 0, width - 1), axis=1)
-    pages = jnp.where(blocks < width, pages, NULL_PAGE)
-    slot_positions = (blocks[:, :, None] * page + jnp.arange(page)[None, None, :]).reshape(blocks.shape[0], -1)
-    holds = (slot_positions < filled[:, None]) & jnp.repeat(pages != NULL_PAGE, page, axis=1)
-
-    def gather(pool):
-        taken = pool[pages]  # B nb page K [H]  or  B nb K page [H]
-        if cache.layout != SLOTS_MAJOR:
-            taken = jnp.moveaxis(taken, 2, 1)  # B K nb page [H]
-            merged = taken.reshape(taken.shape[0], taken.shape[1], -1, *taken.shape[4:])
-            mask = holds[:, None, :]
-        else:
-            merged = taken.reshape(taken.shape[0], -1, *taken.shape[3:])
-            mask = holds
-        mask = mask.reshape(mask.shape + (1,) * (merged.ndim - mask.ndim))
-        return jnp.where(mask, merged, jnp.zeros((), merged.dtype))
-
-    return jax.tree.map(gather, cache.k), jax.tree.map(gather, cache.v), slot_positions
-
-
 # ------------------------------------------------------------ the layer's side
 
 
@@ -323,16 +271,17 @@ def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtyp
 
     Pages `(P, page, K, H)` (heads-major `(P, K, page, H)`), and int8's scales.
     """
+    spec = config.cache
     if config.layout == SLOTS_MAJOR:
-        pages, axes = (config.num_pages, config.page_size, config.num_kv_heads), (None, None, config.model_axis)
+        pages, axes = (spec.num_pages, spec.page_size, config.num_kv_heads), (None, None, config.model_axis)
     else:
-        pages, axes = (config.num_pages, config.num_kv_heads, config.page_size), (None, config.model_axis, None)
-    dtype = jnp.dtype(config.cache_dtype)
+        pages, axes = (spec.num_pages, config.num_kv_heads, spec.page_size), (None, config.model_axis, None)
+    dtype = jnp.dtype(config.cache.dtype)
     specs = {
         "k_pages": ((*pages, config.head_dim), (*axes, None), dtype),
         "v_pages": ((*pages, config.head_dim), (*axes, None), dtype),
     }
-    if config.cache_dtype == "int8":
+    if config.cache.dtype == "int8":
         specs["k_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
         specs["v_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
     return specs
@@ -354,7 +303,7 @@ def bind(config: AttentionConfig, arrays: dict, *, pages=None, lengths=None, bat
                 "kvattn.PageManager owns (use its free/truncate/fork/reorder), and each call gets a PageBatch"
             )
         raise ValueError("a paged layer needs pages=: the PageBatch that PageManager.reserve(counts) returns")
-    table, pos, copy_from, copy_to = check.page_batch(config, pages, lengths, lengths.shape[0])
+    table, pos, copy_from, copy_to = _checked_pages(config, pages, lengths, lengths.shape[0])
     return bound_pool(config, arrays, table, pos, copy_from, copy_to)
 
 
@@ -363,9 +312,40 @@ def bound_pool(config: AttentionConfig, arrays: dict, table, pos, copy_from=None
     return PagedKVCache(
         k=Stored(arrays["k_pages"], arrays.get("k_page_scale")), v=Stored(arrays["v_pages"], arrays.get("v_page_scale")),
         table=table, pos=pos, copy_from=copy_from, copy_to=copy_to, layout=config.layout, window=config.window,
-        kernel=kernels.cache_kernel(config), max_len=config.max_len, logit_softcap=config.logit_softcap,
+        kernel=kernels.cache_kernel(config), max_len=config.cache.max_len, logit_softcap=config.logit_softcap,
         block_diagonal=not config.heads_split,
     )
+
+
+def _checked_pages(config: AttentionConfig, pages, lengths, batch: int) -> tuple:
+    """A `PageBatch`'s arrays for `batch` rows as int32 (`table`, `pos`, `copy_from`, `copy_to`), checked when not traced.
+
+    Eagerly it also checks that every block the call writes has a page (the
+    host reserved them), raising `CacheOverflowError` for a sequence past
+    `max_len` and `ValueError` for a missing reservation, before any state changes.
+    """
+    width = config.cache.pages_per_sequence
+    table = check.ints(pages.table, "pages.table", ((batch, width),), 0, config.cache.num_pages - 1, half_open=True)
+    pos = check.ints(pages.pos, "pages.pos", ((batch,),), 0, config.cache.max_len)
+    copies = getattr(pages, "copy_from", None)
+    if copies is not None:
+        num_pages = config.cache.num_pages
+        copy_from = check.ints(pages.copy_from, "pages.copy_from", (np.shape(copies),), 0, num_pages - 1)
+        copy_to = check.ints(pages.copy_to, "pages.copy_to", (np.shape(copies),), 1, num_pages)
+        copies = (copy_from, copy_to)
+    if not check.is_traced(table, pos, lengths):
+        check.capacity(config, pos, lengths)
+        lengths = np.broadcast_to(check.host(lengths), pos.shape)
+        for b in np.flatnonzero(lengths):
+            page = config.cache.page_size
+            blocks = np.arange(pos[b] // page, (pos[b] + lengths[b] - 1) // page + 1)
+            if np.any(table[b, blocks] == 0):
+                raise ValueError(
+                    f"sequence {b} writes positions {pos[b]}..{pos[b] + lengths[b] - 1}, but blocks "
+                    f"{blocks[table[b, blocks] == 0].tolist()} of its page table have no page; reserve them with "
+                    "PageManager.reserve before the call. Nothing was changed."
+                )
+    return (jnp.asarray(table), jnp.asarray(pos), *(copies or (None, None)))
 
 
 def unbind(config: AttentionConfig, cache: PagedKVCache) -> dict:

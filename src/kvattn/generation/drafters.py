@@ -207,7 +207,7 @@ class DraftSteps:
 def rolls_back(model: CausalLM, name: str) -> None:
     """Refuses a model whose caches `truncate` cannot roll back: paged, or a sliding-window ring."""
     config = model.blocks[0].attention.config
-    if config.paged:
+    if config.cache.paged:
         raise ValueError(
             f"speculative decoding here needs contiguous caches; the {name} is paged (its sequences belong to a "
             "PageManager): build it without num_pages and page_size"
@@ -229,7 +229,7 @@ def checked_draft(draft: CausalLM, model: CausalLM, lengths, max_new_tokens: int
             f"the draft model must share the target's vocabulary: vocab_size {model.config.vocab_size} expected, "
             f"got {draft.config.vocab_size}"
         )
-    batch, draft_batch = (m.blocks[0].attention.config.batch_size for m in (model, draft))
+    batch, draft_batch = (m.blocks[0].attention.config.cache.batch_size for m in (model, draft))
     if draft_batch != batch:
         raise ValueError(f"the draft model must have the target's batch size {batch}, got batch_size={draft_batch}")
     attention = draft.blocks[0].attention

@@ -127,7 +127,7 @@ def stream(model: CausalLM, prompt, max_new_tokens: int, *, temperature: float =
     can print each token at once. The caches hold the prompt and every token
     yielded so far.
     """
-    batch = model.blocks[0].attention.config.batch_size
+    batch = model.blocks[0].attention.config.cache.batch_size
     if batch != 1:
         raise ValueError(f"stream needs a model built with batch_size=1, got batch_size={batch}")
     prompt = token_ids(prompt, model.config.vocab_size, "prompt", (None,))

@@ -36,7 +36,7 @@ class Inputs(NamedTuple):
 def checked_inputs(model: CausalLM, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens,
                    rng) -> Inputs:
     """`generate`'s arguments checked (before anything changes) and padded to their bucket."""
-    batch = model.blocks[0].attention.config.batch_size
+    batch = model.blocks[0].attention.config.cache.batch_size
     prompts = token_ids(prompts, model.config.vocab_size, "prompts", (batch, None))
     check.positive_int(max_new_tokens, "max_new_tokens")
     sampling = checked_sampling(model, temperature, top_k, top_p, rng)

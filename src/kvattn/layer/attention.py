@@ -211,7 +211,7 @@ class MultiHeadAttention(nnx.Module):
           sequence that overflowed under jit (see the class docstring).
         """
         x = check.tokens(self.config, x, "x", rank=1)
-        rows = x.shape[0] if self.config.batch_size is not None else None  # a paged call takes any rows
+        rows = x.shape[0] if self.config.cache.batch_size is not None else None  # a paged call takes any rows
         lengths = None if active is None else check.mask(self.config, active, "active", rows).astype(jnp.int32)
         return self._extend(x[..., None, :], lengths, pages)[..., 0, :]
 
@@ -236,7 +236,7 @@ class MultiHeadAttention(nnx.Module):
         xs = check.tokens(self.config, xs, "xs", rank=2)
         check.nonempty(xs)
         if lengths is not None:
-            rows = xs.shape[0] if self.config.batch_size is not None else None
+            rows = xs.shape[0] if self.config.cache.batch_size is not None else None
             lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2], batch=rows)
         return self._extend(xs, lengths, pages)
 
@@ -298,7 +298,7 @@ class MultiHeadAttention(nnx.Module):
         """
         cache = self._bind("reorder")
         check.require_batched(self.config, "reorder")
-        order = check.per_sequence_ints(self.config, order, "order", upper=self.config.batch_size - 1)
+        order = check.per_sequence_ints(self.config, order, "order", upper=self.config.cache.batch_size - 1)
         self._store(cache.reorder(order))
 
     # ---------------------------------------------------------------- internal
@@ -316,7 +316,7 @@ class MultiHeadAttention(nnx.Module):
         cache = self._bind("this call", pages=pages, lengths=lengths)  # checked before any state changes
         ys, cache = extend(self.weights, cache, xs_b, lengths, config=self.config)
         self._store(cache)
-        return ys if self.config.batch_size is not None else ys[0]
+        return ys if self.config.cache.batch_size is not None else ys[0]
 
     def _arrays(self) -> dict:
         return {name: getattr(self, name)[...] for name in self._cache_type.variables(self.config)}
@@ -375,4 +375,4 @@ class MultiHeadAttention(nnx.Module):
         return self._bind("a contiguous cache view", batched=False)
 
     def _batched(self, array):
-        return array if self.config.batch_size is not None else array[None]
+        return array if self.config.cache.batch_size is not None else array[None]

@@ -48,7 +48,7 @@ WORKING_LAYOUT = ops.HEADS_MAJOR
 
 def working(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache):
     """Weights and cache as the layer stores them (`[B,] ...`) -> their working form (batched, heads-major)."""
-    cache = stored if config.batch_size is not None else jax.tree.map(lambda a: a[None], stored)
+    cache = stored if config.cache.batch_size is not None else jax.tree.map(lambda a: a[None], stored)
     # Heads split over devices keep their projections apart (see `forward.project_qkv`).
     fused = weights if config.heads_split else weights.fused()
     return fused, cache_ops.relayout(cache, WORKING_LAYOUT)
@@ -57,7 +57,7 @@ def working(config: AttentionConfig, weights: Weights | FusedWeights, stored: ca
 def stored_form(config: AttentionConfig, cache: cache_ops.KVCache) -> cache_ops.KVCache:
     """The inverse of `working` for the cache."""
     cache = cache_ops.relayout(cache, config.layout)
-    return cache if config.batch_size is not None else jax.tree.map(lambda a: a[0], cache)
+    return cache if config.cache.batch_size is not None else jax.tree.map(lambda a: a[0], cache)
 
 
 def _extend(config: AttentionConfig, weights: Weights | FusedWeights, cache: cache_ops.KVCache, xs, lengths):
@@ -88,7 +88,7 @@ def _leave(config: AttentionConfig, cache: cache_ops.KVCache):
 @functools.lru_cache(maxsize=64)
 def _program(config: AttentionConfig, method: str):
     """The donated `jax.jit` program of `Decoder.step` or `Decoder.prefill` for one layer configuration."""
-    batched = config.batch_size is not None
+    batched = config.cache.batch_size is not None
 
     def step(weights, cache, x, active):
         xs = x[:, None] if batched else x[None, None]
@@ -144,7 +144,7 @@ class Decoder:
     @property
     def pos(self) -> int | np.ndarray:
         """Next free slot (an int, or one per sequence), as known on the host: no device sync."""
-        return self._host_pos.copy() if self.config.batch_size is not None else int(self._host_pos[0])
+        return self._host_pos.copy() if self.config.cache.batch_size is not None else int(self._host_pos[0])
 
     def step(self, x, active=None):
         """`MultiHeadAttention.step`, compiled once and run on the decoder's own cache."""
@@ -224,7 +224,7 @@ def _distinct_buffers(stored: cache_ops.KVCache) -> cache_ops.KVCache:
 
 def _decode(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache, xs):
     weights, cache = working(config, weights, stored)
-    xs = xs if config.batch_size is not None else xs[None]
+    xs = xs if config.cache.batch_size is not None else xs[None]
     ones = jnp.ones(xs.shape[:1], jnp.int32)
 
     def body(cache, x):
@@ -233,7 +233,7 @@ def _decode(config: AttentionConfig, weights: Weights | FusedWeights, stored: ca
 
     cache, ys = jax.lax.scan(body, cache, jnp.swapaxes(xs, 0, 1))
     ys = jnp.swapaxes(ys, 0, 1)
-    return (ys if config.batch_size is not None else ys[0]), stored_form(config, cache)
+    return (ys if config.cache.batch_size is not None else ys[0]), stored_form(config, cache)
 
 
 def decode(layer: MultiHeadAttention, xs, *, donate: bool = False):
@@ -279,7 +279,7 @@ class Rollout(NamedTuple):
 
 def _rollout(config: AttentionConfig, weights: Weights | FusedWeights, stored: cache_ops.KVCache, x0, num_steps,
              next_input):
-    batched = config.batch_size is not None
+    batched = config.cache.batch_size is not None
     weights, cache = working(config, weights, stored)
     outputs = jnp.full((num_steps, *x0.shape), jnp.nan, x0.dtype)
     ones = jnp.ones(cache.pos.shape, jnp.int32)
@@ -341,7 +341,7 @@ def rollout(
         return Rollout(outputs, jnp.int32(0))
     program = _compiled(_rollout, donate, ("config", "num_steps", "next_input"))
     result = _run(layer, program, (x0, num_steps, next_input), donate)
-    if config.batch_size is not None:
+    if config.cache.batch_size is not None:
         return Rollout(jnp.swapaxes(result.outputs, 0, 1), result.length)
     return result
 
@@ -380,7 +380,8 @@ def attend(layer: MultiHeadAttention, history, x, lengths=None):
     x = check.tokens(config, x, "x", rank=1)
     if history.shape[-2] + 1 > config.capacity:
         raise CacheOverflowError(
-            f"history of {history.shape[-2]} tokens plus x does not fit max_len={config.max_len}; nothing was changed"
+            f"history of {history.shape[-2]} tokens plus x does not fit max_len={config.cache.max_len}; "
+            "nothing was changed"
         )
     if lengths is not None:
         lengths = check.per_sequence_ints(config, lengths, "lengths", upper=history.shape[-2])

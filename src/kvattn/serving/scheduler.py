@@ -49,28 +49,29 @@ class Scheduler:
         self.prefills_per_step = prefills_per_step
         self.manager = self._new_manager()
         self.queue: deque[Request] = deque()
-        self.seqs: list[Request | None] = [None] * config.batch_size
+        self.seqs: list[Request | None] = [None] * config.cache.batch_size
         self.totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, drafted_tokens=0, accepted_tokens=0)
 
     def _new_manager(self) -> PageManager:
-        config = self.config
-        return PageManager(config.num_pages, config.page_size, config.batch_size, config.pages_per_sequence,
-                           window=config.window)
+        spec = self.config.cache
+        return PageManager(spec.num_pages, spec.page_size, spec.batch_size, spec.pages_per_sequence,
+                           window=self.config.window)
 
     # -------------------------------------------------------------- requests
 
     def refusal(self, prompt_tokens: int, max_new_tokens: int, n: int) -> str | None:
         """Why a request could never run (None if it can), from the manager's `admission` in an empty pool."""
         total = prompt_tokens + max_new_tokens - 1  # the last new token is never fed back
-        if total > self.config.max_len or self.manager.admission(total, chunk=self.chunk) == "never":
+        spec = self.config.cache
+        if total > spec.max_len or self.manager.admission(total, chunk=self.chunk) == "never":
             return (f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens can never fit: a sequence "
-                    f"holds at most max_len={self.config.max_len} tokens, in a pool of {self.config.num_pages - 1} "
-                    f"pages of {self.config.page_size} (it needs {self.manager.pages_for(total, chunk=self.chunk)})")
-        if n > self.config.batch_size:
-            return f"n must be at most the batch size {self.config.batch_size}, got {n}"
+                    f"holds at most max_len={spec.max_len} tokens, in a pool of {spec.num_pages - 1} "
+                    f"pages of {spec.page_size} (it needs {self.manager.pages_for(total, chunk=self.chunk)})")
+        if n > spec.batch_size:
+            return f"n must be at most the batch size {spec.batch_size}, got {n}"
         if self.manager.admission(prompt_tokens, chunk=self.chunk, sequences=n) == "never":
             return (f"{n} choices of a {prompt_tokens}-token prompt can never start together: the pool has "
-                    f"{self.config.num_pages - 1} pages")
+                    f"{self.config.cache.num_pages - 1} pages")
         return None
 
     def add(self, leader: Request) -> None:
@@ -204,5 +205,5 @@ class Scheduler:
         for request in sorted(leaders.values(), key=lambda r: r.first_admitted, reverse=True):
             request.preemptions += 1
             self.queue.appendleft(request)
-        self.seqs = [None] * self.config.batch_size
+        self.seqs = [None] * self.config.cache.batch_size
         self.manager = self._new_manager()

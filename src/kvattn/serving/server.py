@@ -93,7 +93,7 @@ class Server:
     def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, rng=None,
                  prefills_per_step: int | None = None, speculative: PromptLookup | None = None):
         config = model.blocks[0].attention.config
-        if not config.paged:
+        if not config.cache.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
         if speculative is not None and not isinstance(speculative, PromptLookup):
             also = " (a DraftModel drafts in kvattn.generation.generate)" if isinstance(speculative, DraftModel) else ""
@@ -102,9 +102,9 @@ class Server:
             raise ValueError(f"speculative decoding is not offered with a sliding window ({config.window}): "
                              "build the model without one, or serve without speculative")
         chunk = check.positive_int(chunk, "chunk")
-        if chunk % config.page_size:
-            raise ValueError(f"chunk must be a multiple of page_size={config.page_size}, got {chunk}")
-        prefills = (config.batch_size if prefills_per_step is None
+        if chunk % config.cache.page_size:
+            raise ValueError(f"chunk must be a multiple of page_size={config.cache.page_size}, got {chunk}")
+        prefills = (config.cache.batch_size if prefills_per_step is None
                     else check.positive_int(prefills_per_step, "prefills_per_step"))
         self.config = config
         self.speculative = speculative
@@ -252,25 +252,25 @@ class Server:
         Args:
           on_program: called as `on_program(done, total)` after each program compiles (a progress display).
         """
-        buckets = sorted({self._bucket(n) for n in range(1, self.config.batch_size + 1)})
-        empty = self.manager.reserve(np.zeros(self.config.batch_size, np.int32))
-        self.runner.warm_up(buckets, self.chunk, empty, self.speculative, self.config.max_len, on_program)
+        buckets = sorted({self._bucket(n) for n in range(1, self.config.cache.batch_size + 1)})
+        empty = self.manager.reserve(np.zeros(self.config.cache.batch_size, np.int32))
+        self.runner.warm_up(buckets, self.chunk, empty, self.speculative, self.config.cache.max_len, on_program)
 
     # ---------------------------------------------------------------- internal
 
     def _rows(self, requests: list[Request | None], size: int | None = None) -> RowSampling:
         """Sampling rows for `requests` (None: an idle row), padded to `size` (default: the batch size)."""
         rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0) for r in requests]
-        return RowSampling.of(rows, size or self.config.batch_size)
+        return RowSampling.of(rows, size or self.config.cache.batch_size)
 
     def _bucket(self, count: int) -> int:
         """Rows of a decode call for `count` sequences: a power of two, at most the batch size."""
-        return min(1 << max(count - 1, 0).bit_length(), self.config.batch_size)
+        return min(1 << max(count - 1, 0).bit_length(), self.config.cache.batch_size)
 
     def _prefill_chunk(self, seq: int):
         scheduler, request = self.scheduler, self.scheduler.seqs[seq]
         start, end = scheduler.next_chunk(seq)
-        counts = np.zeros(self.config.batch_size, np.int32)
+        counts = np.zeros(self.config.cache.batch_size, np.int32)
         counts[seq] = end - start
         batch = scheduler.reserve(counts)
         if scheduler.seqs[seq] is not request:  # it was the youngest, preempted to make room for the others
@@ -303,7 +303,7 @@ class Server:
 
     def _decode(self, seqs: list[int]):
         """One token for each of `sequences`, in a call over the smallest bucket of rows that holds them."""
-        counts = np.zeros(self.config.batch_size, np.int32)
+        counts = np.zeros(self.config.cache.batch_size, np.int32)
         counts[seqs] = 1
         batch, seqs, rows, active, table, sampling = self._laid_out(seqs, counts)
         requests = self.scheduler.seqs
@@ -326,7 +326,7 @@ class Server:
                 request.waited += 1
         if not trying:
             return {}
-        history = np.zeros((self._bucket(len(trying)), self.config.max_len + 1), np.int32)
+        history = np.zeros((self._bucket(len(trying)), self.config.cache.max_len + 1), np.int32)
         filled = np.zeros(len(history), np.int32)
         for row, seq in enumerate(trying):
             tokens = requests[seq].prompt + requests[seq].generated
@@ -347,7 +347,7 @@ class Server:
         K + 1 tokens per row, keeps the drafts the model agrees with plus one token of the model's, and gives
         back the pages past them."""
         width, policy, totals = self.speculative.num_tokens + 1, self.speculative.policy, self.scheduler.totals
-        counts = np.zeros(self.config.batch_size, np.int32)
+        counts = np.zeros(self.config.cache.batch_size, np.int32)
         counts[seqs] = 1
         for seq, drafts in offers.items():
             counts[seq] = drafts.size + 1

@@ -292,7 +292,7 @@ def attention_layers(module: nnx.Module) -> dict[str, MultiHeadAttention]:
 
 def _contiguous(module: nnx.Module) -> None:
     layers = attention_layers(module)
-    paged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if layer.config.paged)
+    paged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if layer.config.cache.paged)
     if paged:
         raise ValueError(
             f"a paged layer's pool serves many sequences, with the host PageManager's tables: save one sequence "

@@ -93,7 +93,7 @@ def check_unfilled_slots_zero(tensors: dict[str, np.ndarray], config: AttentionC
     for name, array in sorted(tensors.items()):
         if name == "pos":
             continue
-        batched = array if config.batch_size is not None else array[None]
+        batched = array if config.cache.batch_size is not None else array[None]
         slots = np.moveaxis(batched, config.layout.index("S"), 1)
         nonzero = np.any(slots.reshape(*slots.shape[:2], -1) != 0, axis=-1)  # B S
         unfilled = np.arange(slots.shape[1])[None, :] >= filled[:, None]

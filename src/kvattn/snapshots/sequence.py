@@ -143,15 +143,16 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
             raise SnapshotError(
                 f"snapshot was saved by differently configured layers: {saved_config} in the file, {config} here"
             )
-        too_long = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if length > layer.config.max_len)
+        too_long = sorted(prefix or "(the layer)" for prefix, layer in layers.items()
+                          if length > layer.config.cache.max_len)
         if too_long:
             raise SnapshotError(f"the snapshot holds {length} tokens, more than max_len of layers {too_long}")
         expected = {}
         for prefix, layer in layers.items():
             shape = (length, layer.config.num_kv_heads, layer.config.head_dim)
             for name in "kv":
-                expected[_name(prefix, name)] = (np.dtype(layer.config.cache_dtype).name, shape)
-                if layer.config.cache_dtype == "int8":
+                expected[_name(prefix, name)] = (np.dtype(layer.config.cache.dtype).name, shape)
+                if layer.config.cache.dtype == "int8":
                     expected[_name(prefix, f"{name}_scale")] = ("float32", shape[:2])
         got = {name: (spec["dtype"], tuple(spec["shape"])) for name, spec in specs.items()}
         if got != expected:
@@ -194,18 +195,18 @@ def load_sequence(module: nnx.Module, manager: PageManager, path: str | os.PathL
 def _paged_layers(module: nnx.Module, manager: PageManager) -> dict:
     """The module's kvattn layers, checked to be paged and to agree with the manager's pool."""
     layers = attention_layers(module)
-    unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.paged)
+    unpaged = sorted(prefix or "(the layer)" for prefix, layer in layers.items() if not layer.config.cache.paged)
     if unpaged:
         raise ValueError(
             f"sequence snapshots are for paged layers; these are contiguous (use kvattn.save_cache): {unpaged}"
         )
     wanted = (manager.num_pages, manager.page_size, manager.max_pages_per_sequence)
     for prefix, layer in layers.items():
-        config = layer.config
-        if (config.num_pages, config.page_size, config.pages_per_sequence) != wanted:
+        spec = layer.config.cache
+        if (spec.num_pages, spec.page_size, spec.pages_per_sequence) != wanted:
             raise ValueError(
                 f"the manager's pool (num_pages, page_size, max_pages_per_sequence) = {wanted} is not layer "
-                f"{prefix or '(the layer)'}'s {(config.num_pages, config.page_size, config.pages_per_sequence)}"
+                f"{prefix or '(the layer)'}'s {(spec.num_pages, spec.page_size, spec.pages_per_sequence)}"
             )
     return layers
 
