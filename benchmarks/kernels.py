@@ -163,13 +163,13 @@ def measure_kernels(*, quick: bool = False, repeats: int | None = None, seed: in
     """Every row and the targets, or, off a GPU, only why the kernel path is unavailable."""
     import jax
 
-    from kvattn import kernels
+    from kvattn.kernels import route
 
     sizes = dict(KERNEL_QUICK if quick else KERNEL_DEFAULTS, **overrides)
     if repeats is not None:
         sizes["repeats"] = repeats
     device = str(jax.devices()[0].device_kind)
-    result = {"sizes": sizes, "backend": jax.default_backend(), "device": device, "available": kernels.on_gpu()}
+    result = {"sizes": sizes, "backend": jax.default_backend(), "device": device, "available": route.on_gpu()}
     if not result["available"]:
         result["reason"] = (
             f"the backend is {result['backend']!r}: jax's Pallas GPU kernels need a GPU, and their interpret mode "

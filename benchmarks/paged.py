@@ -197,7 +197,7 @@ def prefix_hit(sizes: dict, rng, repeats: int) -> dict[str, Any]:
     from flax import nnx
 
     from kvattn import RoPE
-    from kvattn.generation import SamplingParams
+    from kvattn import SamplingParams
     from kvattn.models import CausalLM, ModelConfig
     from kvattn.serving import Server
 

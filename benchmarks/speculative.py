@@ -459,7 +459,7 @@ def measure_server(checkpoint, sizes: dict, batch: int, repeats: int, page_size:
     requests and times `Server.run()` to the last token (prefill included, the same for both), prefix caching
     off so that repeats do not hit it. Every request's tokens are compared with the plain server's.
     """
-    from kvattn import generation, models
+    from kvattn import SamplingParams, generation, models
     from kvattn.serving import Server
 
     max_len = sizes["prompt_len"] + sizes["new_tokens"]
@@ -481,7 +481,7 @@ def measure_server(checkpoint, sizes: dict, batch: int, repeats: int, page_size:
             for name, server in servers.items():
                 before = server.stats
                 for prompt in prompts:
-                    server.submit(prompt, generation.SamplingParams(max_tokens=sizes["new_tokens"]))
+                    server.submit(prompt, SamplingParams(max_tokens=sizes["new_tokens"]))
                 started = time.perf_counter()
                 done = server.run()
                 if attempt:

@@ -199,3 +199,67 @@ def test_test_modules_share_only_the_helpers_and_the_reference():
         if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
     ]
     assert not crossing, "\n".join(crossing)
+
+
+def documented_names() -> tuple[set[str], set[str]]:
+    """What the API reference documents: `(names, whole)`, read from its `::: target` lines.
+
+    A target with a `members: [...]` option documents those members; one
+    without documents itself and, if a module, all its public names (`whole`).
+    """
+    names, whole = set(), set()
+    for page in sorted((ROOT / "docs" / "api").glob("*.md")):
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith("::: "):
+                continue
+            target = line[4:].strip()
+            members = next((ln.split(":", 1)[1] for ln in lines[i + 1 : i + 4] if ln.strip().startswith("members:")),
+                           None)
+            if members is None:
+                names.add(target)
+                whole.add(target)
+            else:
+                names.update(f"{target}.{m.strip()}" for m in members.strip().strip("[]").split(",") if m.strip())
+    return names, whole
+
+
+def test_benchmarks_reach_kvattn_only_through_documented_names():
+    """A benchmark imports (and reads attributes of) only what the API reference documents, its testing face
+    included: the internals it times are named there, and a rename shows up in the reference too."""
+    names, whole = documented_names()
+
+    def allowed(full: str) -> bool:
+        return (full == "kvattn" or full in names or any(n.startswith(full + ".") for n in names)
+                or any(full.startswith(w + ".") for w in whole))
+
+    def module_like(full: str) -> bool:  # a package or module whose attributes name further documented things
+        return full == "kvattn" or any(n.startswith(full + ".") for n in names)
+
+    offenders = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kvattn":
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    if not allowed(full):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {full}")
+                    elif module_like(full) and full not in whole:
+                        modules[alias.asname or alias.name] = full
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "kvattn":
+                        if not allowed(alias.name):
+                            offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name}")
+                        elif alias.asname:
+                            modules[alias.asname] = alias.name
+                        else:
+                            modules["kvattn"] = "kvattn"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                full = f"{modules[node.value.id]}.{node.attr}"
+                if not node.attr.startswith("__") and not allowed(full):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {full}")
+    assert not offenders, "\n".join(offenders)
