@@ -134,6 +134,7 @@ def test_generate_refuses_a_checkpoint_that_does_not_load_in_one_line(tmp_path, 
     ([str(FIXTURES / "chat"), "--chunk", "12"], 2, "multiple of --page-size 16, got 12"),
     ([str(FIXTURES / "chat"), "--port", "70000"], 2, "in [0, 65535], got '70000'"),
     ([str(FIXTURES / "chat"), "--chat-template", "/nonexistent"], 2, "--chat-template to name a file"),
+    ([str(FIXTURES / "chat"), "--api-key", "clé"], 2, "--api-key to be printable ASCII"),  # no header carries it
     ([str(FIXTURE)], 1, "has no tokenizer.json"),
 ])
 def test_serve_refuses_what_cannot_work_before_loading_anything(capsys, arguments, status, words):

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import kvattn
-from kvattn.errors import KvattnError, MissingExtraError
+from kvattn.errors import KvattnError, MissingExtraError, header_value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -279,6 +279,11 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
         if not path.is_file():
             usage.error(f"expected --chat-template to name a file, got {args.chat_template!r}")
         template = path.read_text()
+    if args.api_key is not None:
+        try:
+            header_value("--api-key", args.api_key)
+        except ValueError as error:
+            usage.error(str(error))
     chunk = args.chunk or 4 * args.page_size
     if chunk % args.page_size:
         usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")

@@ -30,6 +30,7 @@ __all__ = [
     "OutOfPagesError",
     "SnapshotError",
     "UnsupportedConfigError",
+    "header_value",
     "positive_int",
 ]
 
@@ -82,6 +83,17 @@ def positive_int(name: str, value, *, error: type[Exception] | None = None, at_m
     if int(value) < 1 or (at_most is not None and int(value) > at_most):
         raise (error or ValueError)(f"{name} must be a positive int{bound}, got {value!r}")
     return int(value)
+
+
+def header_value(name: str, value: str) -> str:
+    """`value` if an HTTP header can carry it as it is (printable ASCII, no surrounding spaces), else `ValueError`.
+
+    A secret such as an API key that no header can carry could never match.
+    """
+    if not (value and value.isascii() and value.isprintable() and value.strip() == value):
+        raise ValueError(f"expected {name} to be printable ASCII without surrounding spaces (an HTTP header "
+                         f"carries it), got {value.encode('ascii', 'backslashreplace').decode()!r}")
+    return value
 
 
 def _is_integer(value) -> bool:

@@ -12,6 +12,7 @@ SIGTERM under load.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -89,6 +90,7 @@ def metrics(server) -> dict[str, float]:
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["chat"]
     assert httpx.get(f"{server[1]}/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(f"{server[1]}/health", params={"deep": "true"}, timeout=30).json() == {"status": "ok"}
 
 
 def test_chat_streaming_equals_whole_equals_transformers(client):
@@ -319,7 +321,15 @@ def test_malformed_requests_get_4xx_never_5xx(server, client):
         assert http.post("/v1/completions", content=b"{}", headers={**headers, "Authorization": "Bearer no"}
                          ).status_code == 401
         big = b'{"model": "chat", "prompt": "' + b"a" * (5 * 2**20) + b'"}'
-        assert http.post("/v1/completions", content=big, headers=headers).status_code == 413
+        for content in (big, iter([big[: 2**20], big[2**20 :]])):  # declared by Content-Length, then chunked
+            response = http.post("/v1/completions", content=content, headers=headers)
+            assert response.status_code == 413 and "over 4194304 bytes" in response.json()["error"]["message"], \
+                response.text
+        for body in (b'{"model": "\\ud800", "prompt": "a"}', b'{"model": "chat", "prompt": "\\udfff"}',
+                     b'{"model": "chat", "messages": [{"role": "user", "content": "a\\ud800"}]}'):
+            path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+            response = http.post(path, content=body, headers=headers)
+            assert response.status_code == 400 and "unpaired UTF-16 surrogate" in response.json()["error"]["message"]
     refused = sum(s >= 400 for s in statuses)
     print(f"\nmalformed-request fuzz: {len(cases)} requests, {refused} refused with 4xx, 0 with 5xx")
     known = len(MALFORMED) + len(CHAT_MALFORMED)
@@ -344,6 +354,113 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     assert statuses == [200, 429]
     assert all(r.headers["retry-after"] == "1" for r in responses if r.status_code == 429)
     assert all(r.json()["usage"]["completion_tokens"] == 60 for r in responses if r.status_code == 200)
+
+
+def _longest_gap(url: str, during) -> tuple[float, object]:
+    """The longest wait between streamed events while `during(http)` runs (streams one after another, so some
+    stream is always running), and what `during` returned."""
+    body = {"model": "chat", "prompt": GREEDY["prompt"], "temperature": 0, "max_tokens": 120, "stream": True,
+            "ignore_eos": True}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            started, done, gaps, last = asyncio.Event(), asyncio.Event(), [], None
+
+            async def streams():
+                nonlocal last
+                while not done.is_set():
+                    async with http.stream("POST", "/v1/completions", json=body) as response:
+                        async for line in response.aiter_lines():  # to its end: the gap across a stall counts
+                            if not line.startswith("data:"):
+                                continue
+                            now = time.perf_counter()
+                            if last is not None:
+                                gaps.append(now - last)
+                            last = now
+                            started.set()
+
+            task = asyncio.create_task(streams())
+            await started.wait()
+            result = await during(http)
+            done.set()
+            await task
+            return max(gaps), result
+
+    return asyncio.run(run())
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
+    """A 3.9 MB prompt (under the body limit) is refused for its length; meanwhile another stream keeps going."""
+    prompt = "hello world, " * 300_000  # 3.9 MB: seconds of tokenizing
+
+    async def huge(http):
+        return await http.post("/v1/completions", json={"model": "chat", "prompt": prompt, "max_tokens": 1})
+
+    gap, response = _longest_gap(server[1], huge)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert gap < 0.5, f"a stream waited {gap:.2f} s while a prompt was tokenized"
+
+
+def test_liveness_answers_at_once_under_load(server):
+    """`/health` never queues behind generation, nor fails for a full queue: a busy server is alive."""
+    body = {"model": "chat", "prompt": GREEDY["prompt"], "temperature": 0, "max_tokens": 60, "ignore_eos": True}
+
+    async def flood_and_probe():
+        async with httpx.AsyncClient(base_url=server[1], headers={"Authorization": f"Bearer {KEY}"},
+                                     timeout=120) as http:
+            tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(BATCH + MAX_WAITING)]
+            while metrics(server)["kvattn_requests_waiting"] < MAX_WAITING // 2:
+                await asyncio.sleep(0.02)
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                assert (await http.get("/health")).json() == {"status": "ok"}
+                times.append(time.perf_counter() - start)
+            await asyncio.gather(*tasks)
+            return times
+
+    times = asyncio.run(flood_and_probe())
+    assert max(times) < 0.5, f"/health took {max(times):.2f} s under load"
+
+
+def test_a_client_that_leaves_a_whole_answer_stops_its_generation(server):
+    """Non-streamed answers given up on after 0.5 s are aborted even while they produce tokens (queued ones always
+    were), and the metrics see the freed pages at once, with no later request to step the engine."""
+    count, new_tokens = 16, 150  # four rounds of the batch: some request is mid-answer whenever its client is checked
+    body = {"model": "chat", "prompt": GREEDY["prompt"], "temperature": 0, "max_tokens": new_tokens, "ignore_eos": True}
+    finished, generated = 'kvattn_requests_total{finish_reason="length"}', "kvattn_generation_tokens_total"
+    before = metrics(server)
+
+    async def impatient(http):
+        with contextlib.suppress(httpx.ReadTimeout):  # the first few may finish within the 0.5 s
+            await http.post("/v1/completions", json=body, timeout=httpx.Timeout(30.0, read=0.5))
+
+    async def leave():
+        async with httpx.AsyncClient(base_url=server[1], headers={"Authorization": f"Bearer {KEY}"}) as http:
+            await asyncio.gather(*(impatient(http) for _ in range(count)))
+
+    asyncio.run(leave())
+    left = time.monotonic()
+    values = _idle(server)
+    assert time.monotonic() - left < 3, "the aborted requests ran on"
+    assert values["kvattn_requests_running"] == 0 and values["kvattn_pages_used"] == 0
+    done = values.get(finished, 0) - before.get(finished, 0)
+    tokens = values[generated] - before[generated]
+    print(f"\n{count} whole answers left after 0.5 s: {done:.0f} finished, {tokens:.0f} of {count * new_tokens} tokens")
+    assert tokens > done * new_tokens, "no request was aborted while it produced tokens"
+    assert tokens < count * new_tokens
+
+
+def test_logprob_text_offsets_stay_inside_the_text_when_special_tokens_come(client):
+    """A special token adds its string to `tokens` but nothing to the text: offsets never run past the text."""
+    reply = client.completions.create(model="chat", prompt=GREEDY["prompt"], temperature=1.5, seed=3, n=2,
+                                      max_tokens=120, logprobs=0, extra_body={"ignore_eos": True})
+    specials = 0
+    for choice in reply.choices:
+        offsets, tokens = choice.logprobs.text_offset, choice.logprobs.tokens
+        assert offsets == sorted(offsets) and all(0 <= o <= len(choice.text) for o in offsets)
+        specials += sum(not choice.text.startswith(token, offset) for token, offset in zip(tokens, offsets))
+    assert specials, "no special token was sampled: the test checks nothing"
 
 
 def test_sigterm_under_load_finishes_or_ends_each_request_cleanly_and_exits_0(server):

@@ -109,7 +109,7 @@ class Engine:
       server: the `Server` it owns from now on; nothing else may call it.
       max_waiting: requests queued, not yet running, before `submit` raises `Full`.
       max_failures: failed steps in a row after which the held requests end with an error.
-      on_step: called on the engine thread after each step with the server's `Stats` (metrics).
+      on_step: called on the engine thread with the server's `Stats` after each step and each abort (metrics).
       on_error: called on the engine thread with the exception of each failed step.
     """
 
@@ -146,6 +146,11 @@ class Engine:
         future = loop.create_future()
         self._commands.put(_Check(loop, future))
         await future
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs and admits requests (not stopped, not shutting down)."""
+        return self._thread.is_alive() and not self._stopped.is_set() and self._deadline is None
 
     def abort(self, indices) -> None:
         """Ends these requests before the next step, if they are still queued or running."""
@@ -209,6 +214,8 @@ class Engine:
                         self._send(index, ("done", index, completion))
                     else:  # ended with another choice of its submit, or already finished
                         self._routes.pop(index, None)
+                if self._on_step is not None:  # the metrics see the freed pages now, not at the next step
+                    self._on_step(self.server.stats)
             case _Shutdown(deadline):
                 self._deadline = deadline
             case _Check(loop, future):

@@ -33,7 +33,7 @@ import jinja2.sandbox
 import jinja2.utils
 import tokenizers
 
-__all__ = ["Detokenizer", "Tokenizer", "as_token_id"]
+__all__ = ["Detokenizer", "Tokenizer", "TooLong", "as_token_id"]
 
 # Bounds on what is read from a checkpoint directory: the largest tokenizer.json files on the Hub are tens of MiB.
 MAX_TOKENIZER_BYTES = 128 << 20
@@ -186,6 +186,14 @@ def as_token_id(token_id) -> int:
     return value
 
 
+class TooLong(ValueError):
+    """A text that encodes to more tokens than the caller allows (`count` of them)."""
+
+    def __init__(self, count: int, at_most: int):
+        super().__init__(f"the text encodes to {count} tokens, more than {at_most}")
+        self.count, self.at_most = count, at_most
+
+
 class Tokenizer:
     """A checkpoint's `tokenizers.Tokenizer` with its special tokens, end-of-sequence ids and chat template.
 
@@ -265,11 +273,21 @@ class Tokenizer:
         """Tokens the tokenizer knows, added tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`text`'s token ids; `add_special_tokens` applies the tokenizer's post-processor (e.g. a leading BOS)."""
+    def encode(self, text: str, add_special_tokens: bool = True, *, at_most: int | None = None) -> list[int]:
+        """`text`'s token ids; `add_special_tokens` applies the tokenizer's post-processor (e.g. a leading BOS).
+
+        The encoding runs with the GIL released (the tokenizers library's
+        batch call; its single-text call holds it), so a long text encoded
+        on a worker thread leaves the others running. With `at_most`, a text
+        of more tokens raises `TooLong` before its ids become a Python list
+        (which holds the GIL for as long as the list is long).
+        """
         if not isinstance(text, str):
             raise TypeError(f"text to encode must be a string, got {type(text).__name__}")
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        encoding = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if at_most is not None and len(encoding) > at_most:
+            raise TooLong(len(encoding), at_most)
+        return encoding.ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; ids past the vocabulary decode to nothing, as in the tokenizers library."""

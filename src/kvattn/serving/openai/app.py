@@ -1,13 +1,18 @@
 """`kvattn serve`: the OpenAI HTTP API (FastAPI + uvicorn) on the paged engine.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
-`stream`), `GET /v1/models`, `GET /health` (a real two-token generation)
-and `GET /metrics` (Prometheus). Each request is tokenized, submitted to
-the `Engine` thread, and answered from the tokens it sends back: text is
+`stream`), `GET /v1/models`, `GET /health` (liveness: answers at once while
+the engine thread runs; `?deep=true` also checks the page bookkeeping and
+generates two tokens, queued behind real work) and `GET /metrics`
+(Prometheus). Each request is rendered and tokenized on a worker thread
+(never on the event loop, so a long prompt stalls no other stream),
+submitted to the `Engine` thread, and answered from the tokens it sends
+back: text is
 detokenized incrementally (never half a UTF-8 character) and matched
 against the request's stop strings across token boundaries (a stop string
 is never sent; the request is aborted at once, its pages back in the
-pool). A client that goes away mid-request has it aborted the same way.
+pool). A client that goes away mid-request, streamed or not, has it
+aborted the same way within half a second.
 
 Every refusal is an OpenAI-shaped JSON error: 400 for a bad body, 401 for a
 wrong key, 404 for an unknown model or path, 413 for a body over 4 MiB, 429
@@ -20,6 +25,7 @@ carries its token ids).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
@@ -34,6 +40,7 @@ from fastapi.responses import Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from kvattn.errors import header_value
 from kvattn.generation.sampling import SamplingParams
 from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.openai import protocol, responses
@@ -48,6 +55,9 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("kvattn.serve")
 MAX_BODY_BYTES = 4 * 2**20
+TEXT_WORKERS = 4
+"""Threads that render chat templates and tokenize prompts, off the event loop."""
+DISCONNECT_CHECK_SECONDS = 0.5
 
 
 @dataclasses.dataclass
@@ -75,20 +85,17 @@ class _Delta:
 class _App:
     """The routes' shared state: engine, tokenizer, metrics, settings."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_name: str, max_len: int,
-                 api_key: str | None):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_name: str, max_len: int):
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
-        self.model_name, self.max_len, self.api_key = model_name, max_len, api_key
+        self.model_name, self.max_len = model_name, max_len
         self.created = int(time.time())
+        self.text_workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="kvattn-text")
 
-    # ------------------------------------------------------------- checking
-
-    def authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise ApiError(401, "Incorrect API key provided", "authentication_error", code="invalid_api_key")
+    async def job(self, body) -> Job:
+        """`protocol.job` (template, tokenizer, checks) on a text worker: the event loop stays free meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.text_workers, lambda: protocol.job(
+            body, self.tokenizer, model_name=self.model_name, max_len=self.max_len))
 
     # ----------------------------------------------------------- generation
 
@@ -110,9 +117,10 @@ class _App:
                    for _ in handle.indices]
         open_ = set(handle.indices)
         cached = 0
+        watch = _Disconnects(request)
         try:
             while open_:
-                event = await _next_event(handle.events, request)
+                event = await watch.next_event(handle.events)
                 kind, index = event[0], event[1]
                 choice = choices[index - first]
                 if choice.finish_reason is not None:
@@ -159,20 +167,40 @@ class _App:
         choice.logprobs += strings
         return _Delta(row, piece, [token.id], strings, "stop" if stopped else None)
 
-async def _next_event(events: asyncio.Queue, request: Request):
-    """The next engine event; raises `ClientGone` if the client has gone meanwhile."""
-    while True:
-        try:
-            return await asyncio.wait_for(events.get(), timeout=0.5)
-        except TimeoutError:
-            if await request.is_disconnected():
-                raise ClientGone from None
+class _Disconnects:
+    """Engine events for one request, checking every `DISCONNECT_CHECK_SECONDS` whether its client has gone.
+
+    The check runs whether or not events keep coming, so a request whose
+    client left is aborted even while it is producing tokens.
+    """
+
+    def __init__(self, request: Request):
+        self.request = request
+        self.checked = time.monotonic()
+
+    async def next_event(self, events: asyncio.Queue):
+        """The next engine event; raises `ClientGone` if the client has gone meanwhile."""
+        while True:
+            if time.monotonic() - self.checked >= DISCONNECT_CHECK_SECONDS:
+                self.checked = time.monotonic()
+                if await self.request.is_disconnected():
+                    raise ClientGone
+            try:
+                return await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_SECONDS)
+            except TimeoutError:
+                continue
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_name: str, max_len: int,
                api_key: str | None = None, warm_up: bool = True) -> FastAPI:
-    """The FastAPI app; its lifespan starts the engine (and, with `warm_up`, compiles by generating) and stops it."""
-    state = _App(engine, tokenizer, metrics, model_name=model_name, max_len=max_len, api_key=api_key)
+    """The FastAPI app; its lifespan starts the engine (and, with `warm_up`, compiles by generating) and stops it.
+
+    Raises:
+      ValueError: an `api_key` that no HTTP header can carry (not printable ASCII).
+    """
+    if api_key is not None:
+        header_value("api_key", api_key)
+    state = _App(engine, tokenizer, metrics, model_name=model_name, max_len=max_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -181,18 +209,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
             await _health_generation(engine)
         yield
         engine.stop()
+        state.text_workers.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvattn", lifespan=lifespan, max_body_size=MAX_BODY_BYTES, docs_url=None, redoc_url=None,
-                  openapi_url=None)
-
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next):  # before the body is read or checked
-        if request.url.path.startswith("/v1/"):
-            try:
-                state.authorize(request)
-            except ApiError as error:
-                return error.response()
-        return await call_next(request)
+    # The body limit is `_BodyLimit`'s: Starlette's answers a declared Content-Length over it in plain text.
+    app = FastAPI(title="kvattn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # Plain ASGI middleware (Starlette's `BaseHTTPMiddleware` would hide a client's disconnect from the routes).
+    # Innermost: the route reads the body through `_BodyLimit` itself, so its 413 reaches the handlers unwrapped.
+    app.add_middleware(_BodyLimit, max_bytes=MAX_BODY_BYTES)
+    if api_key is not None:
+        app.add_middleware(_Authorize, api_key=api_key)  # before the body is read or checked
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, error: ApiError):
@@ -222,7 +247,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
              "max_model_len": max_len}]}
 
     @app.get("/health")
-    async def health():
+    async def health(deep: bool = False):
+        if not engine.alive:
+            raise ApiError(503, "unhealthy: the engine is stopped or shutting down", "service_unavailable")
+        if not deep:  # liveness: never queued behind work, so a busy server is not mistaken for a dead one
+            return {"status": "ok"}
         try:  # the bookkeeping is consistent and the device produces tokens
             await engine.check()
             await asyncio.wait_for(_health_generation(engine), timeout=60)
@@ -244,6 +273,49 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
 
     app.add_middleware(_RequestLog)  # added last, so outermost: its time includes the other middleware's
     return app
+
+
+class _Authorize:
+    """ASGI middleware: `/v1/` answers 401 unless the request carries `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "Incorrect API key provided", "authentication_error", code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets OpenAI's JSON 413, declared (Content-Length) or
+    streamed, before it is parsed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = f"the request body is over {self.max_bytes} bytes"
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await ApiError(413, refusal).response()(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(413, refusal)  # inside the route, which passes it on to `_http`
+            return message
+
+        await self.app(scope, limited, send)
 
 
 class _RequestLog:
@@ -290,7 +362,7 @@ async def _health_generation(engine: Engine) -> None:
 
 async def _respond(state: _App, request: Request, body, chat: bool):
     arrived = time.perf_counter()
-    job = protocol.job(body, state.tokenizer, model_name=state.model_name, max_len=state.max_len)
+    job = await state.job(body)
     created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name}

@@ -29,7 +29,7 @@ import dataclasses
 from fastapi.responses import JSONResponse
 
 from kvattn.generation.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from kvattn.serving.tokenizer import Tokenizer
+from kvattn.serving.tokenizer import Tokenizer, TooLong
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Job", "Message", "job"]
 
@@ -70,6 +70,15 @@ class _Request(BaseModel):
     frequency_penalty: Number = 0
     logit_bias: dict[StrictStr, Number] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = _unpaired_surrogate(data, "body")
+        if where is not None:
+            raise ValueError(f"{where} is not valid Unicode: it holds an unpaired UTF-16 surrogate (a lone \\ud800-"
+                             "\\udfff escape); send text as UTF-8")
+        return data
+
     @model_validator(mode="after")
     def _supported(self):
         if self.temperature is not None and not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
@@ -89,6 +98,28 @@ class _Request(BaseModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+def _unpaired_surrogate(value, where: str) -> str | None:
+    """Where in a JSON value a string holds an unpaired surrogate (which no tokenizer or encoder takes), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = _unpaired_surrogate(key, f"{where} key") if isinstance(key, str) else None
+        found = found or _unpaired_surrogate(item, f"{where}.{key}")
+        if found is not None:
+            return found
+    return None
 
 
 class CompletionRequest(_Request):
@@ -151,7 +182,8 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
+        # A message may quote what the client sent; an unpaired surrogate there would make the body unencodable.
+        super().__init__(message.encode("utf-8", "backslashreplace").decode("utf-8"))
         self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers
 
     def body(self) -> dict:
@@ -198,14 +230,17 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
     try:
         if isinstance(body, ChatRequest):
             text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
-            prompt = tokenizer.encode(text, add_special_tokens=False)
+            prompt = tokenizer.encode(text, add_special_tokens=False, at_most=max_len)
             max_tokens = body.max_completion_tokens or body.max_tokens
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             prompt = (list(body.prompt) if isinstance(body.prompt, list)
-                      else tokenizer.encode(body.prompt, add_special_tokens=True))
+                      else tokenizer.encode(body.prompt, add_special_tokens=True, at_most=max_len))
             max_tokens = body.max_tokens or 16
             top_logprobs = body.logprobs
+    except TooLong as error:
+        raise ApiError(400, f"the prompt holds {error.count} tokens; this server's context is {max_len}",
+                       param="prompt", code="context_length_exceeded") from None
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
     if not prompt:

@@ -22,8 +22,14 @@ class ClientGone(Exception):
     """The client closed its connection before its answer was complete."""
 
 
-def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: bool, offset: int = 0) -> dict:
-    """OpenAI's logprobs object: `{"content": [...]}` for chat, the legacy four lists for completions."""
+def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: bool, offsets: list[int]) -> dict:
+    """OpenAI's logprobs object: `{"content": [...]}` for chat, the legacy four lists for completions.
+
+    `offsets` are where each token's text starts in the choice's text (its
+    `text_offset`): the text sent before the token's own, so special tokens,
+    which add their string to `tokens` but nothing to the text, never point
+    past its end.
+    """
     decode = tokenizer.decode
     if chat:
         return {"content": [
@@ -31,10 +37,6 @@ def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: 
              "top_logprobs": [{"token": (alt := decode([i], skip_special_tokens=False)), "logprob": lp,
                                "bytes": list(alt.encode())} for i, lp in token.top]}
             for token, text in tokens]}
-    offsets, position = [], offset
-    for _, text in tokens:
-        offsets.append(position)
-        position += len(text)
     return {"tokens": [text for _, text in tokens], "token_logprobs": [token.logprob for token, _ in tokens],
             "top_logprobs": [{decode([i], skip_special_tokens=False): lp for i, lp in token.top}
                              for token, _ in tokens],
@@ -42,10 +44,13 @@ def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: 
 
 
 async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool) -> dict:
-    choices = [{"text": [], "ids": [], "tokens": [], "finish_reason": None} for _ in range(job.n)]
+    choices = [{"text": [], "length": 0, "ids": [], "tokens": [], "offsets": [], "finish_reason": None}
+               for _ in range(job.n)]
     item = first
     while not isinstance(item, dict):
         choice = choices[item.index]
+        choice["offsets"] += [choice["length"]] * len(item.tokens)
+        choice["length"] += len(item.text)
         choice["text"].append(item.text)
         choice["ids"] += item.ids
         choice["tokens"] += item.tokens
@@ -55,7 +60,8 @@ async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat:
     for index, choice in enumerate(choices):
         text = "".join(choice["text"])
         entry = {"index": index, "finish_reason": choice["finish_reason"],
-                 "logprobs": token_logprobs(tokenizer, choice["tokens"], chat) if job.top_logprobs is not None else None}
+                 "logprobs": (token_logprobs(tokenizer, choice["tokens"], chat, choice["offsets"])
+                              if job.top_logprobs is not None else None)}
         entry |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         if job.token_ids:
             entry["token_ids"] = choice["ids"]
@@ -75,7 +81,7 @@ async def sse(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: b
     try:
         while not isinstance(item, dict):
             if item.text or item.ids or item.finish_reason:
-                logprobs = (token_logprobs(tokenizer, item.tokens, chat, offsets[item.index])
+                logprobs = (token_logprobs(tokenizer, item.tokens, chat, [offsets[item.index]] * len(item.tokens))
                             if job.top_logprobs is not None and item.tokens else None)
                 offsets[item.index] += len(item.text)
                 entry = {"index": item.index, "logprobs": logprobs, "finish_reason": item.finish_reason}
