@@ -203,6 +203,17 @@ def test_serve_reports_a_port_in_use_at_once_in_one_line():
     assert elapsed < 10, f"{elapsed:.1f} s: the port must be taken before anything loads"
 
 
+def test_serve_refuses_a_chat_template_that_fails_a_plain_conversation_before_loading(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(models, "from_pretrained", lambda *args, **kwargs: pytest.fail("loaded anyway"))
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ raise_exception('no ' + m.role + ' role here') }}{% endfor %}")
+    status, err = run(["serve", str(CHAT), "--port", "0", "--chat-template", str(template)], capsys)
+    assert status == 1 and err.startswith("kvattn serve: the chat template fails on a plain system + user "
+                                          "conversation (the chat template refused the messages: TemplateError: "
+                                          "no system role here)"), err
+    assert err.count("\n") == 1, err
+
+
 def test_serve_refuses_a_max_len_past_the_trained_context_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(models, "from_pretrained", lambda *args, **kwargs: pytest.fail("loaded anyway"))
     with pytest.raises(SystemExit) as exit_:

@@ -44,11 +44,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The checkpoint's template, behind a branch that never ends for one message: the same text for every other.
+RUNAWAY = "__loop__"
+TEMPLATE = (f"{{% if messages[-1].content == '{RUNAWAY}' %}}{{% for i in range(100000) %}}{{% for j in range(100000) %}}"
+            "{% endfor %}{% endfor %}{% endif %}"
+            + json.loads((CHECKPOINT / "tokenizer_config.json").read_text())["chat_template"])
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     port = _free_port()
-    log = (tmp_path_factory.mktemp("serve") / "stderr.txt").open("w+")
+    directory = tmp_path_factory.mktemp("serve")
+    log = (directory / "stderr.txt").open("w+")
+    (directory / "template.jinja").write_text(TEMPLATE)
     command = [str(Path(sys.executable).parent / "kvattn"), "serve", str(CHECKPOINT), "--port", str(port),
+               "--chat-template", str(directory / "template.jinja"),
                "--max-len", str(MAX_LEN), "--max-batch", str(BATCH), "--page-size", str(PAGE), "--num-pages", "64",
                "--max-waiting", str(MAX_WAITING), "--api-key", KEY, "--shutdown-timeout", "1", "--speculative", "ngram:3"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
@@ -399,6 +409,18 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
     gap, response = _longest_gap(server[1], huge)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert gap < 0.5, f"a stream waited {gap:.2f} s while a prompt was tokenized"
+
+
+def test_a_runaway_chat_template_fails_its_request_alone(server):
+    """A template that would loop for ever on one conversation: that request gets a 400 after the template's
+    time bound, while streams go on and the next chat renders as before."""
+    async def runaway(http):
+        return await http.post("/v1/chat/completions", json={"model": "chat", "max_tokens": 1,
+                                                              "messages": [{"role": "user", "content": RUNAWAY}]})
+
+    gap, response = _longest_gap(server[1], runaway)
+    assert response.status_code == 400 and "the chat template ran past" in response.json()["error"]["message"]
+    assert gap < 0.5, f"a stream waited {gap:.2f} s while a template ran away"
 
 
 def test_liveness_answers_at_once_under_load(server):

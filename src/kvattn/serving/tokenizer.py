@@ -24,14 +24,11 @@ import json
 import operator
 import os
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-import jinja2.utils
 import tokenizers
+
+from kvattn.templates import TemplateProcesses, compile_template, conversation
 
 __all__ = ["Detokenizer", "Tokenizer", "TooLong", "as_token_id"]
 
@@ -101,80 +98,6 @@ def _eos_ids(value, path: Path) -> list[int] | None:
     return ids
 
 
-# The chat template environment, as transformers builds it (transformers.utils.chat_template_utils).
-
-
-def _raise_exception(message):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Unlike jinja2's own tojson, no HTML escaping: the output is a prompt, not a web page.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format):
-    return datetime.now().strftime(format)
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja2's `namespace()`, refusing underscore-prefixed names so a template cannot reach Python internals."""
-
-    def __init__(*args, **kwargs):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"a namespace cannot hold an underscore-prefixed name, got {name!r}")
-
-
-def _compile(source: str) -> jinja2.Template:
-    """A chat template compiled in a sandbox that refuses unsafe attributes and any mutation of its inputs."""
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                               extensions=[jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = _tojson
-    environment.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace)
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateError as error:
-        raise ValueError(f"the chat template does not compile: {error}") from error
-
-
-def _plain(value, where: str):
-    """A copy of JSON-shaped data (string-keyed dicts, lists, strings, numbers, bools, None), refusing anything else.
-
-    The template sees only these, so no object with methods of its own ever reaches the sandbox.
-    """
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
-    raise ValueError(f"{where} must be JSON data (strings, numbers, lists, objects), got {type(value).__name__}")
-
-
-def _messages(messages) -> list[dict]:
-    """The messages as plain dicts, each with a string `role` and `content`; keys set to None are dropped."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {messages!r:.80}")
-    checked = []
-    for index, message in enumerate(messages):
-        if not (isinstance(message, dict) and all(isinstance(message.get(key), str) for key in ("role", "content"))):
-            raise ValueError(f"messages[{index}] must be an object with a string role and content, got {message!r:.80}")
-        checked.append(_plain({key: item for key, item in message.items() if item is not None}, f"messages[{index}]"))
-    return checked
-
-
 def as_token_id(token_id) -> int:
     """A Python int in the range the tokenizers library takes (numpy integers accepted)."""
     try:
@@ -221,7 +144,9 @@ class Tokenizer:
             eos_token_ids = [eos_id]
         self.eos_token_ids = frozenset(as_token_id(i) for i in eos_token_ids or ())
         """The ids that end a generation (generation_config.json's `eos_token_id`, else `eos_token`'s id)."""
-        self._template = None if chat_template is None else _compile(chat_template)
+        self._source = chat_template
+        self._template = None if chat_template is None else compile_template(chat_template)
+        self._processes: TemplateProcesses | None = None
         self._special_ids = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
         # A byte-fallback decoder turns a run of byte pieces that is not valid UTF-8 into one U+FFFD per byte, valid
         # bytes included, so a run's text is known only when the run ends.
@@ -310,19 +235,41 @@ class Tokenizer:
         Raises:
           ValueError: no chat template; messages of the wrong shape; the
             template raised (`raise_exception`, an unsafe access refused by
-            the sandbox, or any other error).
+            the sandbox, or any other error); with `bound_rendering`, it ran
+            past its time, output or memory.
         """
         if self._template is None:
             raise ValueError(f"{self._name} has no chat_template; pass --chat-template")
-        variables = {"messages": _messages(messages), "add_generation_prompt": bool(add_generation_prompt),
+        variables = {"messages": conversation(messages), "add_generation_prompt": bool(add_generation_prompt),
                      "tools": None, "documents": None}
         # As in transformers, an unset special token is left undefined rather than rendered as "None".
         variables.update({name: token for name, token in (("bos_token", self.bos_token),
                                                            ("eos_token", self.eos_token)) if token is not None})
+        if self._processes is not None:
+            return self._processes.render(variables)
         try:
             return self._template.render(**variables)
         except Exception as error:  # template code runs on request data: any failure is the request's
             raise ValueError(f"the chat template refused the messages: {type(error).__name__}: {error}") from error
+
+    def bound_rendering(self, *, seconds: float, max_chars: int, memory_bytes: int, processes: int) -> None:
+        """From now on, `render_chat` renders in child processes, bounded in time, output and memory.
+
+        A server renders templates from request data: a template that loops
+        for ever or builds a huge string then fails that request (a
+        `ValueError`) instead of stalling or exhausting the server. See
+        `kvattn.templates.TemplateProcesses`.
+        """
+        self.close()
+        if self._source is not None:
+            self._processes = TemplateProcesses(self._source, seconds=seconds, max_chars=max_chars,
+                                                memory_bytes=memory_bytes, processes=processes)
+
+    def close(self) -> None:
+        """Ends `bound_rendering`'s child processes (rendering goes back in-process)."""
+        if self._processes is not None:
+            self._processes.close()
+            self._processes = None
 
     def detokenizer(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> Detokenizer:
         """A fresh `Detokenizer` over this tokenizer (see there)."""

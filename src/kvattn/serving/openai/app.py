@@ -210,6 +210,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
         yield
         engine.stop()
         state.text_workers.shutdown(wait=False, cancel_futures=True)
+        tokenizer.close()
 
     # The body limit is `_BodyLimit`'s: Starlette's answers a declared Content-Length over it in plain text.
     app = FastAPI(title="kvattn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

@@ -21,7 +21,7 @@ from kvattn import models
 from kvattn.caches.base import blocks_spanned
 from kvattn.generation.drafters import PromptLookup
 from kvattn.serving.engine import Engine
-from kvattn.serving.openai.app import create_app
+from kvattn.serving.openai.app import TEXT_WORKERS, create_app
 from kvattn.serving.openai.metrics import Metrics
 from kvattn.serving.server import Server
 from kvattn.serving.tokenizer import Tokenizer
@@ -65,6 +65,28 @@ def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: 
     _Uvicorn(config, engine, shutdown_seconds).run(sockets=[sock])
 
 
+# A chat template renders request data: bounded per request (`kvattn.templates.TemplateProcesses`).
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_MAX_CHARS = 32 << 20
+TEMPLATE_MEMORY_BYTES = 1 << 30
+PROBE_CONVERSATION = [{"role": "system", "content": "You are a helpful assistant."},
+                      {"role": "user", "content": "Hello!"}]
+
+
+def _bound_templates(tokenizer: Tokenizer) -> None:
+    """Renders the chat template bounded from now on, and refuses to start if it fails on a plain conversation."""
+    if not tokenizer.has_chat_template:
+        return
+    tokenizer.bound_rendering(seconds=TEMPLATE_SECONDS, max_chars=TEMPLATE_MAX_CHARS,
+                              memory_bytes=TEMPLATE_MEMORY_BYTES, processes=TEXT_WORKERS)
+    try:
+        tokenizer.render_chat(PROBE_CONVERSATION)
+    except ValueError as error:
+        tokenizer.close()
+        raise ValueError(f"the chat template fails on a plain system + user conversation ({error}); fix it or "
+                         "pass another with --chat-template") from None
+
+
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
           num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool,
           speculative: PromptLookup | None, dtype: str, chat_template: str | None, model_name: str | None,
@@ -79,6 +101,7 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
         print(f"kvattn serve: {message}", file=sys.stderr, flush=True)
 
     tokenizer = Tokenizer.from_directory(checkpoint, chat_template=chat_template)
+    _bound_templates(tokenizer)
     num_pages = num_pages or max_batch * blocks_spanned(max_len, page_size) + 1
     say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
     start = time.perf_counter()
