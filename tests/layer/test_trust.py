@@ -62,6 +62,7 @@ EXTRA_MODULES = {
     **{f"src/kvattn/serving/openai/{name}.py": "serve" for name in ("app", "launch", "metrics", "protocol",
                                                                     "responses")},
     **{f"src/kvattn/serving/{name}.py": "generate" for name in ("text", "tokenizer")},
+    "src/kvattn/templates.py": "generate",
 }
 
 

@@ -102,29 +102,32 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
 
     tokenizer = Tokenizer.from_directory(checkpoint, chat_template=chat_template)
     _bound_templates(tokenizer)
-    num_pages = num_pages or max_batch * blocks_spanned(max_len, page_size) + 1
-    say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
-    start = time.perf_counter()
-    model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=max_batch, dtype=dtype,
-                                   num_pages=num_pages, page_size=page_size)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
-                         f"{model.config.vocab_size}")
-    server = Server(model, chunk=chunk, prefix_caching=prefix_caching, prefills_per_step=prefills_per_step,
-                    speculative=speculative)
-    say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
-    start = time.perf_counter()
-    server.warm_up(on_program=lambda done, total: say(
-        f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)"))
-    metrics = Metrics()
-    engine = Engine(server, max_waiting=max_waiting, on_step=metrics.on_step,
-                    on_error=lambda _: metrics.engine_errors.inc())
-    app = create_app(engine, tokenizer, metrics, model_name=model_name or checkpoint.resolve().name,
-                     max_len=max_len, api_key=api_key)
-    if not log.handlers:  # the ready line, one line per request, the engine's errors
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("kvattn serve: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    run(app, engine, sock=sock, shutdown_seconds=shutdown_seconds)
+    try:  # the template's child processes end with the server, or with a failed start
+        num_pages = num_pages or max_batch * blocks_spanned(max_len, page_size) + 1
+        say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
+        start = time.perf_counter()
+        model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=max_batch, dtype=dtype,
+                                       num_pages=num_pages, page_size=page_size)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
+                             f"{model.config.vocab_size}")
+        server = Server(model, chunk=chunk, prefix_caching=prefix_caching, prefills_per_step=prefills_per_step,
+                        speculative=speculative)
+        say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
+        start = time.perf_counter()
+        server.warm_up(on_program=lambda done, total: say(
+            f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)"))
+        metrics = Metrics()
+        engine = Engine(server, max_waiting=max_waiting, on_step=metrics.on_step,
+                        on_error=lambda _: metrics.engine_errors.inc())
+        app = create_app(engine, tokenizer, metrics, model_name=model_name or checkpoint.resolve().name,
+                         max_len=max_len, api_key=api_key)
+        if not log.handlers:  # the ready line, one line per request, the engine's errors
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("kvattn serve: %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
+            log.propagate = False
+        run(app, engine, sock=sock, shutdown_seconds=shutdown_seconds)
+    finally:
+        tokenizer.close()
