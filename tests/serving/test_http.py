@@ -27,6 +27,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from kvattn.serving.openai import protocol
 from tests.helpers import FIXTURES
 
 CHECKPOINT = FIXTURES / "chat"
@@ -409,6 +410,67 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
     gap, response = _longest_gap(server[1], huge)
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
     assert gap < 0.5, f"a stream waited {gap:.2f} s while a prompt was tokenized"
+
+
+# Request fields of OpenAI's API reference and vLLM's protocol (2026-12): each is honoured or refused.
+OPENAI_AND_VLLM_FIELDS = """
+model prompt messages best_of echo frequency_penalty logit_bias logprobs max_tokens max_completion_tokens n
+presence_penalty seed stop stream stream_options suffix temperature top_p top_logprobs user audio function_call
+functions metadata modalities parallel_tool_calls prediction reasoning_effort response_format service_tier store
+tool_choice tools web_search_options verbosity prompt_cache_key safety_identifier
+use_beam_search top_k min_p repetition_penalty length_penalty stop_token_ids include_stop_str_in_output ignore_eos
+min_tokens skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids
+prompt_logprobs bad_words add_generation_prompt continue_final_message add_special_tokens documents chat_template
+chat_template_kwargs mm_processor_kwargs guided_json guided_regex guided_choice guided_grammar structural_tag
+guided_decoding_backend guided_whitespace_pattern structured_outputs priority request_id logits_processors
+return_tokens_as_token_ids return_token_ids cache_salt kv_transfer_params vllm_xargs
+""".split()
+
+
+def test_every_openai_and_vllm_field_is_honoured_or_refused_never_ignored(server, client):
+    endpoints = (protocol.CompletionRequest, protocol.ChatRequest)
+    known = set(protocol.IGNORED).union(*(e.model_fields for e in endpoints), *(e.not_implemented() for e in endpoints))
+    unknown = [f for f in OPENAI_AND_VLLM_FIELDS if f not in known]
+    assert not unknown, f"neither honoured nor refused: {unknown}"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    base = {"model": "chat", "prompt": "a", "max_tokens": 2}
+    with httpx.Client(base_url=server[1], headers=headers, timeout=60) as http:
+        for name, neutral in protocol.CompletionRequest.not_implemented().items():
+            response = http.post("/v1/completions", json={**base, name: 12345})
+            assert response.status_code == 400 and name in response.json()["error"]["message"], (name, response.text)
+            for value in (None, *neutral):
+                response = http.post("/v1/completions", json={**base, name: value})
+                assert response.status_code == 200, (name, value, response.text)
+        nulls = dict.fromkeys(["n", "stream", "echo", "presence_penalty", "frequency_penalty", "logit_bias",
+                               "logprobs", "temperature", "top_p", "seed", "stop", "stream_options", "suffix",
+                               "best_of", "user"])
+        reply = http.post("/v1/completions", json={**base, **nulls})
+        assert reply.status_code == 200 and len(reply.json()["choices"]) == 1, reply.text
+        chat = http.post("/v1/chat/completions", json={"model": "chat", "messages": MESSAGES, "max_tokens": 2,
+                                                       "logprobs": None, "top_logprobs": None, "n": None})
+        assert chat.status_code == 200, chat.text
+    table = Path(__file__).parents[2] / "docs" / "guide" / "serve.md"
+    shown = table.read_text().split("<!-- fields -->\n")[1].split("\n<!-- /fields -->")[0]
+    assert shown == protocol.field_table(), "docs/guide/serve.md's field table is stale: paste protocol.field_table()"
+
+
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server, client):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server[1], headers=headers, timeout=60) as http:
+        text = "hello wörld"
+        tokens = http.post("/tokenize", json={"model": "chat", "prompt": text, "return_token_strs": True}).json()
+        assert tokens["count"] == len(tokens["tokens"]) == len(tokens["token_strs"]) and tokens["max_model_len"] == MAX_LEN
+        used = client.completions.create(model="chat", prompt=text, max_tokens=1).usage.prompt_tokens
+        assert used == tokens["count"]
+        plain = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        assert http.post("/detokenize", json={"tokens": plain}).json() == {"prompt": text}
+        chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["count"] == client.chat.completions.create(model="chat", messages=MESSAGES,
+                                                               max_tokens=1).usage.prompt_tokens
+        for path, body, status in [("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400),
+                                   ("/tokenize", {"model": "other", "prompt": "a"}, 404),
+                                   ("/detokenize", {"tokens": [10**6]}, 400), ("/detokenize", {"tokens": [-1]}, 400)]:
+            assert http.post(path, json=body).status_code == status, (path, body)
 
 
 def test_a_runaway_chat_template_fails_its_request_alone(server):

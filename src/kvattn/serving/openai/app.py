@@ -3,8 +3,8 @@
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream`), `GET /v1/models`, `GET /health` (liveness: answers at once while
 the engine thread runs; `?deep=true` also checks the page bookkeeping and
-generates two tokens, queued behind real work) and `GET /metrics`
-(Prometheus). Each request is rendered and tokenized on a worker thread
+generates two tokens, queued behind real work), `POST /tokenize` and
+`POST /detokenize` (vLLM's shapes) and `GET /metrics` (Prometheus). Each request is rendered and tokenized on a worker thread
 (never on the event loop, so a long prompt stalls no other stream),
 submitted to the `Engine` thread, and answered from the tokens it sends
 back: text is
@@ -28,7 +28,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import hmac
 import logging
 import time
 import uuid
@@ -45,7 +44,15 @@ from kvattn.generation.sampling import SamplingParams
 from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.openai import protocol, responses
 from kvattn.serving.openai.metrics import Metrics
-from kvattn.serving.openai.protocol import ApiError, ChatRequest, CompletionRequest, Job
+from kvattn.serving.openai.middleware import Authorize, BodyLimit, RequestLog
+from kvattn.serving.openai.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Job,
+    TokenizeRequest,
+)
 from kvattn.serving.openai.responses import ClientGone
 from kvattn.serving.requests import Token
 from kvattn.serving.text import TextStream
@@ -91,11 +98,9 @@ class _App:
         self.created = int(time.time())
         self.text_workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="kvattn-text")
 
-    async def job(self, body) -> Job:
-        """`protocol.job` (template, tokenizer, checks) on a text worker: the event loop stays free meanwhile."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.text_workers, lambda: protocol.job(
-            body, self.tokenizer, model_name=self.model_name, max_len=self.max_len))
+    async def off_loop(self, function, *args, **kwargs):
+        """`function(*args, **kwargs)` on a text worker (templates, tokenizer): the event loop stays free."""
+        return await asyncio.get_running_loop().run_in_executor(self.text_workers, lambda: function(*args, **kwargs))
 
     # ----------------------------------------------------------- generation
 
@@ -150,7 +155,7 @@ class _App:
         usage = {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
                  "total_tokens": len(job.prompt) + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
-        request.state.usage = usage  # for the request's log line (_RequestLog)
+        request.state.usage = usage  # for the request's log line (RequestLog)
         yield usage
 
     def _token(self, row: int, choice: _Choice, token: Token, job: Job, arrived: float) -> _Delta:
@@ -212,13 +217,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
         state.text_workers.shutdown(wait=False, cancel_futures=True)
         tokenizer.close()
 
-    # The body limit is `_BodyLimit`'s: Starlette's answers a declared Content-Length over it in plain text.
+    # The body limit is `BodyLimit`'s: Starlette's answers a declared Content-Length over it in plain text.
     app = FastAPI(title="kvattn", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # Plain ASGI middleware (Starlette's `BaseHTTPMiddleware` would hide a client's disconnect from the routes).
-    # Innermost: the route reads the body through `_BodyLimit` itself, so its 413 reaches the handlers unwrapped.
-    app.add_middleware(_BodyLimit, max_bytes=MAX_BODY_BYTES)
+    # Innermost: the route reads the body through `BodyLimit` itself, so its 413 reaches the handlers unwrapped.
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     if api_key is not None:
-        app.add_middleware(_Authorize, api_key=api_key)  # before the body is read or checked
+        app.add_middleware(Authorize, api_key=api_key)  # before the body is read or checked
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, error: ApiError):
@@ -260,6 +265,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
             raise ApiError(503, f"unhealthy: {type(error).__name__}: {error}", "service_unavailable") from None
         return {"status": "ok"}
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        answer = await state.off_loop(protocol.tokenized, body, tokenizer, model_name=model_name, max_len=max_len)
+        return Response(answer, media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await state.off_loop(protocol.detokenized, body, tokenizer, model_name=model_name)
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=metrics.content_type)
@@ -272,82 +286,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
     async def chat_completions(body: ChatRequest, request: Request):
         return await _respond(state, request, body, chat=True)
 
-    app.add_middleware(_RequestLog)  # added last, so outermost: its time includes the other middleware's
+    app.add_middleware(RequestLog)  # added last, so outermost: its time includes the other middleware's
     return app
-
-
-class _Authorize:
-    """ASGI middleware: `/v1/` answers 401 unless the request carries `Authorization: Bearer <api_key>`."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = ApiError(401, "Incorrect API key provided", "authentication_error", code="invalid_api_key")
-                return await error.response()(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets OpenAI's JSON 413, declared (Content-Length) or
-    streamed, before it is parsed."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        refusal = f"the request body is over {self.max_bytes} bytes"
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            return await ApiError(413, refusal).response()(scope, receive, send)
-        received = 0
-
-        async def limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise HTTPException(413, refusal)  # inside the route, which passes it on to `_http`
-            return message
-
-        await self.app(scope, limited, send)
-
-
-class _RequestLog:
-    """ASGI middleware: one INFO line per HTTP request once its answer is sent (a stream's last event included).
-
-    The line holds the method, path, status and seconds, and the token counts
-    where the request generated (`request.state.usage`).
-    """
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.perf_counter(), None
-
-        async def send_noting_status(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_noting_status)
-        finally:
-            usage = scope.get("state", {}).get("usage")
-            tokens = (f", {usage['prompt_tokens']} prompt + {usage['completion_tokens']} completion tokens"
-                      if usage else "")
-            log.info("%s %s %s %.3f s%s", scope["method"], scope["path"], status or "no answer",
-                     time.perf_counter() - start, tokens)
 
 
 async def _health_generation(engine: Engine) -> None:
@@ -363,7 +303,7 @@ async def _health_generation(engine: Engine) -> None:
 
 async def _respond(state: _App, request: Request, body, chat: bool):
     arrived = time.perf_counter()
-    job = await state.job(body)
+    job = await state.off_loop(protocol.job, body, state.tokenizer, model_name=state.model_name, max_len=state.max_len)
     created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name}

@@ -2,16 +2,20 @@
 
 Types are strict (`"2"` is not 2, `true` is not 1), every range is checked
 here, so a request that gets past parsing can only be refused for what the
-model cannot hold (a prompt past the context). Fields OpenAI defines that
-kvattn does not implement are refused when set to anything but their
-neutral value, never silently ignored; fields nobody defines are ignored,
-as OpenAI's own server does.
+model cannot hold (a prompt past the context). An explicit `null` means the
+field's default, as on OpenAI's server. Fields OpenAI or vLLM define that
+kvattn does not implement (`NOT_IMPLEMENTED`) are refused with a 400 naming
+them when set to anything but a value that asks for nothing, never silently
+ignored; bookkeeping fields that change no output (`IGNORED`) and fields
+nobody defines are ignored, as OpenAI's own server does. `field_table` lists
+every field with what becomes of it (the serving guide shows it).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,12 +35,50 @@ from fastapi.responses import JSONResponse
 from kvattn.generation.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
-__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Job", "Message", "job"]
+__all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "Job",
+           "Message", "TokenizeRequest", "detokenized", "field_table", "job", "served_model", "tokenized"]
 
 Number = StrictFloat | StrictInt
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Stop = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+
+
+# Fields OpenAI or vLLM define whose effect kvattn does not implement, with the values that ask for nothing
+# (null always does): any other value is refused with a 400 that names the field.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    # structured outputs and tools
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structural_tag": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    # sampling
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "min_tokens": (0,), "min_p": (0,), "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],),
+    "allowed_token_ids": (), "logits_processors": (), "vllm_xargs": (),
+    # text and prompt handling
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
+    "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},), "echo": (False,), "suffix": ("",),
+    # other modalities and models
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "verbosity": (),
+}
+# Bookkeeping fields that change no output: accepted and ignored.
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+           "priority", "cache_salt", "kv_transfer_params")
+
+
+def _asks_nothing(value, neutral: tuple) -> bool:
+    """Whether `value` is null or one of `neutral` (a number equal to a number, never a bool to a number)."""
+    def same(a, b) -> bool:
+        numbers = (int, float)
+        if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
+            return a == b
+        return type(a) is type(b) and a == b
+
+    return value is None or any(same(value, n) for n in neutral)
 
 
 class StreamOptions(BaseModel):
@@ -66,17 +108,28 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
-    logit_bias: dict[StrictStr, Number] | None = None
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {}
+    """This endpoint's own not-implemented fields, with the values that ask for nothing."""
+
+    @classmethod
+    def not_implemented(cls) -> dict[str, tuple]:
+        return {**NOT_IMPLEMENTED, **cls.NEUTRAL}
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data):
+    def _checked_first(cls, data):
         where = _unpaired_surrogate(data, "body")
         if where is not None:
             raise ValueError(f"{where} is not valid Unicode: it holds an unpaired UTF-16 surrogate (a lone \\ud800-"
                              "\\udfff escape); send text as UTF-8")
+        if not isinstance(data, dict):
+            return data
+        data = {key: value for key, value in data.items() if value is not None}  # null: the default
+        refused = sorted(name for name, neutral in cls.not_implemented().items()
+                         if name in data and not _asks_nothing(data[name], neutral))
+        if refused:
+            raise ValueError(f"not implemented by kvattn serve: {', '.join(refused)} (leave them out, or null)")
         return data
 
     @model_validator(mode="after")
@@ -87,10 +140,6 @@ class _Request(BaseModel):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (all tokens) or a positive int, got {self.top_k}")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported: leave them at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
         return self
@@ -128,18 +177,14 @@ class CompletionRequest(_Request):
     prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
         list[StrictStr], Field(min_length=1, max_length=1)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: StrictBool = False
-    suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+    """Accepted when it equals `n` (or is null): sampling more choices than are returned is not implemented."""
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"add_special_tokens": (True,)}  # a prompt's text gets them
 
     @model_validator(mode="after")
     def _completion_supported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         if self.best_of not in (None, self.n):
-            raise ValueError("best_of is not supported")
+            raise ValueError(f"not implemented by kvattn serve: best_of other than n ({self.n}), got {self.best_of}")
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
             self.prompt = self.prompt[0]
         return self
@@ -169,12 +214,63 @@ class ChatRequest(_Request):
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,)}  # the template writes them
 
     @model_validator(mode="after")
     def _chat_supported(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's shape): a prompt, or messages rendered with the chat template, to token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool | None = None
+    """Default: true for a prompt, false for messages (the template writes them)."""
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages, not both")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """`POST /detokenize` (vLLM's shape): token ids to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
+def field_table() -> str:
+    """Markdown: every request field of both endpoints, and what `kvattn serve` makes of it."""
+    endpoints = (CompletionRequest, ChatRequest)
+    names = sorted(set().union(*(e.model_fields for e in endpoints), *(e.not_implemented() for e in endpoints),
+                               IGNORED))
+
+    def cell(endpoint, name: str) -> str:
+        if name in IGNORED:
+            return "accepted, changes nothing"
+        if name in endpoint.not_implemented():
+            neutral = ", ".join(f"`{json.dumps(value)}`" for value in endpoint.not_implemented()[name])
+            return f"refused (400) unless null{' or ' + neutral if neutral else ''}"
+        if name == "best_of" and name in endpoint.model_fields:
+            return "honoured when equal to `n`"
+        return "honoured" if name in endpoint.model_fields else "-"
+
+    rows = ["| field | `/v1/completions` | `/v1/chat/completions` |", "|---|---|---|"]
+    rows += [f"| `{name}` | {cell(endpoints[0], name)} | {cell(endpoints[1], name)} |" for name in names]
+    return "\n".join(rows)
 
 
 class ApiError(Exception):
@@ -216,6 +312,45 @@ class Job:
         return self.params.logprobs
 
 
+def served_model(model: str | None, model_name: str) -> None:
+    """A 404 unless `model` names the served model (None: any, where the field is optional)."""
+    if model is not None and model != model_name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{model_name}`",
+                       "not_found_error", param="model", code="model_not_found")
+
+
+MAX_TOKENIZE_TOKENS = 1 << 16
+
+
+def tokenized(body: TokenizeRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> bytes:
+    """`/tokenize`'s JSON answer (`count`, `max_model_len`, `tokens`, `token_strs`), serialised here, off the loop."""
+    served_model(body.model, model_name)
+    try:
+        if body.messages is not None:
+            text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages],
+                                         add_generation_prompt=body.add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), at_most=MAX_TOKENIZE_TOKENS)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False,
+                                   at_most=MAX_TOKENIZE_TOKENS)
+    except TooLong as error:
+        raise ApiError(400, f"the text holds {error.count} tokens; /tokenize answers at most {error.at_most}",
+                       param="prompt") from None
+    except (ValueError, TypeError) as error:
+        raise ApiError(400, str(error)) from None
+    strings = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+    return json.dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strings}).encode()
+
+
+def detokenized(body: DetokenizeRequest, tokenizer: Tokenizer, *, model_name: str) -> dict:
+    """`/detokenize`'s answer: `{"prompt": text}`; a 400 for an id past the vocabulary."""
+    served_model(body.model, model_name)
+    past = [i for i in body.tokens if i >= tokenizer.vocab_size]
+    if past:
+        raise ApiError(400, f"token ids {past[:8]} are past the vocabulary of {tokenizer.vocab_size}", param="tokens")
+    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
 def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> Job:
     """A request body checked against the served model and made the engine's `SamplingParams`: the one place
     where an HTTP field becomes what the engine reads.
@@ -224,9 +359,7 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
       ApiError: 404 for another model, 400 for a prompt the template or tokenizer refuses, one past the context,
         or settings the model cannot sample with.
     """
-    if body.model != model_name:
-        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{model_name}`",
-                       "not_found_error", param="model", code="model_not_found")
+    served_model(body.model, model_name)
     try:
         if isinstance(body, ChatRequest):
             text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
