@@ -60,7 +60,7 @@ def feedback(y):
 # package __init__ may import them, so `import kvattn` (and `kvattn.serving`) needs only the core.
 EXTRA_MODULES = {
     **{f"src/kvattn/serving/openai/{name}.py": "serve" for name in ("app", "launch", "metrics", "middleware",
-                                                                    "protocol", "responses")},
+                                                                    "protocol", "responses", "tokenize")},
     **{f"src/kvattn/serving/{name}.py": "generate" for name in ("text", "tokenizer")},
     "src/kvattn/templates.py": "generate",
 }

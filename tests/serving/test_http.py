@@ -168,6 +168,9 @@ def test_stop_strings_end_the_text_before_them_across_tokens(client):
     cut = full[: full.index(stop)]
     whole = client.chat.completions.create(model="chat", messages=MESSAGES, stop=[stop, "never"], **GREEDY_ARGS)
     assert whole.choices[0].message.content == cut and whole.choices[0].finish_reason == "stop"
+    args = {**GREEDY_ARGS, "extra_body": {**GREEDY_ARGS["extra_body"], "include_stop_str_in_output": True}}
+    kept = client.chat.completions.create(model="chat", messages=MESSAGES, stop=[stop, "never"], **args)
+    assert kept.choices[0].message.content == cut + stop and kept.choices[0].finish_reason == "stop"
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="chat", messages=MESSAGES, stop=stop, stream=True, **GREEDY_ARGS) if c.choices]
     assert "".join(pieces) == cut and not any(stop in piece for piece in pieces)
@@ -539,6 +542,10 @@ def test_logprob_text_offsets_stay_inside_the_text_when_special_tokens_come(clie
     """A special token adds its string to `tokens` but nothing to the text: offsets never run past the text."""
     reply = client.completions.create(model="chat", prompt=GREEDY["prompt"], temperature=1.5, seed=3, n=2,
                                       max_tokens=120, logprobs=0, extra_body={"ignore_eos": True})
+    shown = client.completions.create(model="chat", prompt=GREEDY["prompt"], temperature=1.5, seed=3, n=2,
+                                      max_tokens=120, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert [c.text for c in shown.choices] != [c.text for c in reply.choices]  # the same tokens, specials shown
+    assert any("<|" in c.text for c in shown.choices) and not any("<|" in c.text for c in reply.choices)
     specials = 0
     for choice in reply.choices:
         offsets, tokens = choice.logprobs.text_offset, choice.logprobs.tokens

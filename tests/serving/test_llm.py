@@ -98,6 +98,8 @@ def test_stop_strings_cut_the_text_and_end_the_completion(text_llm):
     assert len(completion.token_ids) <= len(whole.outputs[0].token_ids)
     assert "".join(engine.stream("The cache holds", SamplingParams(max_tokens=12, ignore_eos=True, stop=stop))) \
         == completion.text
+    kept = SamplingParams(max_tokens=12, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    assert engine.generate("The cache holds", kept)[0].outputs[0].text == completion.text + stop
 
 
 def test_many_prompts_each_equal_their_single_run_and_n_choices_with_logprobs():

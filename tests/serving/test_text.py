@@ -183,20 +183,22 @@ PIECES = st.text("ab<>/\n", max_size=12)
 STOPS = st.lists(st.text("ab<>/\n", min_size=1, max_size=4), min_size=1, max_size=3)
 
 
-def first_stop(text: str, stops) -> int | None:
-    """Where the output ends: the start of the stop string that completes first (on a tie, the longest)."""
+def first_stop(text: str, stops, include: bool = False) -> int | None:
+    """Where the output ends: the start of the stop string that completes first (on a tie, the longest), or with
+    `include` its end."""
     for end in range(1, len(text) + 1):
         starts = [end - len(stop) for stop in stops if text[max(0, end - len(stop)) : end] == stop]
         if starts:
-            return min(starts)
+            return end if include else min(starts)
     return None
 
 
 @settings(max_examples=50)
-@given(pieces=st.lists(PIECES, max_size=8), stops=STOPS)
-def test_stop_strings_cut_the_text_before_the_first_stop_wherever_tokens_split_it(pieces, stops):
+@given(pieces=st.lists(PIECES, max_size=8), stops=STOPS, include=st.booleans())
+def test_stop_strings_cut_the_text_before_the_first_stop_wherever_tokens_split_it(pieces, stops, include):
+    """Cut before the stop string, or just after it with `include` (vLLM's `include_stop_str_in_output`)."""
     text = "".join(pieces)
-    matcher = StopStrings(stops)
+    matcher = StopStrings(stops, include=include)
     emitted, matched = [], False
     for piece in pieces:
         out, matched = matcher.push(piece)
@@ -205,10 +207,11 @@ def test_stop_strings_cut_the_text_before_the_first_stop_wherever_tokens_split_i
             break
     if not matched:
         emitted.append(matcher.flush())
-    cut = first_stop(text, stops)
+    cut = first_stop(text, stops, include)
     assert "".join(emitted) == (text if cut is None else text[:cut])
     assert matched == (cut is not None) == matcher.matched
-    assert not any(stop in "".join(emitted) for stop in stops)  # not whole, nor split across pieces
+    if not include:
+        assert not any(stop in "".join(emitted) for stop in stops)  # not whole, nor split across pieces
 
 
 def test_stop_strings_hold_back_only_what_could_start_one():

@@ -107,12 +107,15 @@ class SamplingParams:
       seed: the request's random stream; the same seed gives the same
         tokens whatever else runs beside it (None: drawn by the engine).
       n: independent completions of the same prompt.
-      stop: strings that end the text when they appear (not included).
+      stop: strings that end the text when they appear (not included,
+        unless `include_stop_str_in_output`).
       stop_token_ids: ids that end a completion (included in its tokens).
       ignore_eos: go on past the model's end-of-sequence ids.
       logprobs: report each token's log-probability and this many most
         likely alternatives (0: the chosen token's alone; None: none).
       skip_special_tokens: leave special tokens out of the text.
+      include_stop_str_in_output: end the text with the stop string that
+        ended it.
 
     Raises:
       TypeError, ValueError: a setting of the wrong type or out of range,
@@ -130,6 +133,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         _count(self.max_tokens, "max_tokens", 1)
@@ -150,7 +154,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if self.logprobs is not None:
             _count(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
-        for flag in ("ignore_eos", "skip_special_tokens"):
+        for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 

@@ -71,7 +71,8 @@ class _Choice:
 
             self.stream = TextStream(llm.tokenizer, prompt=prompt, stop=params.stop,
                                      stop_token_ids=params.stop_ids(llm.eos_token_ids),
-                                     skip_special_tokens=params.skip_special_tokens)
+                                     skip_special_tokens=params.skip_special_tokens,
+                                     include_stop=params.include_stop_str_in_output)
         self.stopped = False  # by a stop string
 
     def add(self, token: Token) -> str:

@@ -19,7 +19,7 @@ __all__ = ["StopStrings", "TextDelta", "TextStream"]
 
 
 class StopStrings:
-    """Streamed text cut at the first stop string to complete, which is never emitted.
+    """Streamed text cut at the first stop string to complete, which is not emitted unless `include`d.
 
     Text that could be the start of a stop string is held back until the
     next piece shows whether it is one. When several stop strings complete,
@@ -34,9 +34,11 @@ class StopStrings:
 
     Args:
       stops: the stop strings, none empty.
+      include: end the text with the stop string (vLLM's `include_stop_str_in_output`).
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include: bool = False):
+        self.include = include
         if isinstance(stops, str) or not all(isinstance(stop, str) and stop for stop in stops):
             raise ValueError(f"stop strings must be a list of non-empty strings, got {stops!r:.80}")
         self.stops = tuple(dict.fromkeys(stops))
@@ -57,7 +59,8 @@ class StopStrings:
         matches = [(start + len(stop), start) for stop in self.stops if (start := pending.find(stop)) >= 0]
         if matches:
             self.matched, self._held = True, ""
-            return pending[: min(matches)[1]], True
+            end, start = min(matches)
+            return pending[: end if self.include else start], True
         hold = max((size for stop in self.stops for size in range(min(len(stop) - 1, len(pending)), 0, -1)
                     if pending.endswith(stop[:size])), default=0)
         self._held = pending[len(pending) - hold:]
@@ -107,12 +110,13 @@ class TextStream:
       stop_token_ids: ids that end a generation (e.g. `eos_token_ids`); their
         own text is never shown, special or not.
       skip_special_tokens: leave special tokens out of the text.
+      include_stop: end the text with the stop string that ended it.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, prompt: Sequence[int] = (), stop: Sequence[str] = (),
-                 stop_token_ids: Iterable[int] = (), skip_special_tokens: bool = True):
+                 stop_token_ids: Iterable[int] = (), skip_special_tokens: bool = True, include_stop: bool = False):
         self._detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens, context=prompt)
-        self._stops = StopStrings(stop) if stop else None
+        self._stops = StopStrings(stop, include=include_stop) if stop else None
         self._stop_token_ids = frozenset(as_token_id(i) for i in stop_token_ids)
         self._finished = False
 

@@ -45,14 +45,9 @@ from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.openai import protocol, responses
 from kvattn.serving.openai.metrics import Metrics
 from kvattn.serving.openai.middleware import Authorize, BodyLimit, RequestLog
-from kvattn.serving.openai.protocol import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    Job,
-    TokenizeRequest,
-)
+from kvattn.serving.openai import tokenize as tokens
+from kvattn.serving.openai.protocol import ApiError, ChatRequest, CompletionRequest, Job
+from kvattn.serving.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from kvattn.serving.openai.responses import ClientGone
 from kvattn.serving.requests import Token
 from kvattn.serving.text import TextStream
@@ -118,8 +113,10 @@ class _App:
             self.metrics.rejected.labels("400").inc()
             raise ApiError(400, str(error)) from None
         first = handle.indices[0]
-        choices = [_Choice(TextStream(self.tokenizer, prompt=job.prompt, stop=job.stops, stop_token_ids=job.stop_ids))
-                   for _ in handle.indices]
+        text = dict(prompt=job.prompt, stop=job.stops, stop_token_ids=job.stop_ids,
+                    skip_special_tokens=job.params.skip_special_tokens,
+                    include_stop=job.params.include_stop_str_in_output)
+        choices = [_Choice(TextStream(self.tokenizer, **text)) for _ in handle.indices]
         open_ = set(handle.indices)
         cached = 0
         watch = _Disconnects(request)
@@ -267,12 +264,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, metrics: Metrics, *, model_
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        answer = await state.off_loop(protocol.tokenized, body, tokenizer, model_name=model_name, max_len=max_len)
+        answer = await state.off_loop(tokens.tokenized, body, tokenizer, model_name=model_name, max_len=max_len)
         return Response(answer, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return await state.off_loop(protocol.detokenized, body, tokenizer, model_name=model_name)
+        return await state.off_loop(tokens.detokenized, body, tokenizer, model_name=model_name)
 
     @app.get("/metrics")
     async def prometheus():

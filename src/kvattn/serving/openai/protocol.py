@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse
 from kvattn.generation.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
-__all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "DetokenizeRequest", "Job",
-           "Message", "TokenizeRequest", "detokenized", "field_table", "job", "served_model", "tokenized"]
+__all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "Job", "Message",
+           "field_table", "job", "served_model"]
 
 Number = StrictFloat | StrictInt
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -57,7 +57,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "min_tokens": (0,), "min_p": (0,), "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],),
     "allowed_token_ids": (), "logits_processors": (), "vllm_xargs": (),
     # text and prompt handling
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
     "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},), "echo": (False,), "suffix": ("",),
@@ -102,6 +102,10 @@ class _Request(BaseModel):
     """Extra: stop after any of these token ids."""
     ignore_eos: StrictBool = False
     """Extra: do not stop at the tokenizer's end-of-sequence tokens."""
+    skip_special_tokens: StrictBool = True
+    """Extra: leave special tokens out of the text."""
+    include_stop_str_in_output: StrictBool = False
+    """Extra: end the text with the stop string that ended it."""
     return_token_ids: StrictBool = False
     """Extra: each choice also carries its token ids."""
     seed: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
@@ -223,35 +227,6 @@ class ChatRequest(_Request):
         return self
 
 
-class TokenizeRequest(BaseModel):
-    """`POST /tokenize` (vLLM's shape): a prompt, or messages rendered with the chat template, to token ids."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: StrictStr | None = None
-    prompt: StrictStr | None = None
-    messages: Annotated[list[Message], Field(min_length=1)] | None = None
-    add_special_tokens: StrictBool | None = None
-    """Default: true for a prompt, false for messages (the template writes them)."""
-    add_generation_prompt: StrictBool = True
-    return_token_strs: StrictBool = False
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give prompt or messages, not both")
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    """`POST /detokenize` (vLLM's shape): token ids to text."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: StrictStr | None = None
-    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
-
-
 def field_table() -> str:
     """Markdown: every request field of both endpoints, and what `kvattn serve` makes of it."""
     endpoints = (CompletionRequest, ChatRequest)
@@ -319,38 +294,6 @@ def served_model(model: str | None, model_name: str) -> None:
                        "not_found_error", param="model", code="model_not_found")
 
 
-MAX_TOKENIZE_TOKENS = 1 << 16
-
-
-def tokenized(body: TokenizeRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> bytes:
-    """`/tokenize`'s JSON answer (`count`, `max_model_len`, `tokens`, `token_strs`), serialised here, off the loop."""
-    served_model(body.model, model_name)
-    try:
-        if body.messages is not None:
-            text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages],
-                                         add_generation_prompt=body.add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), at_most=MAX_TOKENIZE_TOKENS)
-        else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False,
-                                   at_most=MAX_TOKENIZE_TOKENS)
-    except TooLong as error:
-        raise ApiError(400, f"the text holds {error.count} tokens; /tokenize answers at most {error.at_most}",
-                       param="prompt") from None
-    except (ValueError, TypeError) as error:
-        raise ApiError(400, str(error)) from None
-    strings = [tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
-    return json.dumps({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": strings}).encode()
-
-
-def detokenized(body: DetokenizeRequest, tokenizer: Tokenizer, *, model_name: str) -> dict:
-    """`/detokenize`'s answer: `{"prompt": text}`; a 400 for an id past the vocabulary."""
-    served_model(body.model, model_name)
-    past = [i for i in body.tokens if i >= tokenizer.vocab_size]
-    if past:
-        raise ApiError(400, f"token ids {past[:8]} are past the vocabulary of {tokenizer.vocab_size}", param="tokens")
-    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-
 def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> Job:
     """A request body checked against the served model and made the engine's `SamplingParams`: the one place
     where an HTTP field becomes what the engine reads.
@@ -392,7 +335,8 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
             top_k=None if body.top_k in (None, 0, -1) else body.top_k,
             top_p=None if body.top_p in (None, 1) else body.top_p, seed=body.seed, n=body.n,
             stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            logprobs=top_logprobs)
+            logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output)
         params.sampling.check_vocab(tokenizer.vocab_size)
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
