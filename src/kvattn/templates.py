@@ -172,19 +172,22 @@ class TemplateProcesses:
                 child = self._idle.get_nowait()
             except queue.Empty:
                 child = self._start()
-            answer = None
+            answer, answered = ["error", "the chat template's process ended while rendering"], False
             try:
                 child.stdin.write(json.dumps(variables).encode() + b"\n")
                 child.stdin.flush()
                 if select.select([child.stdout], [], [], self.seconds)[0]:
-                    answer = json.loads(child.stdout.readline() or "null")
-            except (OSError, ValueError):  # the child died (e.g. killed by the system): a fresh one next time
-                answer = ["error", "the chat template's process ended while rendering"]
-            if answer is None:
-                answer = ["error", f"the chat template ran past {self.seconds} s"]
-                _end(child)
-            elif child.poll() is None:
+                    line = child.stdout.readline()
+                    if line:
+                        answer, answered = json.loads(line), True
+                else:
+                    answer = ["error", f"the chat template ran past {self.seconds} s"]
+            except (OSError, ValueError):  # the child died (e.g. killed by the system)
+                pass
+            if answered and child.poll() is None:
                 self._idle.put(child)
+            else:  # ran past its time, or gone: a fresh child next time
+                _end(child)
         kind, value = answer
         if kind != "ok":
             raise ValueError(value)

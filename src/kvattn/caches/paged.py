@@ -276,12 +276,12 @@ def variables(config: AttentionConfig) -> dict[str, tuple[tuple, tuple, jnp.dtyp
         pages, axes = (spec.num_pages, spec.page_size, config.num_kv_heads), (None, None, config.model_axis)
     else:
         pages, axes = (spec.num_pages, config.num_kv_heads, spec.page_size), (None, config.model_axis, None)
-    dtype = jnp.dtype(config.cache.dtype)
+    dtype = jnp.dtype(spec.dtype)
     specs = {
         "k_pages": ((*pages, config.head_dim), (*axes, None), dtype),
         "v_pages": ((*pages, config.head_dim), (*axes, None), dtype),
     }
-    if config.cache.dtype == "int8":
+    if spec.dtype == "int8":
         specs["k_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
         specs["v_page_scale"] = (pages, axes, jnp.dtype(jnp.float32))
     return specs
@@ -336,8 +336,8 @@ def _checked_pages(config: AttentionConfig, pages, lengths, batch: int) -> tuple
     if not check.is_traced(table, pos, lengths):
         check.capacity(config, pos, lengths)
         lengths = np.broadcast_to(check.host(lengths), pos.shape)
+        page = config.cache.page_size
         for b in np.flatnonzero(lengths):
-            page = config.cache.page_size
             blocks = np.arange(pos[b] // page, (pos[b] + lengths[b] - 1) // page + 1)
             if np.any(table[b, blocks] == 0):
                 raise ValueError(

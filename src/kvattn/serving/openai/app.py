@@ -4,10 +4,10 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with
 `stream`), `GET /v1/models`, `GET /health` (liveness: answers at once while
 the engine thread runs; `?deep=true` also checks the page bookkeeping and
 generates two tokens, queued behind real work), `POST /tokenize` and
-`POST /detokenize` (vLLM's shapes) and `GET /metrics` (Prometheus). Each request is rendered and tokenized on a worker thread
-(never on the event loop, so a long prompt stalls no other stream),
-submitted to the `Engine` thread, and answered from the tokens it sends
-back: text is
+`POST /detokenize` (vLLM's shapes) and `GET /metrics` (Prometheus). Each
+request is rendered and tokenized on a worker thread (never on the event
+loop, so a long prompt stalls no other stream), submitted to the `Engine`
+thread, and answered from the tokens it sends back: text is
 detokenized incrementally (never half a UTF-8 character) and matched
 against the request's stop strings across token boundaries (a stop string
 is never sent; the request is aborted at once, its pages back in the
@@ -43,12 +43,12 @@ from kvattn.errors import header_value
 from kvattn.generation.sampling import SamplingParams
 from kvattn.serving.engine import Engine, Full, ShuttingDown
 from kvattn.serving.openai import protocol, responses
+from kvattn.serving.openai import tokenize as tokens
 from kvattn.serving.openai.metrics import Metrics
 from kvattn.serving.openai.middleware import Authorize, BodyLimit, RequestLog
-from kvattn.serving.openai import tokenize as tokens
 from kvattn.serving.openai.protocol import ApiError, ChatRequest, CompletionRequest, Job
-from kvattn.serving.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from kvattn.serving.openai.responses import ClientGone
+from kvattn.serving.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from kvattn.serving.requests import Token
 from kvattn.serving.text import TextStream
 from kvattn.serving.tokenizer import Tokenizer

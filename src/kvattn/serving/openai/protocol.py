@@ -36,7 +36,7 @@ from kvattn.generation.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
 __all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "Job", "Message",
-           "field_table", "job", "served_model"]
+           "chat_ids", "field_table", "job", "served_model"]
 
 Number = StrictFloat | StrictInt
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -294,6 +294,14 @@ def served_model(model: str | None, model_name: str) -> None:
                        "not_found_error", param="model", code="model_not_found")
 
 
+def chat_ids(tokenizer: Tokenizer, messages: list[Message], *, at_most: int, add_generation_prompt: bool = True,
+             add_special_tokens: bool = False) -> list[int]:
+    """The ids of a conversation rendered with the chat template (which writes the special tokens itself)."""
+    text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in messages],
+                                 add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens, at_most=at_most)
+
+
 def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> Job:
     """A request body checked against the served model and made the engine's `SamplingParams`: the one place
     where an HTTP field becomes what the engine reads.
@@ -305,8 +313,7 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
     served_model(body.model, model_name)
     try:
         if isinstance(body, ChatRequest):
-            text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages])
-            prompt = tokenizer.encode(text, add_special_tokens=False, at_most=max_len)
+            prompt = chat_ids(tokenizer, body.messages, at_most=max_len)
             max_tokens = body.max_completion_tokens or body.max_tokens
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:

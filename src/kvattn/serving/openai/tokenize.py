@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from kvattn.serving.openai.protocol import ApiError, Message, TokenId, served_model
+from kvattn.serving.openai.protocol import ApiError, Message, TokenId, chat_ids, served_model
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "detokenized", "tokenized"]
@@ -50,9 +50,9 @@ def tokenized(body: TokenizeRequest, tokenizer: Tokenizer, *, model_name: str, m
     served_model(body.model, model_name)
     try:
         if body.messages is not None:
-            text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in body.messages],
-                                         add_generation_prompt=body.add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens), at_most=MAX_TOKENIZE_TOKENS)
+            ids = chat_ids(tokenizer, body.messages, at_most=MAX_TOKENIZE_TOKENS,
+                           add_generation_prompt=body.add_generation_prompt,
+                           add_special_tokens=bool(body.add_special_tokens))
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False,
                                    at_most=MAX_TOKENIZE_TOKENS)
