@@ -4,7 +4,7 @@
 
 Run it for each revision in alternation: equal calls and equal compiled programs leave only noise.
 """
-import cProfile, pstats, io, time, statistics
+import cProfile, pstats, time, statistics
 import jax, numpy as np
 from flax import nnx
 import kvattn

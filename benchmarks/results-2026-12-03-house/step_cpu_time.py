@@ -5,8 +5,8 @@
 Prints `[cpu ms, wall ms]` per step; run it for each revision in alternation. CPU time (all threads) is
 less sensitive than wall time to other processes on a shared machine.
 """
-import json, statistics, sys, time
-import jax, jax.numpy as jnp
+import json, sys, time
+import jax
 from flax import nnx
 import kvattn
 B = int(sys.argv[1]); layout = sys.argv[2]

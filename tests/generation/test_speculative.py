@@ -314,7 +314,7 @@ def first_tokens() -> dict[str, np.ndarray]:
         # The server's form: every row with its own settings and seed, drafts copied.
         rows = jnp.arange(ROUND_ROWS, dtype=jnp.uint32)
         settings = RowSampling(jnp.full(rows.shape, SAMPLING.temperature), jnp.full(rows.shape, SAMPLING.top_k),
-                                      jnp.ones(rows.shape), rows, rows * 0, rows * 0 + 3)
+                                      jnp.ones(rows.shape), jnp.zeros(rows.shape), rows, rows * 0, rows * 0 + 3)
         out["rows"] = speculation.verify_rows(logits, copied, widths, settings)[1][:, 0]
         return out
 

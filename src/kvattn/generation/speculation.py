@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvattn.generation.sampling import MAX_TOP_LOGPROBS, RowSampling, draw, filter_rows, filtered, row_keys
+from kvattn.generation.sampling import (
+    MAX_TOP_LOGPROBS, Adjustments, RowSampling, adjusted, draw, filter_rows, filtered, row_keys,
+)
 
 __all__ = ["Policy", "lookup", "probabilities", "verify", "verify_rows"]
 
@@ -135,12 +137,12 @@ def _leading(flags: Bool[Array, "B R"]) -> Int[Array, " B"]:
 
 def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: Int[Array, " B"],
            temperature: Float[Array, " B"] | None, top_k: Int[Array, " B"] | None, top_p: Float[Array, " B"] | None,
-           keys: jax.Array | None, q: Float[Array, "B R V"] | None = None
+           keys: jax.Array | None, q: Float[Array, "B R V"] | None = None, min_p: Float[Array, " B"] | None = None
            ) -> tuple[Int[Array, " B"], Int[Array, " B"], Float[Array, "B R1 V"]]:
     """How many drafts each sequence keeps, and the target's token after them.
 
     Row b samples at `temperature[b]` (0: greedy) among its `top_k[b]` /
-    `top_p[b]` candidates (`filter_rows`); `temperature=None` is greedy for
+    `top_p[b]` / `min_p[b]` candidates (`filter_rows`); `temperature=None` is greedy for
     every row and compiles to argmaxes alone. The token at a row's position
     j draws with `keys[b, j]` and the acceptance test of its draft with
     `fold_in(keys[b, j], 1)`, so a row without drafts gets exactly `draw`'s
@@ -151,6 +153,7 @@ def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: In
       drafts: the drafted tokens, valid up to `widths`.
       widths: drafts per sequence.
       temperature, top_k, top_p: each row's sampling, or all None for greedy.
+      min_p: each row's min-p (None: none).
       keys: `(B, K1)` keys, one per position (None when greedy).
       q: the distributions the drafts were drawn from; None for a point mass
         on each draft (prompt lookup, and any greedy drafter).
@@ -168,8 +171,8 @@ def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: In
         return greedy_kept, greedy_token, logits
     sampling = temperature > 0
     scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None, None]
-    candidates = filter_rows(scaled.reshape(rows * width, vocab), jnp.repeat(top_k, width),
-                             jnp.repeat(top_p, width)).reshape(logits.shape)
+    candidates = filter_rows(scaled.reshape(rows * width, vocab), jnp.repeat(top_k, width), jnp.repeat(top_p, width),
+                             None if min_p is None else jnp.repeat(min_p, width)).reshape(logits.shape)
     p = jax.nn.softmax(candidates, axis=-1)
     p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.ones_like(p_draft) if q is None else jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
@@ -191,11 +194,14 @@ def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: In
 
 
 def verify_rows(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: Int[Array, " B"],
-                settings: RowSampling):
+                settings: RowSampling, adjustments: Adjustments | None = None):
     """`verify` for rows that each sample with their own `RowSampling` (copied drafts), with log-probabilities.
 
     The token at a row's position j uses the key `sample_rows` would use for
-    it (its `index` + j), so a row without drafts gets exactly `sample_rows`' token.
+    it (its `index` + j), and the `adjustments` `(B, K1, V)` the host made
+    for that position (as if the drafts before it were kept), so a row
+    without drafts gets exactly `sample_rows`' token, and a draft a grammar
+    forbids is refused.
 
     Returns:
       `(kept, tokens, logprobs, top_ids, top_logprobs)`: drafts kept `(B,)`; the tokens produced `(B, K1)`
@@ -204,10 +210,12 @@ def verify_rows(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], width
     """
     rows, width, vocab = logits.shape
     at = jnp.arange(width)
-    positions = RowSampling(*(jnp.repeat(field, width) for field in settings[:5]),
+    positions = RowSampling(*(jnp.repeat(field, width) for field in settings[:-1]),
                             (settings.index[:, None] + at.astype(jnp.uint32)[None, :]).reshape(-1))
     keys = row_keys(positions).reshape(rows, width)
-    kept, token, scaled = verify(logits, drafts, widths, settings.temperature, settings.top_k, settings.top_p, keys)
+    logits = adjusted(logits, adjustments)
+    kept, token, scaled = verify(logits, drafts, widths, settings.temperature, settings.top_k, settings.top_p, keys,
+                                 min_p=settings.min_p)
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(at[None, :] < kept[:, None], padded, jnp.where(at[None, :] == kept[:, None], token[:, None], 0))
     logprobs = jax.nn.log_softmax(scaled, axis=-1)

@@ -175,7 +175,8 @@ def _program(graphdef, params, cache, drafter, drafter_params, drafter_state, pr
             settings = (jnp.full((batch,), value) for value in (
                 sampling.temperature, sampling.top_k or 0, 1.0 if sampling.top_p is None else sampling.top_p))
             keys = jax.random.split(verify_key, batch * (num_tokens + 1)).reshape(batch, num_tokens + 1)
-            kept, token, _ = verify(logits, drafts, widths, *settings, keys, q)
+            min_p = None if sampling.min_p is None else jnp.full((batch,), sampling.min_p)
+            kept, token, _ = verify(logits, drafts, widths, *settings, keys, q, min_p=min_p)
         # The run produced is the pending token and the kept drafts, up to a stop token.
         run = jnp.arange(num_tokens + 1)[None, :] <= kept[:, None]
         stopping = is_stop(chunk) & run if stop_tokens else jnp.zeros(chunk.shape, jnp.bool_)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvattn.generation.adjust import Adjuster
 from kvattn.generation.sampling import Sampling
 
 __all__ = ["Completion", "Request", "Stats", "Token"]
@@ -78,6 +79,8 @@ class Request:
     stream: int  # which choice of its submit: each has its own random stream
     top_logprobs: int
     on_token: Callable[[int, Token], None] | None
+    adjuster: Adjuster | None = None  # its penalties, biases and grammar, if it has any
+    halted: bool = False  # its grammar refused its last token
     siblings: list[Request] = dataclasses.field(default_factory=list)  # forked from it after its prompt
     leader: Request | None = None  # set while this choice waits to be forked from its leader
     generated: list[int] = dataclasses.field(default_factory=list)
@@ -109,8 +112,8 @@ class Request:
 
     @property
     def stopped(self) -> bool:
-        """Whether its last token is a stop token."""
-        return bool(self.generated) and self.generated[-1] in self.stop_tokens
+        """Whether its last token is a stop token, or one its grammar refused."""
+        return self.halted or bool(self.generated) and self.generated[-1] in self.stop_tokens
 
     @property
     def finished(self) -> bool:
@@ -128,6 +131,8 @@ class Request:
     def append(self, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray):
         self.generated.append(token)
         self.logprobs.append(logprob)
+        if self.adjuster is not None and not self.adjuster.accept(token):
+            self.halted = True
         if self.on_token is not None:
             top = tuple(zip(top_ids[: self.top_logprobs].tolist(), top_logprobs[: self.top_logprobs].tolist()))
             self.on_token(self.index, Token(token, logprob, top))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvattn.generation.sampling import RowSampling, sample_rows
+from kvattn.generation.sampling import Adjustments, RowSampling, sample_rows
 from kvattn.generation.speculation import lookup, verify_rows
 from kvattn.models.decoder import CausalLM
 from kvattn.paging import PageBatch
@@ -43,28 +43,31 @@ class Runner:
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each call may donate it
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
 
-    def prefill(self, tokens, length, batch: PageBatch, seq: int, rows: RowSampling):
+    def prefill(self, tokens, length, batch: PageBatch, seq: int, rows: RowSampling, adjustments: Adjustments):
         """Chunk `tokens` `(1, chunk)` of sequence `seq`, `length` of them real; each row of `rows` samples from its
-        last logits: `(tokens, logprobs, top_ids, top_logprobs)` per row."""
+        last logits, after its row of `adjustments`: `(tokens, logprobs, top_ids, top_logprobs)` per row."""
         return self._run(_prefill_program, tokens, np.int32([length]), batch.table[seq : seq + 1],
-                         batch.pos[seq : seq + 1], batch.copy_from, batch.copy_to, rows)
+                         batch.pos[seq : seq + 1], batch.copy_from, batch.copy_to, rows, adjustments)
 
-    def decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling):
+    def decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling, adjustments: Adjustments):
         """One token for each active row: `(tokens, logprobs, top_ids, top_logprobs)`."""
-        return self._run(_decode_program, tokens, active, table, pos, batch.copy_from, batch.copy_to, rows)
+        return self._run(_decode_program, tokens, active, table, pos, batch.copy_from, batch.copy_to, rows,
+                         adjustments)
 
-    def verify(self, tokens, lengths, table, pos, batch: PageBatch, rows: RowSampling):
-        """Each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk and verified:
-        `(kept, tokens, logprobs, top_ids, top_logprobs)` (`kvattn.generation.speculation.verify_rows`)."""
-        return self._run(_verify_program, tokens, lengths, table, pos, batch.copy_from, batch.copy_to, rows)
+    def verify(self, tokens, lengths, table, pos, batch: PageBatch, rows: RowSampling, adjustments: Adjustments):
+        """Each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk and verified, each
+        position with its row of `adjustments` `(B, K1, V)`: `(kept, tokens, logprobs, top_ids, top_logprobs)`
+        (`kvattn.generation.speculation.verify_rows`)."""
+        return self._run(_verify_program, tokens, lengths, table, pos, batch.copy_from, batch.copy_to, rows,
+                         adjustments)
 
     @staticmethod
     def lookup(history: np.ndarray, filled: np.ndarray, num_tokens: int, max_ngram: int):
         """Prompt lookup's drafts for each row of `history`: `(drafts, widths)` on the host."""
         return tuple(np.asarray(x) for x in _lookup(history, filled, num_tokens, max_ngram))
 
-    def warm_up(self, buckets: list[int], chunk: int, empty: PageBatch, speculative=None, max_len: int = 0,
-                on_program: Callable[[int, int], None] | None = None) -> None:
+    def warm_up(self, buckets: list[int], chunk: int, empty: PageBatch, vocab_size: int, speculative=None,
+                max_len: int = 0, on_program: Callable[[int, int], None] | None = None) -> None:
         """Compiles every program a step may run, by calling each idle: nothing is written (every row is
         inactive and maps only the null page of `empty`, a reservation of nothing).
 
@@ -72,6 +75,7 @@ class Runner:
           buckets: the row counts decode and verify calls take.
           chunk: the prefill chunk.
           empty: a `PageBatch` reserving nothing.
+          vocab_size: the width of the model's logits.
           speculative: the server's `PromptLookup`, if any (verify and lookup programs too).
           max_len: the width of lookup's histories, less one.
           on_program: called as `on_program(done, total)` after each program.
@@ -79,16 +83,18 @@ class Runner:
         width = empty.table.shape[1]
         calls = [functools.partial(self.decode, np.zeros(size, np.int32), np.zeros(size, bool),
                                    np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty,
-                                   RowSampling.of([], size)) for size in buckets]
+                                   RowSampling.of([], size), Adjustments.neutral((size, vocab_size)))
+                 for size in buckets]
         if speculative is not None:
             for size in buckets:
                 calls.append(functools.partial(self.lookup, np.zeros((size, max_len + 1), np.int32),
                                                np.zeros(size, np.int32), speculative.num_tokens, speculative.max_ngram))
                 calls.append(functools.partial(
                     self.verify, np.zeros((size, speculative.num_tokens + 1), np.int32), np.zeros(size, np.int32),
-                    np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty, RowSampling.of([], size)))
-        calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0,
-                                       RowSampling.of([], max(buckets))))  # a prefill samples a row per sequence
+                    np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty, RowSampling.of([], size),
+                    Adjustments.neutral((size, speculative.num_tokens + 1, vocab_size))))
+        calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0,  # a row per choice
+                                       RowSampling.of([], max(buckets)), Adjustments.neutral((max(buckets), vocab_size))))
         for done, call in enumerate(calls, start=1):
             call()
             if on_program is not None:
@@ -111,24 +117,25 @@ _lookup = jax.jit(lookup, static_argnames=("num_tokens", "max_ngram"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, rows):
+def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, rows, adjustments):
     """A chunk of one sequence; every row of `rows` samples from its last logits (the choices of a request)."""
     model = nnx.merge(graphdef, params, pools)
     logits = model.prefill(tokens, length, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
     logits = jnp.broadcast_to(logits, (rows.seed.shape[0], logits.shape[-1]))
-    return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)
+    return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, rows):
+def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, rows, adjustments):
     model = nnx.merge(graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
-    return *sample_rows(logits, rows), nnx.state(model, nnx.Cache)
+    return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def _verify_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows):
+def _verify_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows, adjustments):
     """A speculative round: each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk."""
     model = nnx.merge(graphdef, params, pools)
     logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to))
-    return *verify_rows(logits, tokens[:, 1:], jnp.maximum(lengths - 1, 0), rows), nnx.state(model, nnx.Cache)
+    kept = verify_rows(logits, tokens[:, 1:], jnp.maximum(lengths - 1, 0), rows, adjustments)
+    return *kept, nnx.state(model, nnx.Cache)

@@ -36,8 +36,9 @@ import jax
 import numpy as np
 
 from kvattn import validation as check
-from kvattn.generation.sampling import RowSampling, Sampling, SamplingParams
+from kvattn.generation.adjust import Adjuster, Grammar
 from kvattn.generation.drafters import DraftModel, PromptLookup
+from kvattn.generation.sampling import Adjustments, RowSampling, Sampling, SamplingParams
 from kvattn.models.decoder import CausalLM
 from kvattn.models.tokens import stop_ids, token_ids
 from kvattn.paging import PageManager
@@ -119,6 +120,7 @@ class Server:
         self._submitted = 0
         self._retired: list[Completion] = []  # finished, not yet handed out by step()
         self._ran: list[Completion] = []  # handed out by step() to a run() that has not returned yet
+        self._neutral: dict[tuple, Adjustments] = {}  # on the device, by shape
 
     @property
     def manager(self) -> PageManager:
@@ -140,7 +142,8 @@ class Server:
     # ------------------------------------------------------------------ public
 
     def submit(self, prompt, params: SamplingParams, *, eos_token_ids=(), salt: bytes = b"",
-               on_token: Callable[[int, Token], None] | None = None) -> int:
+               on_token: Callable[[int, Token], None] | None = None,
+               grammar: Callable[[], Grammar] | None = None) -> int:
         """Queues a request; returns its index. Raises, taking no index, if it could never fit.
 
         Args:
@@ -156,8 +159,14 @@ class Server:
             after producing one, unless `params.ignore_eos`.
           salt: prefix-cache namespace: only requests with the same salt share pages.
           on_token: called as `on_token(index, Token)` by `step()` for every new token.
+          grammar: makes a fresh matcher of `params.structured_outputs` for each choice
+            (`kvattn.serving.structured.Grammars`, which knows the tokenizer); needed with them.
         """
         prompt, stops = self.check(prompt, params, eos_token_ids=eos_token_ids)
+        if (params.structured_outputs is None) != (grammar is None):
+            raise ValueError("structured_outputs need a grammar (a matcher factory, as kvattn.serving.structured."
+                             "Grammars.compile makes) and a grammar needs them: got "
+                             f"structured_outputs={params.structured_outputs!r} and grammar={grammar!r}")
         if not isinstance(salt, bytes):
             raise TypeError(f"salt must be bytes, got {type(salt).__name__}")
         if on_token is not None and not callable(on_token):
@@ -166,6 +175,10 @@ class Server:
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         requests = [Request(self._submitted + i, prompt, params.max_tokens, stops, salt, sampling, seed, i,
                             params.logprobs or 0, on_token) for i in range(params.n)]
+        if params.adjusts:
+            for request in requests:
+                request.adjuster = Adjuster(params, prompt, stops, self.vocab_size,
+                                            None if grammar is None else grammar())
         if self.speculative is not None:
             for request in requests:
                 request.expected = float(self.speculative.num_tokens)
@@ -254,7 +267,8 @@ class Server:
         """
         buckets = sorted({self._bucket(n) for n in range(1, self.config.cache.batch_size + 1)})
         empty = self.manager.reserve(np.zeros(self.config.cache.batch_size, np.int32))
-        self.runner.warm_up(buckets, self.chunk, empty, self.speculative, self.config.cache.max_len, on_program)
+        self.runner.warm_up(buckets, self.chunk, empty, self.vocab_size, self.speculative, self.config.cache.max_len,
+                            on_program)
 
     # ---------------------------------------------------------------- internal
 
@@ -262,6 +276,22 @@ class Server:
         """Sampling rows for `requests` (None: an idle row), padded to `size` (default: the batch size)."""
         rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0) for r in requests]
         return RowSampling.of(rows, size or self.config.cache.batch_size)
+
+    def _adjustments(self, requests: list[Request | None], size: int, width: int | None = None,
+                     drafts: dict[int, np.ndarray] | None = None) -> Adjustments:
+        """The `Adjustments` of `requests` (None: an idle row) `(size, [width,] V)`; row r's drafts are
+        `drafts.get(r, ())`. Neutral arrays already on the device when no request adjusts."""
+        shape = (size, self.vocab_size) if width is None else (size, width, self.vocab_size)
+        if not any(r is not None and r.adjuster is not None for r in requests):
+            if shape not in self._neutral:
+                self._neutral[shape] = Adjustments(*(jax.device_put(a) for a in Adjustments.neutral(shape)))
+            return self._neutral[shape]
+        arrays = Adjustments.neutral(shape)
+        for row, request in enumerate(requests):
+            if request is not None and request.adjuster is not None:
+                views = arrays if width is not None else [a[:, None] for a in arrays]
+                request.adjuster.fill(*(a[row] for a in views), drafts=(drafts or {}).get(row, ()))
+        return arrays
 
     def _bucket(self, count: int) -> int:
         """Rows of a decode call for `count` sequences: a power of two, at most the batch size."""
@@ -278,9 +308,11 @@ class Server:
         tokens = np.zeros((1, self.chunk), np.int32)
         tokens[0, : end - start] = request.context[start:end]
         group = request.group  # each choice samples its first token from these logits
-        new, logprobs, top_ids, top_logprobs = self.runner.prefill(tokens, end - start, batch, seq,
-                                                                   self._rows(group))
-        if end < len(request.context):
+        last = end >= len(request.context)  # only the last chunk's tokens are kept: adjust only those
+        adjustments = self._adjustments(group if last else [], self.config.cache.batch_size)
+        new, logprobs, top_ids, top_logprobs = self.runner.prefill(tokens, end - start, batch, seq, self._rows(group),
+                                                                   adjustments)
+        if not last:
             return
         scheduler.prefilled(seq)
         for row, member in enumerate(group):
@@ -291,25 +323,26 @@ class Server:
 
     def _laid_out(self, seqs: list[int], counts: np.ndarray):
         """Reserves `counts` tokens per sequence, then lays `sequences` over the smallest bucket of rows (padding rows:
-        sequence 0, inactive): `(batch, the sequences still decoding, rows, active, page table, sampling rows)`."""
+        sequence 0, inactive): `(batch, the sequences still decoding, rows, active, page table, sampling rows,
+        each row's request or None)`."""
         batch = self.scheduler.reserve(counts)
         seqs = [s for s in seqs if counts[s]]  # a preempted one is no longer decoding
         rows = np.zeros(self._bucket(len(seqs)), np.int64)
         rows[: len(seqs)] = seqs
         active = np.arange(len(rows)) < len(seqs)
         table = np.where(active[:, None], batch.table[rows], 0)
-        sampling = self._rows([self.scheduler.seqs[s] if a else None for s, a in zip(rows, active)], len(rows))
-        return batch, seqs, rows, active, table, sampling
+        laid = [self.scheduler.seqs[s] if a else None for s, a in zip(rows, active)]
+        return batch, seqs, rows, active, table, self._rows(laid, len(rows)), laid
 
     def _decode(self, seqs: list[int]):
         """One token for each of `sequences`, in a call over the smallest bucket of rows that holds them."""
         counts = np.zeros(self.config.cache.batch_size, np.int32)
         counts[seqs] = 1
-        batch, seqs, rows, active, table, sampling = self._laid_out(seqs, counts)
+        batch, seqs, rows, active, table, sampling, laid = self._laid_out(seqs, counts)
         requests = self.scheduler.seqs
         tokens = np.array([requests[s].generated[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
         new, logprobs, top_ids, top_logprobs = self.runner.decode(tokens, active, table, batch.pos[rows], batch,
-                                                                  sampling)
+                                                                  sampling, self._adjustments(laid, len(rows)))
         for row, seq in enumerate(seqs):
             requests[seq].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self.scheduler.totals["generated_tokens"] += 1
@@ -336,6 +369,8 @@ class Server:
         offers = {}
         for row, seq in enumerate(trying):
             width = min(int(widths[row]), requests[seq].budget)
+            if width and requests[seq].adjuster is not None:  # drafts its grammar forbids are never offered
+                width = requests[seq].adjuster.drafts_allowed(drafts[row, :width])
             if width:
                 offers[seq] = drafts[row, :width]
             else:
@@ -351,14 +386,16 @@ class Server:
         counts[seqs] = 1
         for seq, drafts in offers.items():
             counts[seq] = drafts.size + 1
-        batch, seqs, rows, active, table, sampling = self._laid_out(seqs, counts)
+        batch, seqs, rows, active, table, sampling, laid = self._laid_out(seqs, counts)
         requests = self.scheduler.seqs
         tokens = np.zeros((len(rows), width), np.int32)
         for row, seq in enumerate(seqs):
             tokens[row, 0] = requests[seq].generated[-1]
             tokens[row, 1 : counts[seq]] = offers.get(seq, ())
+        drafts = {row: offers[seq] for row, seq in enumerate(seqs) if seq in offers}
         kept, new, logprobs, top_ids, top_logprobs = self.runner.verify(
-            tokens, np.where(active, counts[rows], 0).astype(np.int32), table, batch.pos[rows], batch, sampling)
+            tokens, np.where(active, counts[rows], 0).astype(np.int32), table, batch.pos[rows], batch, sampling,
+            self._adjustments(laid, len(rows), width, drafts))
         for row, seq in enumerate(seqs):
             request = requests[seq]
             produced = new[row, : kept[row] + 1].tolist()
@@ -366,6 +403,9 @@ class Server:
             produced = produced[: stops[0] + 1] if stops else produced
             for j, token in enumerate(produced):
                 request.append(token, float(logprobs[row, j]), top_ids[row, j], top_logprobs[row, j])
+                if request.halted:  # its grammar refused it: nothing after it counts
+                    produced = produced[: j + 1]
+                    break
             # The cache keeps the pending token and every new one but the last.
             self.manager.truncate(seq, int(batch.pos[seq]) + len(produced))
             totals["generated_tokens"] += len(produced)

@@ -111,13 +111,17 @@ class TextStream:
         own text is never shown, special or not.
       skip_special_tokens: leave special tokens out of the text.
       include_stop: end the text with the stop string that ended it.
+      min_tokens: stop strings are looked for only in the text of the
+        tokens after the first `min_tokens` (`SamplingParams.min_tokens`).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, prompt: Sequence[int] = (), stop: Sequence[str] = (),
-                 stop_token_ids: Iterable[int] = (), skip_special_tokens: bool = True, include_stop: bool = False):
+                 stop_token_ids: Iterable[int] = (), skip_special_tokens: bool = True, include_stop: bool = False,
+                 min_tokens: int = 0):
         self._detokenizer = tokenizer.detokenizer(skip_special_tokens=skip_special_tokens, context=prompt)
         self._stops = StopStrings(stop, include=include_stop) if stop else None
         self._stop_token_ids = frozenset(as_token_id(i) for i in stop_token_ids)
+        self._unchecked = min_tokens  # tokens whose text no stop string is looked for in
         self._finished = False
 
     @property
@@ -137,6 +141,9 @@ class TextStream:
         if self.stopped:
             return TextDelta("", True)
         text = "" if token_id in self._stop_token_ids else self._detokenizer.push(token_id)
+        if self._unchecked > 0:
+            self._unchecked -= 1
+            return TextDelta(text, False)
         return self._cut(text)
 
     def finish(self) -> TextDelta:
