@@ -1,8 +1,9 @@
 """Optional extras, imported only where they are used, so `import kvattn` needs only the core dependencies.
 
 `bench` (rich, matplotlib, tqdm) serves `kvattn demo` and the repository's
-benchmarks; `generate` (tokenizers) serves `kvattn generate --prompt`; `serve`
-(FastAPI, uvicorn, tokenizers, jinja2, prometheus_client) serves `kvattn serve`.
+benchmarks; `generate` (tokenizers, jinja2, tqdm, llguidance) serves `kvattn
+generate --prompt` and `kvattn.LLM`; `serve` (FastAPI, uvicorn, tokenizers,
+jinja2, llguidance, prometheus_client) serves `kvattn serve`.
 """
 
 from __future__ import annotations

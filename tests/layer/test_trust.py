@@ -61,7 +61,7 @@ def feedback(y):
 EXTRA_MODULES = {
     **{f"src/kvattn/serving/openai/{name}.py": "serve" for name in ("app", "launch", "metrics", "middleware",
                                                                     "protocol", "responses", "tokenize")},
-    **{f"src/kvattn/serving/{name}.py": "generate" for name in ("text", "tokenizer")},
+    **{f"src/kvattn/serving/{name}.py": "generate" for name in ("structured", "text", "tokenizer")},
     "src/kvattn/templates.py": "generate",
 }
 

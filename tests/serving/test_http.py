@@ -287,7 +287,20 @@ MALFORMED = [
     b'{"model": "chat", "prompt": "a", "stop": [""]}', b'{"model": "chat", "prompt": "a", "seed": -3}',
     b'{"model": "chat", "prompt": "a", "logprobs": 99}', b'{"model": "chat", "prompt": "a", "max_tokens": 100000}',
     b'{"model": "chat", "prompt": "a", "stream": "yes"}', b'{"model": "chat", "prompt": "a", "echo": true}',
-    b'{"model": "chat", "prompt": "a", "presence_penalty": 1}', b'{"model": "chat", "prompt": "a", "logit_bias": {"1": 5}}',
+    b'{"model": "chat", "prompt": "a", "presence_penalty": 3}', b'{"model": "chat", "prompt": "a", "logit_bias": {"x": 5}}',
+    b'{"model": "chat", "prompt": "a", "logit_bias": {"1": 500}}', b'{"model": "chat", "prompt": "a", "logit_bias": {"384": 1}}',
+    b'{"model": "chat", "prompt": "a", "min_tokens": -1}', b'{"model": "chat", "prompt": "a", "max_tokens": 2, "min_tokens": 3}',
+    b'{"model": "chat", "prompt": "a", "min_p": 2}', b'{"model": "chat", "prompt": "a", "repetition_penalty": 0}',
+    b'{"model": "chat", "prompt": "a", "response_format": {"type": "json_schema"}}',
+    b'{"model": "chat", "prompt": "a", "response_format": {"type": "xml"}}',
+    b'{"model": "chat", "prompt": "a", "structured_outputs": {}}',
+    b'{"model": "chat", "prompt": "a", "structured_outputs": {"regex": "(a"}}',
+    b'{"model": "chat", "prompt": "a", "structured_outputs": {"json": {"type": "strin"}}}',
+    b'{"model": "chat", "prompt": "a", "structured_outputs": {"choice": []}}',
+    b'{"model": "chat", "prompt": "a", "structured_outputs": {"regex": "a", "choice": ["a"]}}',
+    b'{"model": "chat", "prompt": "a", "guided_regex": "a", "response_format": {"type": "json_object"}}',
+    b'{"model": "chat", "prompt": "a", "guided_grammar": "x y z"}',
+    b'{"model": "chat", "prompt": "a", "guided_json": "{not json"}',
     b'{"model": "other", "prompt": "a"}', b'{"model": "chat", "prompt": "a", "stream_options": {"include_usage": true}}',
     b'{"model": "chat", "prompt": "a", "stop_token_ids": [999]}', b'\xff\xfe', b'{"model": "chat", "prompt": "\\ud800"}',
 ]
@@ -305,7 +318,9 @@ def _mutations(rng: random.Random, count: int):
     """Random bodies: valid ones with a field replaced, dropped, or bytes cut or flipped."""
     values = [None, -1, 0, 2**70, 1e308, -1e308, "", "x" * 300, [], {}, [None], True, 0.5, "\u0000", [[1]]]
     fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
-              "stream", "messages", "stop_token_ids", "ignore_eos", "user", "return_token_ids"]
+              "stream", "messages", "stop_token_ids", "ignore_eos", "user", "return_token_ids", "presence_penalty",
+              "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "response_format",
+              "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
     for _ in range(count):
         chat = rng.random() < 0.5
         body = ({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if chat
@@ -552,6 +567,113 @@ def test_logprob_text_offsets_stay_inside_the_text_when_special_tokens_come(clie
         assert offsets == sorted(offsets) and all(0 <= o <= len(choice.text) for o in offsets)
         specials += sum(not choice.text.startswith(token, offset) for token, offset in zip(tokens, offsets))
     assert specials, "no special token was sampled: the test checks nothing"
+
+
+def _random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema whose documents are short: bounded strings, integers and arrays, closed objects."""
+    kinds = ["string", "integer", "boolean", "enum", "array"] + (["object"] if depth < 1 else [])
+    kind = rng.choice(kinds)
+    if kind == "string":
+        return {"type": "string", "maxLength": rng.randint(0, 4)}
+    if kind == "integer":
+        low = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 200)}
+    if kind == "boolean":
+        return {"type": "boolean"}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", 3, None, True, "ü"], rng.randint(1, 3))}
+    if kind == "array":
+        return {"type": "array", "items": _random_schema(rng, depth + 1), "maxItems": rng.randint(0, 2)}
+    names = rng.sample(["id", "name", "ok", "tags", "x"], rng.randint(1, 3))
+    return {"type": "object", "properties": {n: _random_schema(rng, depth + 1) for n in names},
+            "required": names, "additionalProperties": False}
+
+
+def test_structured_outputs_match_their_schemas_and_patterns(server):
+    """Random schemas and seeds, sampled at temperature 1 with speculation on: every output parses and validates."""
+    import jsonschema
+
+    rng = random.Random(7)
+    schemas = [{"type": "object", "properties": {"answer": _random_schema(rng)}, "required": ["answer"],
+                "additionalProperties": False} for _ in range(12)] + [_random_schema(rng) for _ in range(4)]
+    regex, choice = r"[a-c]{2,4}-\d", ["yes", "no", "maybe so"]
+    grammar = 'start: "(" item ("," item)* ")"\nitem: /[0-9]/ | "x"'
+
+    async def run():
+        async with aclient(server) as api:
+            def ask(index, **fields):
+                return api.completions.create(model="chat", prompt="Answer: ", max_tokens=150, temperature=1.0,
+                                              seed=index, **fields)
+            return await asyncio.gather(
+                *(ask(i, extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                    "name": f"s{i}", "schema": schema}}}) for i, schema in enumerate(schemas)),
+                ask(90, extra_body={"response_format": {"type": "json_object"}}),
+                ask(91, extra_body={"structured_outputs": {"regex": regex}}),
+                ask(92, extra_body={"guided_choice": choice}),
+                ask(93, extra_body={"structured_outputs": {"grammar": grammar}}),
+                ask(94, extra_body={"guided_json": schemas[0]}))
+
+    replies = asyncio.run(run())
+    for schema, reply in zip(schemas, replies, strict=False):
+        text = reply.choices[0].text
+        assert reply.choices[0].finish_reason == "stop", (schema, text)
+        jsonschema.validate(json.loads(text), schema)
+    any_object = replies[len(schemas)].choices[0]  # unbounded: a random model may run out of tokens inside it
+    assert isinstance(json.loads(any_object.text), dict) if any_object.finish_reason == "stop" else \
+        any_object.text.startswith("{")
+    assert re.fullmatch(regex, replies[-4].choices[0].text)
+    assert replies[-3].choices[0].text in choice
+    assert re.fullmatch(r"\([0-9x](,[0-9x])*\)", replies[-2].choices[0].text)
+    jsonschema.validate(json.loads(replies[-1].choices[0].text), schemas[0])
+
+
+def test_chat_structured_outputs_through_the_openai_client(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 3}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model="chat", messages=MESSAGES, max_tokens=100, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    import jsonschema
+
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    streamed = client.chat.completions.create(
+        model="chat", messages=MESSAGES, max_tokens=100, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == reply.choices[0].message.content
+
+
+def test_penalties_biases_and_min_tokens_change_the_output_as_asked(client):
+    plain = GREEDY["new_tokens"]
+    forced = client.completions.create(model="chat", prompt=GREEDY["prompt"], max_tokens=6, temperature=0,
+                                       logit_bias={"77": 100}, extra_body={"return_token_ids": True})
+    assert forced.choices[0].token_ids == [77] * 6
+    banned = {str(t): -100 for t in set(plain[:4])}
+    avoided = client.completions.create(model="chat", prompt=GREEDY["prompt"], max_tokens=8, temperature=0,
+                                        logit_bias=banned, extra_body={"return_token_ids": True})
+    assert not set(avoided.choices[0].token_ids) & set(plain[:4])
+    stop_at_first = dict(stop_token_ids=[plain[0]], return_token_ids=True, ignore_eos=True)
+    short = client.completions.create(model="chat", prompt=GREEDY["prompt"], max_tokens=12, temperature=0,
+                                      extra_body=stop_at_first)
+    assert short.choices[0].token_ids == plain[:1]
+    held = client.completions.create(model="chat", prompt=GREEDY["prompt"], max_tokens=12, temperature=0,
+                                     extra_body={**stop_at_first, "min_tokens": 5})
+    assert len(held.choices[0].token_ids) >= 5 and plain[0] not in held.choices[0].token_ids[:5]
+    # Three tokens favoured so that greedy decoding repeats them; each penalty makes it repeat them less.
+    def repeats(**fields) -> tuple[list[int], int]:
+        reply = client.completions.create(model="chat", prompt=GREEDY["prompt"], max_tokens=12, temperature=0,
+                                          logit_bias={"77": 8, "78": 8, "79": 8}, **fields)
+        tokens = reply.choices[0].model_extra["token_ids"]
+        return tokens, max(tokens.count(t) for t in tokens)
+
+    favoured, most = repeats(extra_body={"return_token_ids": True})
+    assert most >= 4, favoured
+    for fields in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 3.0}):
+        tokens, count = repeats(**{k: v for k, v in fields.items() if k != "repetition_penalty"},
+                                extra_body={"return_token_ids": True, **{k: v for k, v in fields.items()
+                                                                         if k == "repetition_penalty"}})
+        assert tokens != favoured and count < most, (fields, tokens, favoured)
+
 
 
 def test_sigterm_under_load_finishes_or_ends_each_request_cleanly_and_exits_0(server):

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvattn.generation.adjust import Grammar
 from kvattn.generation.sampling import SamplingParams
 from kvattn.serving.requests import Stats, Token
 from kvattn.serving.server import Server
@@ -66,6 +67,7 @@ class _Submit:
     prompt: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
+    grammar: Callable[[], Grammar] | None
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     future: asyncio.Future
@@ -132,10 +134,13 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    async def submit(self, prompt: list[int], params: SamplingParams, *, eos_token_ids=()) -> Handle:
-        """`Server.submit(prompt, params, eos_token_ids=...)` on the engine thread (`on_token` is the engine's)."""
+    async def submit(self, prompt: list[int], params: SamplingParams, *, eos_token_ids=(),
+                     grammar: Callable[[], Grammar] | None = None) -> Handle:
+        """`Server.submit(prompt, params, eos_token_ids=..., grammar=...)` on the engine thread (`on_token` is the
+        engine's)."""
         loop = asyncio.get_running_loop()
-        command = _Submit(prompt, params, frozenset(eos_token_ids), loop, asyncio.Queue(), loop.create_future())
+        command = _Submit(prompt, params, frozenset(eos_token_ids), grammar, loop, asyncio.Queue(),
+                          loop.create_future())
         self._commands.put(command)
         indices = await command.future
         return Handle(indices, command.events)
@@ -233,7 +238,7 @@ class Engine:
             return None, Full(f"{self.server.stats.waiting} requests are waiting, the most this server queues")
         try:
             first = self.server.submit(command.prompt, command.params, eos_token_ids=command.eos_token_ids,
-                                       on_token=self._on_token)
+                                       on_token=self._on_token, grammar=command.grammar)
         except (ValueError, TypeError) as error:
             return None, error
         indices = list(range(first, first + command.params.n))

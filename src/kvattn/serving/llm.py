@@ -72,7 +72,7 @@ class _Choice:
             self.stream = TextStream(llm.tokenizer, prompt=prompt, stop=params.stop,
                                      stop_token_ids=params.stop_ids(llm.eos_token_ids),
                                      skip_special_tokens=params.skip_special_tokens,
-                                     include_stop=params.include_stop_str_in_output)
+                                     include_stop=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         self.stopped = False  # by a stop string
 
     def add(self, token: Token) -> str:
@@ -164,6 +164,7 @@ class LLM:
         self.engine = Server(model, chunk=chunk, prefix_caching=prefix_caching, speculative=speculative,
                              rng=None if seed is None else jax.random.key(seed))
         """The `kvattn.serving.Server` every call runs on."""
+        self._grammars = None  # structured outputs' compiler, made at the first request that has them
 
     # ---------------------------------------------------------------- checks
 
@@ -185,20 +186,36 @@ class LLM:
                 raise TypeError(f"a prompt must be a string or a list of token ids, got {prompt!r:.80}")
         return out
 
-    def _checked(self, prompts, params) -> list[tuple[str | None, list[int], SamplingParams]]:
-        """Every prompt with its params, each checked before any is submitted."""
+    def _checked(self, prompts, params) -> list[tuple[str | None, list[int], SamplingParams, object]]:
+        """Every prompt with its params and its compiled structured outputs (or None), each checked before any
+        is submitted."""
         prompts = self._prompts(prompts)
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts) or not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError(f"params must be a SamplingParams or a list of {len(prompts)} (one per prompt)")
+        grammars = []
         for number, ((_, ids), request) in enumerate(zip(prompts, params)):
             try:  # the engine's own checks, all of them before anything is submitted
                 self.engine.check(ids, request, eos_token_ids=self.eos_token_ids)
+                grammars.append(self._grammar(request))
             except (TypeError, ValueError) as error:
                 raise type(error)(f"prompt {number} ({len(ids)} tokens): {error}") from None
-        return [(text, ids, request) for (text, ids), request in zip(prompts, params)]
+        return [(text, ids, request, grammar) for (text, ids), request, grammar in zip(prompts, params, grammars)]
+
+    def _grammar(self, params: SamplingParams):
+        """`params.structured_outputs` compiled for the tokenizer (`kvattn.serving.structured`), or None."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the checkpoint's tokenizer.json")
+        if self._grammars is None:
+            require("llguidance", extra_name="generate")
+            from kvattn.serving.structured import Grammars  # llguidance: only for structured outputs
+
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars.compile(params.structured_outputs)
 
     # ------------------------------------------------------------ generation
 
@@ -219,8 +236,8 @@ class LLM:
         choices: dict[int, _Choice] = {}
         firsts = []
         try:
-            for _, ids, request in work:
-                first = self.engine.submit(ids, request, eos_token_ids=self.eos_token_ids,
+            for _, ids, request, grammar in work:
+                first = self.engine.submit(ids, request, eos_token_ids=self.eos_token_ids, grammar=grammar,
                                            on_token=lambda index, token: choices[index].add(token))
                 firsts.append(first)
                 choices.update({first + i: _Choice(self, ids, request) for i in range(request.n)})
@@ -230,7 +247,7 @@ class LLM:
                 self.engine.abort(index)
             raise
         outputs = []
-        for first, (text, ids, request) in zip(firsts, work):
+        for first, (text, ids, request, _) in zip(firsts, work):
             done = []
             for i in range(request.n):
                 choices[first + i].finish()
@@ -269,15 +286,15 @@ class LLM:
         """
         if self.tokenizer is None:
             raise ValueError("stream yields text: it needs the checkpoint's tokenizer.json")
-        [(_, ids, request)] = self._checked([prompt], params)
+        [(_, ids, request, grammar)] = self._checked([prompt], params)
         if request.n != 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {request.n}")
-        return self._stream(ids, request)
+        return self._stream(ids, request, grammar)
 
-    def _stream(self, ids: list[int], request: SamplingParams) -> Iterator[str]:
+    def _stream(self, ids: list[int], request: SamplingParams, grammar) -> Iterator[str]:
         choice = _Choice(self, ids, request)
         pending: list[str] = []
-        index = self.engine.submit(ids, request, eos_token_ids=self.eos_token_ids,
+        index = self.engine.submit(ids, request, eos_token_ids=self.eos_token_ids, grammar=grammar,
                                    on_token=lambda _, token: pending.append(choice.add(token)))
         finished = False
         try:

@@ -50,6 +50,7 @@ from kvattn.serving.openai.protocol import ApiError, ChatRequest, CompletionRequ
 from kvattn.serving.openai.responses import ClientGone
 from kvattn.serving.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from kvattn.serving.requests import Token
+from kvattn.serving.structured import Grammars
 from kvattn.serving.text import TextStream
 from kvattn.serving.tokenizer import Tokenizer
 
@@ -92,6 +93,7 @@ class _App:
         self.model_name, self.max_len = model_name, max_len
         self.created = int(time.time())
         self.text_workers = concurrent.futures.ThreadPoolExecutor(TEXT_WORKERS, thread_name_prefix="kvattn-text")
+        self.grammars = Grammars(tokenizer)
 
     async def off_loop(self, function, *args, **kwargs):
         """`function(*args, **kwargs)` on a text worker (templates, tokenizer): the event loop stays free."""
@@ -102,7 +104,8 @@ class _App:
     async def generate(self, request: Request, job: Job, arrived: float) -> AsyncIterator[_Delta | dict]:
         """Submits `job`; yields each choice's deltas, then a dict of usage. Aborts whatever is left on exit."""
         try:
-            handle = await self.engine.submit(job.prompt, job.params, eos_token_ids=self.tokenizer.eos_token_ids)
+            handle = await self.engine.submit(job.prompt, job.params, eos_token_ids=self.tokenizer.eos_token_ids,
+                                              grammar=job.grammar)
         except Full as error:
             self.metrics.rejected.labels("429").inc()
             raise ApiError(429, str(error), "rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -115,7 +118,7 @@ class _App:
         first = handle.indices[0]
         text = dict(prompt=job.prompt, stop=job.stops, stop_token_ids=job.stop_ids,
                     skip_special_tokens=job.params.skip_special_tokens,
-                    include_stop=job.params.include_stop_str_in_output)
+                    include_stop=job.params.include_stop_str_in_output, min_tokens=job.params.min_tokens)
         choices = [_Choice(TextStream(self.tokenizer, **text)) for _ in handle.indices]
         open_ = set(handle.indices)
         cached = 0
@@ -300,7 +303,8 @@ async def _health_generation(engine: Engine) -> None:
 
 async def _respond(state: _App, request: Request, body, chat: bool):
     arrived = time.perf_counter()
-    job = await state.off_loop(protocol.job, body, state.tokenizer, model_name=state.model_name, max_len=state.max_len)
+    job = await state.off_loop(protocol.job, body, state.tokenizer, model_name=state.model_name, max_len=state.max_len,
+                               grammars=state.grammars)
     created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name}

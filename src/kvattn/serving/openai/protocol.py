@@ -32,7 +32,8 @@ import dataclasses
 
 from fastapi.responses import JSONResponse
 
-from kvattn.generation.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from kvattn.generation.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutputs
+from kvattn.serving.structured import Grammars
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
 __all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "Job", "Message",
@@ -47,15 +48,13 @@ Stop = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 # Fields OpenAI or vLLM define whose effect kvattn does not implement, with the values that ask for nothing
 # (null always does): any other value is refused with a 400 that names the field.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    # structured outputs and tools
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
-    "function_call": ("none", "auto"), "parallel_tool_calls": (True, False), "structured_outputs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structural_tag": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
+    # tools, and structured outputs' other forms
+    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False), "structural_tag": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
     # sampling
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,), "min_p": (0,), "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],),
-    "allowed_token_ids": (), "logits_processors": (), "vllm_xargs": (),
+    "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (),
+    "logits_processors": (), "vllm_xargs": (),
     # text and prompt handling
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
@@ -85,6 +84,40 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchema(BaseModel):
+    """`response_format.json_schema`: a named schema (`strict` is always so: the output always matches)."""
+
+    name: StrictStr
+    schema_: dict = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON under a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format takes json_schema exactly when its type is json_schema")
+        return self
+
+
+class Structured(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, any JSON object, a regex, a choice, a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | StrictStr | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+
+
 class _Request(BaseModel):
     """The sampling fields both endpoints share."""
 
@@ -109,6 +142,24 @@ class _Request(BaseModel):
     return_token_ids: StrictBool = False
     """Extra: each choice also carries its token ids."""
     seed: Annotated[StrictInt, Field(ge=0, le=2**32 - 1)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[Number, Field(gt=0, le=100)] = 1.0
+    """Extra: transformers' and vLLM's repetition penalty (1: none)."""
+    logit_bias: Annotated[dict[str, Annotated[Number, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    """Extra: no end of sequence, stop id or stop string before this many tokens."""
+    min_p: Annotated[Number, Field(ge=0, le=1)] = 0.0
+    """Extra: sample among the tokens at least this many times as likely as the most likely one."""
+    response_format: ResponseFormat | None = None
+    structured_outputs: Structured | None = None
+    """Extra: vLLM's structured outputs (a JSON schema, any JSON object, a regex, a choice or a grammar)."""
+    guided_json: dict | StrictStr | None = None
+    """Extra: vLLM's older name for `structured_outputs.json`."""
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_grammar: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
@@ -151,6 +202,28 @@ class _Request(BaseModel):
     @property
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must match, from whichever field asked for it; None for free text.
+
+        Raises:
+          ValueError: more than one field asks, or what one asks for is not a constraint.
+        """
+        asked = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            form = self.response_format
+            asked["response_format"] = (StructuredOutputs(json_object=True) if form.type == "json_object"
+                                        else StructuredOutputs(json=form.json_schema.schema_))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            asked["structured_outputs"] = StructuredOutputs(**fields)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked[name] = StructuredOutputs(**{kind: getattr(self, name)})
+        if len(asked) > 1:
+            raise ValueError(f"structured outputs are asked for by {', '.join(sorted(asked))}: ask in one field")
+        return next(iter(asked.values()), None)
 
 
 def _unpaired_surrogate(value, where: str) -> str | None:
@@ -273,6 +346,8 @@ class Job:
     stop_ids: frozenset
     """The ids that end a choice: the request's, and the tokenizer's end-of-sequence ids unless `ignore_eos`."""
     token_ids: bool
+    grammar: object = None
+    """Its structured outputs compiled (`kvattn.serving.structured.Grammars.compile`), or None."""
 
     @property
     def n(self) -> int:
@@ -302,13 +377,16 @@ def chat_ids(tokenizer: Tokenizer, messages: list[Message], *, at_most: int, add
     return tokenizer.encode(text, add_special_tokens=add_special_tokens, at_most=at_most)
 
 
-def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int) -> Job:
+def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int,
+        grammars: Grammars | None = None) -> Job:
     """A request body checked against the served model and made the engine's `SamplingParams`: the one place
     where an HTTP field becomes what the engine reads.
 
+    Runs on a text worker: it renders, tokenizes and compiles a grammar (with `grammars`, made for `tokenizer`).
+
     Raises:
       ApiError: 404 for another model, 400 for a prompt the template or tokenizer refuses, one past the context,
-        or settings the model cannot sample with.
+        settings the model cannot sample with, or structured outputs that do not compile.
     """
     served_model(body.model, model_name)
     try:
@@ -340,11 +418,26 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_k=None if body.top_k in (None, 0, -1) else body.top_k,
-            top_p=None if body.top_p in (None, 1) else body.top_p, seed=body.seed, n=body.n,
-            stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            top_p=None if body.top_p in (None, 1) else body.top_p, min_p=body.min_p, seed=body.seed, n=body.n,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size),
+            min_tokens=body.min_tokens, stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=body.structured())
         params.sampling.check_vocab(tokenizer.vocab_size)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = (grammars or Grammars(tokenizer)).compile(params.structured_outputs)
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
-    return Job(prompt, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids)
+    return Job(prompt, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar)
+
+
+def _logit_bias(biases: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON keys) as ids, each in the vocabulary."""
+    out = {}
+    for key, bias in (biases or {}).items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise ValueError(f"logit_bias keys are token ids in [0, {vocab_size}), got {key!r}")
+        out[int(key)] = bias
+    return out
