@@ -20,7 +20,7 @@ if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the 
         CacheOverflowError, CheckpointError, InvalidStateError, KvattnError, MissingExtraError, OutOfPagesError,
         SnapshotError, UnsupportedConfigError,
     )
-    from kvattn.generation.sampling import SamplingParams
+    from kvattn.generation.sampling import SamplingParams, StructuredOutputs
     from kvattn.paging import PageBatch, PageManager
     from kvattn.config import RoPE
     from kvattn.serving.llm import LLM
@@ -50,6 +50,7 @@ _EXPORTS = {
     "SamplingParams": "kvattn.generation.sampling",
     "SnapshotError": "kvattn.errors",
     "SnapshotInfo": "kvattn.snapshots.cache",
+    "StructuredOutputs": "kvattn.generation.sampling",
     "UnsupportedConfigError": "kvattn.errors",
     "attend": "kvattn.layer.decoding",
     "decode": "kvattn.layer.decoding",
@@ -84,6 +85,7 @@ __all__ = [
     "SamplingParams",
     "SnapshotError",
     "SnapshotInfo",
+    "StructuredOutputs",
     "UnsupportedConfigError",
     "attend",
     "decode",

@@ -28,7 +28,7 @@ import jinja2.ext
 import jinja2.sandbox
 import jinja2.utils
 
-__all__ = ["TemplateProcesses", "compile_template", "conversation"]
+__all__ = ["TemplateProcesses", "compile_template", "conversation", "plain"]
 
 
 def _raise_exception(message):
@@ -76,7 +76,7 @@ def compile_template(source: str) -> jinja2.Template:
         raise ValueError(f"the chat template does not compile: {error}") from error
 
 
-def _plain(value, where: str):
+def plain(value, where: str):
     """A copy of JSON-shaped data (string-keyed dicts, lists, strings, numbers, bools, None), refusing anything else.
 
     The template sees only these, so no object with methods of its own ever reaches the sandbox.
@@ -84,21 +84,24 @@ def _plain(value, where: str):
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        return {key: _plain(item, f"{where}[{key!r}]") for key, item in value.items()}
+        return {key: plain(item, f"{where}[{key!r}]") for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return [plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
     raise ValueError(f"{where} must be JSON data (strings, numbers, lists, objects), got {type(value).__name__}")
 
 
 def conversation(messages) -> list[dict]:
-    """The messages as plain dicts, each with a string `role` and `content`; keys set to None are dropped."""
+    """The messages as plain dicts, each with a string `role` and `content` (an assistant's message with
+    `tool_calls` may have none); keys set to None are dropped."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {messages!r:.80}")
     checked = []
     for index, message in enumerate(messages):
-        if not (isinstance(message, dict) and all(isinstance(message.get(key), str) for key in ("role", "content"))):
+        calls = isinstance(message, dict) and message.get("tool_calls") and message.get("content") is None
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and (isinstance(message.get("content"), str) or calls)):
             raise ValueError(f"messages[{index}] must be an object with a string role and content, got {message!r:.80}")
-        checked.append(_plain({key: item for key, item in message.items() if item is not None}, f"messages[{index}]"))
+        checked.append(plain({key: item for key, item in message.items() if item is not None}, f"messages[{index}]"))
     return checked
 
 

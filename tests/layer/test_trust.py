@@ -59,7 +59,7 @@ def feedback(y):
 # Modules that only an extra's users import (`kvattn serve`): they may import that extra's packages, and no
 # package __init__ may import them, so `import kvattn` (and `kvattn.serving`) needs only the core.
 EXTRA_MODULES = {
-    **{f"src/kvattn/serving/openai/{name}.py": "serve" for name in ("app", "launch", "metrics", "middleware",
+    **{f"src/kvattn/serving/openai/{name}.py": "serve" for name in ("app", "chat", "launch", "metrics", "middleware",
                                                                     "protocol", "responses", "tokenize")},
     **{f"src/kvattn/serving/{name}.py": "generate" for name in ("structured", "text", "tokenizer")},
     "src/kvattn/templates.py": "generate",

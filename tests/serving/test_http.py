@@ -45,11 +45,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# The checkpoint's template, behind a branch that never ends for one message: the same text for every other.
+# The checkpoint's template, behind a branch that never ends for one message, and one in the Hermes style for a
+# conversation with tools, tool calls or tool results: the same text for every other.
 RUNAWAY = "__loop__"
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}<|system|>Tools:{% for t in tools or [] %} {{ t.function.name }}{% endfor %}<|end|>"
+    "{% for m in messages %}<|{{ 'user' if m.role == 'tool' else m.role }}|>"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TEMPLATE = (f"{{% if messages[-1].content == '{RUNAWAY}' %}}{{% for i in range(100000) %}}{{% for j in range(100000) %}}"
             "{% endfor %}{% endfor %}{% endif %}"
-            + json.loads((CHECKPOINT / "tokenizer_config.json").read_text())["chat_template"])
+            "{% set ns = namespace(tools=tools is not none and tools | length > 0) %}"
+            "{% for m in messages %}{% if m.role == 'tool' or m.tool_calls is defined %}{% set ns.tools = true %}"
+            "{% endif %}{% endfor %}"
+            f"{{% if ns.tools %}}{TOOLS_TEMPLATE}{{% else %}}"
+            + json.loads((CHECKPOINT / "tokenizer_config.json").read_text())["chat_template"] + "{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -674,6 +685,74 @@ def test_penalties_biases_and_min_tokens_change_the_output_as_asked(client):
                                                                          if k == "repetition_penalty"}})
         assert tokens != favoured and count < most, (fields, tokens, favoured)
 
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_named_required_and_auto_with_a_tool_result_sent_back(client):
+    import jsonschema
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
+    ask = dict(model="chat", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME],
+               max_tokens=80, temperature=0)
+    named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    chunks = list(client.chat.completions.create(
+        **ask, stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    for parallel in (True, False):
+        required = client.chat.completions.create(**dict(ask, temperature=1.0), tool_choice="required",
+                                                  parallel_tool_calls=parallel, seed=5)
+        calls = required.choices[0].message.tool_calls
+        assert calls and (parallel or len(calls) == 1) and required.choices[0].finish_reason == "tool_calls"
+        for made in calls:
+            jsonschema.validate(json.loads(made.function.arguments), schemas[made.function.name])
+    # auto: the model's own text, parsed for Hermes <tool_call> blocks (here its text is made one by a regex)
+    hermes = r'Checking\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+    auto = dict(ask, tool_choice="auto", extra_body={"structured_outputs": {"regex": hermes}})
+    made = client.chat.completions.create(**auto)
+    assert made.choices[0].message.content == "Checking. " and made.choices[0].finish_reason == "tool_calls"
+    [call] = made.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(client.chat.completions.create(**auto, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Checking. "
+    [streamed] = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert streamed.function.arguments == call.function.arguments
+    plain = client.chat.completions.create(**dict(ask, tool_choice="none"))
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    back = ask["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                              {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 3}'}]
+    answer = client.chat.completions.create(**dict(ask, messages=back, max_tokens=4))
+    assert answer.choices[0].message.content is not None and answer.usage.prompt_tokens > named.usage.prompt_tokens
+
+
+def test_chat_template_options(client):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The cache"}]
+    continued = client.chat.completions.create(model="chat", messages=messages, max_tokens=4, temperature=0,
+                                               extra_body={"add_generation_prompt": False,
+                                                           "continue_final_message": True, "return_token_ids": True})
+    assert continued.usage.prompt_tokens < client.chat.completions.create(
+        model="chat", messages=messages, max_tokens=1).usage.prompt_tokens  # no end of turn, no new header
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt"):
+        client.chat.completions.create(model="chat", messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="cannot set messages"):
+        client.chat.completions.create(model="chat", messages=messages, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model="chat", messages=messages, max_tokens=1, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
 def test_sigterm_under_load_finishes_or_ends_each_request_cleanly_and_exits_0(server):

@@ -150,3 +150,40 @@ def test_bad_calls_are_refused_before_anything_runs():
         kvattn.LLM(FIXTURES / "chat", max_len=600)
     with pytest.raises(FileNotFoundError, match="config.json"):
         kvattn.LLM(FIXTURES)
+
+
+SMALL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                 "b": {"type": "boolean"}}, "required": ["a", "b"],
+                "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_structured_outputs_compose_with_speculation_token_for_token(temperature):
+    """A draft outside the grammar is never offered; each drafted position is masked as if the drafts before it
+    were kept: the tokens equal plain decoding's, greedy or sampled with a seed."""
+    import json
+
+    import jsonschema
+
+    from kvattn.generation import StructuredOutputs
+
+    prompts = ["The cache holds", "Hello", "{\"a\": 1, \"b\": true}"]  # the last one's prompt drafts its output
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, repetition_penalty=1.2,
+                             structured_outputs=StructuredOutputs(json=SMALL_SCHEMA)) for i in range(len(prompts))]
+    plain = llm("chat").generate(prompts, params, progress=False)
+    speculative = llm("chat", speculative=PromptLookup(num_tokens=3, max_ngram=2))
+    drafted = speculative.engine.stats.drafted_tokens
+    drafting = speculative.generate(prompts, params, progress=False)
+    assert speculative.engine.stats.drafted_tokens > drafted, "no round drafted: the test would prove nothing"
+    for one, other in zip(plain, drafting):
+        assert one.outputs[0].token_ids == other.outputs[0].token_ids
+        jsonschema.validate(json.loads(one.outputs[0].text), SMALL_SCHEMA)
+
+
+def test_min_tokens_holds_back_stop_ids_and_stop_strings():
+    engine = llm("chat")
+    [free] = engine.generate("Hello", SamplingParams(max_tokens=8, ignore_eos=True))
+    first = free.outputs[0]
+    [held] = engine.generate("Hello", SamplingParams(max_tokens=8, ignore_eos=True, min_tokens=4,
+                                                     stop_token_ids=[first.token_ids[0]], stop=first.text[:1] or "x"))
+    assert len(held.outputs[0].token_ids) >= 4 and first.token_ids[0] not in held.outputs[0].token_ids[:4]

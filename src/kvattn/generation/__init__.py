@@ -9,7 +9,7 @@ through `kvattn.generation.speculation`.
 
 from kvattn.generation.drafters import DraftModel, PromptLookup
 from kvattn.generation.generate import Generated, generate, stream
-from kvattn.generation.sampling import Sampling, SamplingParams
+from kvattn.generation.sampling import Sampling, SamplingParams, StructuredOutputs
 from kvattn.generation.speculation import Policy
 from kvattn.generation.speculative import Speculated, speculate
 
@@ -21,6 +21,7 @@ __all__ = [
     "Sampling",
     "SamplingParams",
     "Speculated",
+    "StructuredOutputs",
     "generate",
     "speculate",
     "stream",

@@ -29,8 +29,8 @@ __all__ = ["Adjuster", "Grammar"]
 class Grammar(Protocol):
     """A matcher of one completion against a grammar, stepped token by token."""
 
-    def allowed(self, vocab_size: int) -> np.ndarray:
-        """Which ids may come next: bool `(vocab_size,)` (ids past the grammar's vocabulary: never)."""
+    def forbid(self, row: np.ndarray) -> None:
+        """Adds -inf to `row` `(V,)` at every id that may not come next (ids past the grammar's vocabulary: all)."""
 
     def advance(self, token: int) -> bool:
         """Takes `token`; False (and nothing taken) if the grammar forbids it."""
@@ -97,7 +97,7 @@ class Adjuster:
             before = drafts[:j]
             bias[j, self._bias_ids] = self._biases
             if self.grammar is not None:
-                bias[j, ~self.grammar.allowed(self.vocab_size)] = -np.inf
+                self.grammar.forbid(bias[j])
                 if j < len(drafts):
                     advanced += self.grammar.advance(drafts[j])
             if self.produced + j < params.min_tokens:

@@ -256,19 +256,27 @@ class LLM:
         return outputs
 
     def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             progress: bool = True) -> list[RequestOutput]:
+             progress: bool = True, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """`generate` for conversations, each rendered through the checkpoint's chat template.
 
         Args:
           messages: one conversation (a list of `{"role", "content"}`
             dicts) or a list of them.
           params, progress: as in `generate`.
+          tools: tools' JSON schemas (OpenAI's `{"type": "function",
+            "function": {...}}`), rendered by the template.
+          add_generation_prompt: end with the header of the assistant's reply.
+          continue_final_message: continue the last message instead (with
+            `add_generation_prompt=False`).
+          chat_template_kwargs: more variables for the template.
         """
         if self.tokenizer is None:
             raise ValueError("chat needs the checkpoint's tokenizer.json and chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode(self.tokenizer.render_chat(list(c)), add_special_tokens=False)
-                   for c in conversations]
+        prompts = [self.tokenizer.encode(self.tokenizer.render_chat(
+            list(c), add_generation_prompt, continue_final_message=continue_final_message, tools=tools,
+            template_kwargs=chat_template_kwargs), add_special_tokens=False) for c in conversations]
         outputs = self.generate(prompts, params, progress=progress)
         for output, conversation in zip(outputs, conversations):
             output.prompt = self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False)

@@ -45,6 +45,8 @@ class StopStrings:
         """The stop strings, without repeats."""
         self.matched = False
         """Whether a stop string has completed."""
+        self.rest = ""
+        """After a match, the text pushed past the stop string (what a caller that goes on reading needs)."""
         self._held = ""
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -60,6 +62,7 @@ class StopStrings:
         if matches:
             self.matched, self._held = True, ""
             end, start = min(matches)
+            self.rest = pending[end:]
             return pending[: end if self.include else start], True
         hold = max((size for stop in self.stops for size in range(min(len(stop) - 1, len(pending)), 0, -1)
                     if pending.endswith(stop[:size])), default=0)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import tokenizers
 
-from kvattn.templates import TemplateProcesses, compile_template, conversation
+from kvattn.templates import TemplateProcesses, compile_template, conversation, plain
 
 __all__ = ["Detokenizer", "Tokenizer", "TooLong", "as_token_id"]
 
@@ -107,6 +107,17 @@ def as_token_id(token_id) -> int:
     if isinstance(token_id, bool) or not 0 <= value <= _MAX_TOKEN_ID:
         raise ValueError(f"a token id must be an integer in [0, {_MAX_TOKEN_ID}], got {token_id!r}")
     return value
+
+
+def _continued(text: str, final: str) -> str:
+    """`text` cut right after the last message's content `final`, as transformers' `continue_final_message` cuts it."""
+    if not final.strip() or final.strip() not in text:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
+                         "conversation, so it cannot be continued")
+    at = text.rindex(final.strip())
+    if text[at : at + len(final.lstrip())] == final.lstrip():  # the template kept its trailing space
+        return text[: at + len(final.lstrip())]
+    return text[: at + len(final.strip())]
 
 
 class TooLong(ValueError):
@@ -223,34 +234,54 @@ class Tokenizer:
         """Whether `render_chat` has a template to render with."""
         return self._template is not None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None) -> str:
         """The prompt text for a conversation, as transformers' `apply_chat_template(..., tokenize=False)` gives it.
 
         Args:
           messages: dicts with a string `role` and `content` (other keys
-            are passed to the template as they are).
+            are passed to the template as they are; an assistant message
+            with `tool_calls` may have no content).
           add_generation_prompt: end with the header that starts the
             assistant's reply.
+          continue_final_message: end right after the last message's
+            content, so the model continues it (not with `add_generation_prompt`).
+          tools: the tools' JSON schemas, as the template's `tools`.
+          template_kwargs: more variables for the template (none of the above).
 
         Raises:
           ValueError: no chat template; messages of the wrong shape; the
             template raised (`raise_exception`, an unsafe access refused by
             the sandbox, or any other error); with `bound_rendering`, it ran
-            past its time, output or memory.
+            past its time, output or memory; a last message the rendered
+            text does not hold, with `continue_final_message`.
         """
         if self._template is None:
             raise ValueError(f"{self._name} has no chat_template; pass --chat-template")
-        variables = {"messages": conversation(messages), "add_generation_prompt": bool(add_generation_prompt),
-                     "tools": None, "documents": None}
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message; it cannot also add a generation "
+                             "prompt: set add_generation_prompt to false")
+        extra = dict(template_kwargs or {})
+        reserved = sorted(extra.keys() & {"messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                                          "eos_token"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: they have fields of their own")
+        variables = {**plain(extra, "chat_template_kwargs"), "messages": conversation(messages),
+                     "add_generation_prompt": bool(add_generation_prompt),
+                     "tools": None if tools is None else plain(list(tools), "tools"), "documents": None}
         # As in transformers, an unset special token is left undefined rather than rendered as "None".
         variables.update({name: token for name, token in (("bos_token", self.bos_token),
                                                            ("eos_token", self.eos_token)) if token is not None})
         if self._processes is not None:
-            return self._processes.render(variables)
-        try:
-            return self._template.render(**variables)
-        except Exception as error:  # template code runs on request data: any failure is the request's
-            raise ValueError(f"the chat template refused the messages: {type(error).__name__}: {error}") from error
+            text = self._processes.render(variables)
+        else:
+            try:
+                text = self._template.render(**variables)
+            except Exception as error:  # template code runs on request data: any failure is the request's
+                raise ValueError(f"the chat template refused the messages: {type(error).__name__}: {error}"
+                                 ) from error
+        return _continued(text, variables["messages"][-1].get("content") or "") if continue_final_message else text
 
     def bound_rendering(self, *, seconds: float, max_chars: int, memory_bytes: int, processes: int) -> None:
         """From now on, `render_chat` renders in child processes, bounded in time, output and memory.

@@ -33,11 +33,12 @@ import dataclasses
 from fastapi.responses import JSONResponse
 
 from kvattn.generation.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, SamplingParams, StructuredOutputs
+from kvattn.serving.openai.chat import Message, NamedTool, Tool, chat_ids, tool_constraint
 from kvattn.serving.structured import Grammars
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
-__all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "Job", "Message",
-           "chat_ids", "field_table", "job", "served_model"]
+__all__ = ["IGNORED", "NOT_IMPLEMENTED", "ApiError", "ChatRequest", "CompletionRequest", "Job", "field_table", "job",
+           "served_model"]
 
 Number = StrictFloat | StrictInt
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -48,9 +49,8 @@ Stop = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 # Fields OpenAI or vLLM define whose effect kvattn does not implement, with the values that ask for nothing
 # (null always does): any other value is refused with a 400 that names the field.
 NOT_IMPLEMENTED: dict[str, tuple] = {
-    # tools, and structured outputs' other forms
-    "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False), "structural_tag": (), "guided_decoding_backend": (),
+    # the older form of tools, and structured outputs' other forms
+    "functions": ([],), "function_call": ("none", "auto"), "structural_tag": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     # sampling
     "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (),
@@ -58,8 +58,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     # text and prompt handling
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
-    "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
-    "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},), "echo": (False,), "suffix": ("",),
+    "documents": (), "chat_template": (), "mm_processor_kwargs": ({},), "echo": (False,), "suffix": ("",),
     # other modalities and models
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     "verbosity": (),
@@ -256,7 +255,10 @@ class CompletionRequest(_Request):
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: StrictInt | None = None
     """Accepted when it equals `n` (or is null): sampling more choices than are returned is not implemented."""
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"add_special_tokens": (True,)}  # a prompt's text gets them
+    NEUTRAL: ClassVar[dict[str, tuple]] = {  # a prompt's text gets special tokens; the rest is for chats
+        "add_special_tokens": (True,), "tools": ([],), "tool_choice": ("none", "auto"),
+        "parallel_tool_calls": (True, False), "add_generation_prompt": (True,), "continue_final_message": (False,),
+        "chat_template_kwargs": ({},)}
 
     @model_validator(mode="after")
     def _completion_supported(self):
@@ -267,23 +269,6 @@ class CompletionRequest(_Request):
         return self
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
-    name: StrictStr | None = None
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
 class ChatRequest(_Request):
     """`POST /v1/chat/completions`: messages rendered with the checkpoint's chat template."""
 
@@ -291,6 +276,16 @@ class ChatRequest(_Request):
     max_completion_tokens: PositiveInt | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    """Default: "auto" with tools, "none" without."""
+    parallel_tool_calls: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    """Extra: end the prompt with the header that starts the assistant's reply."""
+    continue_final_message: StrictBool = False
+    """Extra: let the model continue the last message (with add_generation_prompt false)."""
+    chat_template_kwargs: dict | None = None
+    """Extra: more variables for the chat template."""
     NEUTRAL: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,)}  # the template writes them
 
     @model_validator(mode="after")
@@ -298,6 +293,14 @@ class ChatRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def structured(self) -> StructuredOutputs | None:
+        asked = super().structured()
+        calls = tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if asked is not None and calls is not None:
+            raise ValueError(f"tool_choice {self.tool_choice!r} constrains the output; it cannot also follow "
+                             "response_format or structured outputs")
+        return asked or calls
 
 
 def field_table() -> str:
@@ -348,6 +351,9 @@ class Job:
     token_ids: bool
     grammar: object = None
     """Its structured outputs compiled (`kvattn.serving.structured.Grammars.compile`), or None."""
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedTool | None = None
+    """A chat's tools and tool choice, for `kvattn.serving.openai.chat.ToolCalls`."""
 
     @property
     def n(self) -> int:
@@ -369,14 +375,6 @@ def served_model(model: str | None, model_name: str) -> None:
                        "not_found_error", param="model", code="model_not_found")
 
 
-def chat_ids(tokenizer: Tokenizer, messages: list[Message], *, at_most: int, add_generation_prompt: bool = True,
-             add_special_tokens: bool = False) -> list[int]:
-    """The ids of a conversation rendered with the chat template (which writes the special tokens itself)."""
-    text = tokenizer.render_chat([{"role": m.role, "content": m.text} for m in messages],
-                                 add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens, at_most=at_most)
-
-
 def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_name: str, max_len: int,
         grammars: Grammars | None = None) -> Job:
     """A request body checked against the served model and made the engine's `SamplingParams`: the one place
@@ -391,7 +389,9 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
     served_model(body.model, model_name)
     try:
         if isinstance(body, ChatRequest):
-            prompt = chat_ids(tokenizer, body.messages, at_most=max_len)
+            prompt = chat_ids(tokenizer, body.messages, at_most=max_len, add_generation_prompt=body.add_generation_prompt,
+                              continue_final_message=body.continue_final_message, tools=body.tools,
+                              template_kwargs=body.chat_template_kwargs)
             max_tokens = body.max_completion_tokens or body.max_tokens
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
@@ -430,7 +430,9 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
             grammar = (grammars or Grammars(tokenizer)).compile(params.structured_outputs)
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
-    return Job(prompt, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar)
+    chat = isinstance(body, ChatRequest)
+    return Job(prompt, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar,
+               body.tools if chat else None, body.tool_choice if chat else None)
 
 
 def _logit_bias(biases: dict[str, float] | None, vocab_size: int) -> dict[int, float]:

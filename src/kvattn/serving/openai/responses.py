@@ -11,6 +11,7 @@ import json
 
 from fastapi.sse import format_sse_event
 
+from kvattn.serving.openai.chat import ToolCalls
 from kvattn.serving.openai.protocol import ApiError, Job
 from kvattn.serving.requests import Token
 from kvattn.serving.tokenizer import Tokenizer
@@ -43,6 +44,22 @@ def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: 
             "text_offset": offsets}
 
 
+def _calls(deltas: list[dict]) -> list[dict]:
+    """Streamed `tool_calls` deltas merged into whole calls (a call's later deltas add to its arguments)."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        if delta["index"] in calls:
+            calls[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+        else:
+            calls[delta["index"]] = {key: value for key, value in delta.items() if key != "index"}
+    return list(calls.values())
+
+
+def _finish_reason(reason: str | None, calls: ToolCalls | None) -> str | None:
+    """`"tool_calls"` for a choice that stopped after making calls."""
+    return "tool_calls" if reason == "stop" and calls is not None and calls.calls else reason
+
+
 async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool) -> dict:
     choices = [{"text": [], "length": 0, "ids": [], "tokens": [], "offsets": [], "finish_reason": None}
                for _ in range(job.n)]
@@ -62,7 +79,16 @@ async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat:
         entry = {"index": index, "finish_reason": choice["finish_reason"],
                  "logprobs": (token_logprobs(tokenizer, choice["tokens"], chat, choice["offsets"])
                               if job.top_logprobs is not None else None)}
-        entry |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        if chat:
+            calls = ToolCalls(job.tools, job.tool_choice)
+            (content, deltas), (tail, more) = calls.push(text), calls.finish()
+            message = {"role": "assistant", "content": content + tail}
+            if calls.calls:
+                message = {"role": "assistant", "content": message["content"] or None,
+                           "tool_calls": _calls(deltas + more)}
+            entry |= {"message": message, "finish_reason": _finish_reason(choice["finish_reason"], calls)}
+        else:
+            entry["text"] = text
         if job.token_ids:
             entry["token_ids"] = choice["ids"]
         out.append(entry)
@@ -72,6 +98,7 @@ async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat:
 async def sse(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool, usage: bool):
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     offsets = [0] * job.n
+    calls = [ToolCalls(job.tools, job.tool_choice) for _ in range(job.n)] if chat else None
     if chat:
         for index in range(job.n):
             yield event({**chunk_head, "choices": [
@@ -85,7 +112,18 @@ async def sse(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: b
                             if job.top_logprobs is not None and item.tokens else None)
                 offsets[item.index] += len(item.text)
                 entry = {"index": item.index, "logprobs": logprobs, "finish_reason": item.finish_reason}
-                entry |= {"delta": {"content": item.text} if item.text else {}} if chat else {"text": item.text}
+                if chat:
+                    split = calls[item.index]
+                    content, deltas = split.push(item.text)
+                    if item.finish_reason is not None:
+                        tail, more = split.finish()
+                        content, deltas = content + tail, deltas + more
+                        entry["finish_reason"] = _finish_reason(item.finish_reason, split)
+                    entry["delta"] = {"content": content} if content else {}
+                    if deltas:
+                        entry["delta"]["tool_calls"] = deltas
+                else:
+                    entry["text"] = item.text
                 if job.token_ids:
                     entry["token_ids"] = item.ids
                 yield event({**chunk_head, "choices": [entry]})

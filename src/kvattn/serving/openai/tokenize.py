@@ -7,7 +7,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from kvattn.serving.openai.protocol import ApiError, Message, TokenId, chat_ids, served_model
+from kvattn.serving.openai.chat import Message, chat_ids
+from kvattn.serving.openai.protocol import ApiError, TokenId, served_model
 from kvattn.serving.tokenizer import Tokenizer, TooLong
 
 __all__ = ["DetokenizeRequest", "TokenizeRequest", "detokenized", "tokenized"]
