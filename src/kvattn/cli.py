@@ -303,12 +303,11 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
     context = _trained_context(checkpoint)
     max_len = args.max_len or min(context, 4096)
     _check_context(max_len, f"--max-len {max_len}", context, args, usage)
-    launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
-                 num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
-                 prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
-                 chat_template=template, model_name=args.model_name, api_key=args.api_key,
-                 max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)
-    return 0
+    return launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
+                        num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
+                        prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
+                        chat_template=template, model_name=args.model_name, api_key=args.api_key,
+                        max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:

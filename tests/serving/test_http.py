@@ -293,11 +293,16 @@ MALFORMED = [
     b'{"model": "chat", "prompt": "a", "temperature": -1}', b'{"model": "chat", "prompt": "a", "temperature": NaN}',
     b'{"model": "chat", "prompt": "a", "top_p": 0}', b'{"model": "chat", "prompt": "a", "top_k": 100000}',
     b'{"model": "chat", "prompt": [1, -1]}', b'{"model": "chat", "prompt": [1, 384]}', b'{"model": "chat", "prompt": []}',
-    b'{"model": "chat", "prompt": [1.5]}', b'{"model": "chat", "prompt": ["a", "b"]}',
+    b'{"model": "chat", "prompt": [1.5]}', b'{"model": "chat", "prompt": ["a", [1]]}',
+    b'{"model": "chat", "prompt": [[1], []]}', b'{"model": "chat", "prompt": [[1], [384]]}',
+    b'{"model": "chat", "prompt": "a", "n": 2, "best_of": 1}',
+    b'{"model": "chat", "prompt": "a", "best_of": 2, "stream": true}',
+    b'{"model": "chat", "prompt": "a", "echo": true, "logprobs": 1}',
+    b'{"model": "chat", "prompt": ["a", "b", "c"], "best_of": 100}',
     b'{"model": "chat", "prompt": "a", "n": 0}', b'{"model": "chat", "prompt": "a", "n": 5}',
     b'{"model": "chat", "prompt": "a", "stop": [""]}', b'{"model": "chat", "prompt": "a", "seed": -3}',
     b'{"model": "chat", "prompt": "a", "logprobs": 99}', b'{"model": "chat", "prompt": "a", "max_tokens": 100000}',
-    b'{"model": "chat", "prompt": "a", "stream": "yes"}', b'{"model": "chat", "prompt": "a", "echo": true}',
+    b'{"model": "chat", "prompt": "a", "stream": "yes"}', b'{"model": "chat", "prompt": "a", "echo": 1}',
     b'{"model": "chat", "prompt": "a", "presence_penalty": 3}', b'{"model": "chat", "prompt": "a", "logit_bias": {"x": 5}}',
     b'{"model": "chat", "prompt": "a", "logit_bias": {"1": 500}}', b'{"model": "chat", "prompt": "a", "logit_bias": {"384": 1}}',
     b'{"model": "chat", "prompt": "a", "min_tokens": -1}', b'{"model": "chat", "prompt": "a", "max_tokens": 2, "min_tokens": 3}',
@@ -331,7 +336,8 @@ def _mutations(rng: random.Random, count: int):
     fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs",
               "stream", "messages", "stop_token_ids", "ignore_eos", "user", "return_token_ids", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "response_format",
-              "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+              "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "echo",
+              "best_of", "tools", "tool_choice", "chat_template_kwargs"]
     for _ in range(count):
         chat = rng.random() < 0.5
         body = ({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if chat
@@ -753,6 +759,32 @@ def test_chat_template_options(client):
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model="chat", messages=messages, max_tokens=1, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_batched_prompts_equal_single_ones_with_echo_and_best_of(client):
+    texts = ["The cache", "Hello there", "a"]
+    greedy = dict(model="chat", max_tokens=5, temperature=0, extra_body={"return_token_ids": True})
+    batch = client.completions.create(prompt=texts, **greedy)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    singles = [client.completions.create(prompt=text, **greedy) for text in texts]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    ids = [GREEDY["prompt"], GREEDY["prompt"][:5]]
+    sampled = client.completions.create(model="chat", prompt=ids, n=2, max_tokens=4, temperature=1.0, seed=3)
+    assert [c.index for c in sampled.choices] == [0, 1, 2, 3]
+    alone = client.completions.create(model="chat", prompt=ids[1], n=2, max_tokens=4, temperature=1.0, seed=3)
+    assert [c.text for c in sampled.choices[2:]] == [c.text for c in alone.choices]
+    echoed = client.completions.create(prompt=texts[:2], echo=True, **greedy)
+    assert [c.text for c in echoed.choices] == [t + c.text for t, c in zip(texts[:2], batch.choices[:2])]
+    streamed = client.completions.create(prompt=texts[0], echo=True, stream=True, **greedy)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    # best_of: of the 4 completions n=4 makes with this seed, the 2 of highest total log-probability
+    four = client.completions.create(model="chat", prompt=texts[1], n=4, max_tokens=6, temperature=1.0, seed=9, logprobs=0)
+    ranked = sorted(four.choices, key=lambda c: -sum(c.logprobs.token_logprobs))[:2]
+    best = client.completions.create(model="chat", prompt=texts[1], n=2, best_of=4, max_tokens=6, temperature=1.0, seed=9)
+    assert [c.text for c in best.choices] == [c.text for c in sorted(ranked, key=lambda c: c.index)]
+    assert best.usage.completion_tokens == four.usage.completion_tokens
+
 
 
 def test_sigterm_under_load_finishes_or_ends_each_request_cleanly_and_exits_0(server):

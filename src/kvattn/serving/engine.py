@@ -135,12 +135,12 @@ class Engine:
         self._thread.start()
 
     async def submit(self, prompt: list[int], params: SamplingParams, *, eos_token_ids=(),
-                     grammar: Callable[[], Grammar] | None = None) -> Handle:
+                     grammar: Callable[[], Grammar] | None = None, events: asyncio.Queue | None = None) -> Handle:
         """`Server.submit(prompt, params, eos_token_ids=..., grammar=...)` on the engine thread (`on_token` is the
-        engine's)."""
+        engine's); its events go to `events` (default: a queue of its own; several submits may share one)."""
         loop = asyncio.get_running_loop()
-        command = _Submit(prompt, params, frozenset(eos_token_ids), grammar, loop, asyncio.Queue(),
-                          loop.create_future())
+        command = _Submit(prompt, params, frozenset(eos_token_ids), grammar, loop,
+                          asyncio.Queue() if events is None else events, loop.create_future())
         self._commands.put(command)
         indices = await command.future
         return Handle(indices, command.events)

@@ -83,6 +83,8 @@ class _Delta:
     ids: list[int] = dataclasses.field(default_factory=list)
     tokens: list[tuple[Token, str]] = dataclasses.field(default_factory=list)  # with logprobs only
     finish_reason: str | None = None
+    logprob: float = 0.0
+    """Its tokens' log-probability (`best_of` ranks choices by their sum)."""
 
 
 class _App:
@@ -102,10 +104,17 @@ class _App:
     # ----------------------------------------------------------- generation
 
     async def generate(self, request: Request, job: Job, arrived: float) -> AsyncIterator[_Delta | dict]:
-        """Submits `job`; yields each choice's deltas, then a dict of usage. Aborts whatever is left on exit."""
+        """Submits `job`, each prompt in turn; yields each choice's deltas (choices numbered prompt after prompt),
+        then a dict of usage. Aborts whatever is left on exit."""
+        events: asyncio.Queue = asyncio.Queue()
+        indices: list[int] = []
+        submitted = False
         try:
-            handle = await self.engine.submit(job.prompt, job.params, eos_token_ids=self.tokenizer.eos_token_ids,
-                                              grammar=job.grammar)
+            for prompt in job.prompts:
+                handle = await self.engine.submit(prompt, job.params, eos_token_ids=self.tokenizer.eos_token_ids,
+                                                  grammar=job.grammar, events=events)
+                indices += handle.indices
+            submitted = True
         except Full as error:
             self.metrics.rejected.labels("429").inc()
             raise ApiError(429, str(error), "rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -115,31 +124,35 @@ class _App:
         except (ValueError, TypeError) as error:
             self.metrics.rejected.labels("400").inc()
             raise ApiError(400, str(error)) from None
-        first = handle.indices[0]
-        text = dict(prompt=job.prompt, stop=job.stops, stop_token_ids=job.stop_ids,
-                    skip_special_tokens=job.params.skip_special_tokens,
-                    include_stop=job.params.include_stop_str_in_output, min_tokens=job.params.min_tokens)
-        choices = [_Choice(TextStream(self.tokenizer, **text)) for _ in handle.indices]
-        open_ = set(handle.indices)
+        finally:
+            if not submitted:  # the prompts submitted before the one refused
+                self.engine.abort(indices)
+        rows = {index: row for row, index in enumerate(indices)}
+        choices = [_Choice(TextStream(self.tokenizer, prompt=job.prompts[row // job.params.n], stop=job.stops,
+                                      stop_token_ids=job.stop_ids, skip_special_tokens=job.params.skip_special_tokens,
+                                      include_stop=job.params.include_stop_str_in_output,
+                                      min_tokens=job.params.min_tokens))
+                   for row in range(job.rows)]
+        open_ = set(indices)
         cached = 0
         watch = _Disconnects(request)
         try:
             while open_:
-                event = await watch.next_event(handle.events)
+                event = await watch.next_event(events)
                 kind, index = event[0], event[1]
-                choice = choices[index - first]
+                choice = choices[rows[index]]
                 if choice.finish_reason is not None:
                     continue
                 if kind == "error":
                     raise ApiError(503, event[2], "service_unavailable")
                 if kind == "token":
-                    delta = self._token(index - first, choice, event[2], job, arrived)
+                    delta = self._token(rows[index], choice, event[2], job, arrived)
                 else:  # done
                     completion = event[2]
                     cached = max(cached, completion.cached_tokens)
                     tail, stopped = choice.stream.finish()
                     reason = "stop" if stopped or completion.finish_reason == "stop" else "length"
-                    delta = _Delta(index - first, tail, finish_reason=reason)
+                    delta = _Delta(rows[index], tail, finish_reason=reason)
                 if delta.finish_reason is not None:
                     choice.finish_reason = delta.finish_reason
                     open_.discard(index)
@@ -152,8 +165,9 @@ class _App:
             if open_:
                 self.engine.abort(sorted(open_))
         completion_tokens = sum(len(c.token_ids) for c in choices)
-        usage = {"prompt_tokens": len(job.prompt), "completion_tokens": completion_tokens,
-                 "total_tokens": len(job.prompt) + completion_tokens,
+        prompt_tokens = sum(len(prompt) for prompt in job.prompts)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         request.state.usage = usage  # for the request's log line (RequestLog)
         yield usage
@@ -170,7 +184,7 @@ class _App:
         strings = [(token, self.tokenizer.decode([token.id], skip_special_tokens=False))] if job.top_logprobs \
             is not None else []
         choice.logprobs += strings
-        return _Delta(row, piece, [token.id], strings, "stop" if stopped else None)
+        return _Delta(row, piece, [token.id], strings, "stop" if stopped else None, token.logprob)
 
 class _Disconnects:
     """Engine events for one request, checking every `DISCONNECT_CHECK_SECONDS` whether its client has gone.

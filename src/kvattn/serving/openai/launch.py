@@ -7,6 +7,7 @@ on stderr; `run` serves an app on a socket the caller took before loading.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
@@ -31,14 +32,29 @@ __all__ = ["run", "serve"]
 log = logging.getLogger("kvattn.serve")
 
 
+FORCED_EXIT_STATUS = 130
+"""`kvattn serve`'s exit status after a second Ctrl-C (128 + SIGINT, as a shell reports an interrupted program)."""
+FORCED_GRACE_SECONDS = 0.5
+"""After a second Ctrl-C, how long the requests' errors have to reach their clients before the connections close."""
+
+
 class _Uvicorn(uvicorn.Server):
-    """uvicorn, with SIGTERM/SIGINT also starting the engine's deadline; a graceful stop exits 0."""
+    """uvicorn, with SIGTERM/SIGINT also starting the engine's deadline; a graceful stop exits 0.
+
+    A second Ctrl-C (SIGINT after the stop began) ends every request now: the
+    engine ends each with an error (a 503, or an error event in a stream),
+    the connections close `FORCED_GRACE_SECONDS` later, and `forced` makes
+    the exit status `FORCED_EXIT_STATUS`.
+    """
 
     def __init__(self, config: uvicorn.Config, engine: Engine, deadline: float):
         super().__init__(config)
         self.engine, self.deadline = engine, deadline
+        self.forced = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started and sockets:  # after the lifespan's first generation: requests are answered from now on
             host, port = sockets[0].getsockname()[:2]
@@ -46,14 +62,25 @@ class _Uvicorn(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
+            if not self.forced:
+                self.forced = True
+                self.engine.shutdown(0.0)  # every request ends with an error at the engine's next turn
+                log.warning("second interrupt: ending every request now")
+                if self._loop is None:
+                    self.force_exit = True
+                else:
+                    self._loop.call_soon_threadsafe(self._loop.call_later, FORCED_GRACE_SECONDS, self._force)
             return
         self.should_exit = True  # uvicorn's own handler would re-raise the signal after the stop: exit status 0
         self.engine.shutdown(self.deadline)
 
+    def _force(self) -> None:
+        self.force_exit = True
 
-def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: float) -> None:
-    """Serves `app` on `sock` until SIGTERM/SIGINT; running requests get `shutdown_seconds` to finish.
+
+def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: float) -> int:
+    """Serves `app` on `sock` until SIGTERM/SIGINT; running requests get `shutdown_seconds` to finish. Returns
+    the exit status: 0, or `FORCED_EXIT_STATUS` after a second Ctrl-C.
 
     Args:
       sock: a bound, listening TCP socket; the caller takes the port before
@@ -62,7 +89,9 @@ def run(app: FastAPI, engine: Engine, *, sock: socket.socket, shutdown_seconds: 
     """
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=shutdown_seconds + 5,
                             timeout_keep_alive=5)
-    _Uvicorn(config, engine, shutdown_seconds).run(sockets=[sock])
+    server = _Uvicorn(config, engine, shutdown_seconds)
+    server.run(sockets=[sock])
+    return FORCED_EXIT_STATUS if server.forced else 0
 
 
 # A chat template renders request data: bounded per request (`kvattn.templates.TemplateProcesses`).
@@ -90,8 +119,9 @@ def _bound_templates(tokenizer: Tokenizer) -> None:
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
           num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool,
           speculative: PromptLookup | None, dtype: str, chat_template: str | None, model_name: str | None,
-          api_key: str | None, max_waiting: int, shutdown_seconds: float) -> None:
-    """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM.
+          api_key: str | None, max_waiting: int, shutdown_seconds: float) -> int:
+    """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM;
+    returns the exit status (`run`'s).
 
     Each phase is logged on stderr with the seconds it took: loading, each
     program compiled, ready; then one line per request. The arguments are
@@ -128,6 +158,6 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
             log.addHandler(handler)
             log.setLevel(logging.INFO)
             log.propagate = False
-        run(app, engine, sock=sock, shutdown_seconds=shutdown_seconds)
+        return run(app, engine, sock=sock, shutdown_seconds=shutdown_seconds)
     finally:
         tokenizer.close()

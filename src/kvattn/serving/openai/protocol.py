@@ -58,7 +58,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     # text and prompt handling
     "spaces_between_special_tokens": (True,),
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
-    "documents": (), "chat_template": (), "mm_processor_kwargs": ({},), "echo": (False,), "suffix": ("",),
+    "documents": (), "chat_template": (), "mm_processor_kwargs": ({},), "suffix": ("",),
     # other modalities and models
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     "verbosity": (),
@@ -247,14 +247,22 @@ def _unpaired_surrogate(value, where: str) -> str | None:
     return None
 
 
+MAX_PROMPTS = 64
+"""Prompts one completions request holds at most."""
+MAX_SEQUENCES = 256
+"""Completions one request may ask the engine for at most: prompts × `best_of` (or `n`)."""
+
+
 class CompletionRequest(_Request):
-    """`POST /v1/completions`: one prompt, text or token ids."""
+    """`POST /v1/completions`: one prompt or several, each text or token ids."""
 
     prompt: StrictStr | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
-        list[StrictStr], Field(min_length=1, max_length=1)]
+        list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    best_of: StrictInt | None = None
-    """Accepted when it equals `n` (or is null): sampling more choices than are returned is not implemented."""
+    echo: StrictBool = False
+    best_of: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    """Completions made per prompt, of which the `n` most likely (by total log-probability) are returned."""
     NEUTRAL: ClassVar[dict[str, tuple]] = {  # a prompt's text gets special tokens; the rest is for chats
         "add_special_tokens": (True,), "tools": ([],), "tool_choice": ("none", "auto"),
         "parallel_tool_calls": (True, False), "add_generation_prompt": (True,), "continue_final_message": (False,),
@@ -262,11 +270,23 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _completion_supported(self):
-        if self.best_of not in (None, self.n):
-            raise ValueError(f"not implemented by kvattn serve: best_of other than n ({self.n}), got {self.best_of}")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            self.prompt = self.prompt[0]
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of not in (None, self.n) and self.stream:
+            raise ValueError("best_of other than n cannot stream: the best are known only at the end")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("not implemented by kvattn serve: echo with logprobs (the prompt's log-probabilities)")
+        if len(self.prompts) * (self.best_of or self.n) > MAX_SEQUENCES:
+            raise ValueError(f"{len(self.prompts)} prompts x {self.best_of or self.n} completions each is more than "
+                             f"the {MAX_SEQUENCES} one request may ask for")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: text or token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class ChatRequest(_Request):
@@ -286,7 +306,7 @@ class ChatRequest(_Request):
     """Extra: let the model continue the last message (with add_generation_prompt false)."""
     chat_template_kwargs: dict | None = None
     """Extra: more variables for the chat template."""
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,)}  # the template writes them
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"add_special_tokens": (False,), "echo": (False,)}  # the template writes them
 
     @model_validator(mode="after")
     def _chat_supported(self):
@@ -342,9 +362,10 @@ class ApiError(Exception):
 
 @dataclasses.dataclass
 class Job:
-    """One HTTP request's generation, after every check."""
+    """One HTTP request's generation, after every check: `params.n` completions of each prompt, of which the
+    `returned` most likely are returned (`best_of`)."""
 
-    prompt: list[int]
+    prompts: list[list[int]]
     params: SamplingParams
     stop_ids: frozenset
     """The ids that end a choice: the request's, and the tokenizer's end-of-sequence ids unless `ignore_eos`."""
@@ -354,10 +375,15 @@ class Job:
     tools: list[Tool] | None = None
     tool_choice: str | NamedTool | None = None
     """A chat's tools and tool choice, for `kvattn.serving.openai.chat.ToolCalls`."""
+    returned: int = 1
+    """Completions returned per prompt (`n`); `params.n` are made (`best_of`)."""
+    echo: list[str] | None = None
+    """With `echo`: each prompt's text, which its completions' text begins with."""
 
     @property
-    def n(self) -> int:
-        return self.params.n
+    def rows(self) -> int:
+        """Completions made: `params.n` per prompt, prompt after prompt."""
+        return len(self.prompts) * self.params.n
 
     @property
     def stops(self) -> list[str]:
@@ -387,16 +413,19 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
         settings the model cannot sample with, or structured outputs that do not compile.
     """
     served_model(body.model, model_name)
+    chat = isinstance(body, ChatRequest)
     try:
-        if isinstance(body, ChatRequest):
-            prompt = chat_ids(tokenizer, body.messages, at_most=max_len, add_generation_prompt=body.add_generation_prompt,
-                              continue_final_message=body.continue_final_message, tools=body.tools,
-                              template_kwargs=body.chat_template_kwargs)
+        if chat:
+            prompts = [chat_ids(tokenizer, body.messages, at_most=max_len,
+                                add_generation_prompt=body.add_generation_prompt,
+                                continue_final_message=body.continue_final_message, tools=body.tools,
+                                template_kwargs=body.chat_template_kwargs)]
             max_tokens = body.max_completion_tokens or body.max_tokens
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
-            prompt = (list(body.prompt) if isinstance(body.prompt, list)
-                      else tokenizer.encode(body.prompt, add_special_tokens=True, at_most=max_len))
+            prompts = [list(prompt) if isinstance(prompt, list)
+                       else tokenizer.encode(prompt, add_special_tokens=True, at_most=max_len)
+                       for prompt in body.prompts]
             max_tokens = body.max_tokens or 16
             top_logprobs = body.logprobs
     except TooLong as error:
@@ -404,21 +433,23 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
                        param="prompt", code="context_length_exceeded") from None
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
-    if not prompt:
-        raise ApiError(400, "the prompt encodes to no tokens", param="prompt")
-    if len(prompt) >= max_len:
-        raise ApiError(400, f"the prompt holds {len(prompt)} tokens; this server's context is {max_len}",
+    longest = max(len(prompt) for prompt in prompts)
+    if not min(len(prompt) for prompt in prompts):
+        raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
+    if longest >= max_len:
+        raise ApiError(400, f"the prompt holds {longest} tokens; this server's context is {max_len}",
                        param="prompt", code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = max_len - len(prompt)
-    if len(prompt) + max_tokens > max_len:
-        raise ApiError(400, f"{len(prompt)} prompt tokens + max_tokens {max_tokens} exceed this server's context "
+        max_tokens = max_len - longest
+    if longest + max_tokens > max_len:
+        raise ApiError(400, f"{longest} prompt tokens + max_tokens {max_tokens} exceed this server's context "
                             f"of {max_len} tokens", param="max_tokens", code="context_length_exceeded")
     try:  # the request body becomes the engine's SamplingParams here, and only here
         params = SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_k=None if body.top_k in (None, 0, -1) else body.top_k,
-            top_p=None if body.top_p in (None, 1) else body.top_p, min_p=body.min_p, seed=body.seed, n=body.n,
+            top_p=None if body.top_p in (None, 1) else body.top_p, min_p=body.min_p, seed=body.seed,
+            n=body.n if chat else body.best_of or body.n,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size),
             min_tokens=body.min_tokens, stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -430,9 +461,14 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
             grammar = (grammars or Grammars(tokenizer)).compile(params.structured_outputs)
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
-    chat = isinstance(body, ChatRequest)
-    return Job(prompt, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar,
-               body.tools if chat else None, body.tool_choice if chat else None)
+    if chat:
+        return Job(prompts, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar,
+                   body.tools, body.tool_choice, returned=body.n)
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in body.prompts]
+    return Job(prompts, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar,
+               returned=body.n, echo=echo)
 
 
 def _logit_bias(biases: dict[str, float] | None, vocab_size: int) -> dict[int, float]:

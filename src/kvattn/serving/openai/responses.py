@@ -61,8 +61,8 @@ def _finish_reason(reason: str | None, calls: ToolCalls | None) -> str | None:
 
 
 async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool) -> dict:
-    choices = [{"text": [], "length": 0, "ids": [], "tokens": [], "offsets": [], "finish_reason": None}
-               for _ in range(job.n)]
+    choices = [{"text": [], "length": 0, "ids": [], "tokens": [], "offsets": [], "finish_reason": None,
+                "logprob": 0.0} for _ in range(job.rows)]
     item = first
     while not isinstance(item, dict):
         choice = choices[item.index]
@@ -71,11 +71,15 @@ async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat:
         choice["text"].append(item.text)
         choice["ids"] += item.ids
         choice["tokens"] += item.tokens
+        choice["logprob"] += item.logprob
         choice["finish_reason"] = item.finish_reason or choice["finish_reason"]
         item = await anext(events)
     out = []
-    for index, choice in enumerate(choices):
+    for index, (row, choice) in enumerate(_returned(choices, job)):
         text = "".join(choice["text"])
+        if job.echo is not None:
+            prompt = job.echo[row // job.params.n]
+            text, choice["offsets"] = prompt + text, [offset + len(prompt) for offset in choice["offsets"]]
         entry = {"index": index, "finish_reason": choice["finish_reason"],
                  "logprobs": (token_logprobs(tokenizer, choice["tokens"], chat, choice["offsets"])
                               if job.top_logprobs is not None else None)}
@@ -95,15 +99,33 @@ async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat:
     return {**head, "choices": out, "usage": item}
 
 
+def _returned(choices: list[dict], job: Job) -> list[tuple[int, dict]]:
+    """The choices returned, with their rows: of each prompt's `params.n` completions (`best_of`), the
+    `job.returned` of highest total log-probability, in the order they were made."""
+    made = job.params.n
+    if made == job.returned:
+        return list(enumerate(choices))
+    kept = []
+    for start in range(0, len(choices), made):
+        best = sorted(range(start, start + made), key=lambda row: -choices[row]["logprob"])[: job.returned]
+        kept += [(row, choices[row]) for row in sorted(best)]
+    return kept
+
+
 async def sse(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: bool, usage: bool):
+    """The answer as server-sent events (never with `best_of` above `n`: the protocol refuses it)."""
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    offsets = [0] * job.n
-    calls = [ToolCalls(job.tools, job.tool_choice) for _ in range(job.n)] if chat else None
-    if chat:
-        for index in range(job.n):
-            yield event({**chunk_head, "choices": [
-                {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}]})
+    offsets = [0] * job.rows
+    calls = [ToolCalls(job.tools, job.tool_choice) for _ in range(job.rows)] if chat else None
+    for index in range(job.rows):
+        opening = None
+        if chat:
+            opening = {"index": index, "delta": {"role": "assistant", "content": ""}}
+        elif job.echo is not None:
+            offsets[index] = len(prompt := job.echo[index // job.params.n])
+            opening = {"index": index, "text": prompt}
+        if opening is not None:
+            yield event({**chunk_head, "choices": [{**opening, "logprobs": None, "finish_reason": None}]})
     item = first
     try:
         while not isinstance(item, dict):
