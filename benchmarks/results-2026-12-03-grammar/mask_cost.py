@@ -313,7 +313,7 @@ def main() -> None:
     }
     print()
     print("| contender | step | x plain | x plain, paired | device call | host (step - device) | _adjustments | fill (8 rows) "
-          "| mask (allowed) | llguidance bitmask | accept (8 rows) | adjust+accept / step |")
+          "| mask (forbid) | llguidance bitmask | accept (8 rows) | adjust+accept / step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in CONTENDERS:
         m = median_ms[c]

@@ -127,3 +127,11 @@ def test_logit_bias_is_kept_as_sorted_pairs_so_params_stay_hashable():
     params = SamplingParams(logit_bias={9: 1, 2: -3.5})
     assert params.logit_bias == ((2, -3.5), (9, 1.0))
     assert hash(params) == hash(SamplingParams(logit_bias=[(2, -3.5), (9, 1)]))
+
+
+def test_allowed_token_ids_leave_every_other_id_at_minus_infinity():
+    params = SamplingParams(allowed_token_ids=[2, 5], logit_bias={5: 1.0})
+    adjuster = Adjuster(params, [1], {0}, 8)
+    row = Adjustments(*(a[0] for a in _filled([adjuster], 8)))
+    got = np.asarray(adjusted(np.zeros(8, np.float32), row))
+    assert np.isfinite(got).nonzero()[0].tolist() == [2, 5] and got[5] == 1.0

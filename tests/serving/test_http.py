@@ -787,6 +787,25 @@ def test_batched_prompts_equal_single_ones_with_echo_and_best_of(client):
 
 
 
+def test_allowed_token_ids_truncation_and_token_ids_as_names(client):
+    allowed = [40, 41, 42, 43]
+    sampled = client.completions.create(model="chat", prompt="a", max_tokens=12, temperature=1.0, seed=4,
+                                        extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert set(sampled.choices[0].token_ids) <= set(allowed)
+    prompt = GREEDY["prompt"]
+    cut = client.completions.create(model="chat", prompt=prompt + [7] * 300, max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 20, "return_token_ids": True})
+    tail = client.completions.create(model="chat", prompt=(prompt + [7] * 300)[-20:], max_tokens=4, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    assert cut.usage.prompt_tokens == 20 and cut.choices[0].token_ids == tail.choices[0].token_ids
+    named = client.completions.create(model="chat", prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                      extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    choice = named.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{i}" for i in choice.token_ids]
+    assert all(name.startswith("token_id:") for top in choice.logprobs.top_logprobs for name in top)
+
+
+
 def test_sigterm_under_load_finishes_or_ends_each_request_cleanly_and_exits_0(server):
     """Admission stops; what runs gets the deadline (1 s here); what is left then ends with a clear error."""
     process, url = server

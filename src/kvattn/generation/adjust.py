@@ -45,7 +45,7 @@ class Adjuster:
     Args:
       params: the request's settings (`presence_penalty`,
         `frequency_penalty`, `repetition_penalty`, `logit_bias`,
-        `min_tokens`).
+        `min_tokens`, `allowed_token_ids`).
       prompt: the prompt's ids (the repetition penalty counts them).
       stop_ids: the ids `min_tokens` keeps from ending the completion early.
       vocab_size: the width of the model's logits.
@@ -60,6 +60,10 @@ class Adjuster:
         ids, biases = zip(*params.logit_bias) if params.logit_bias else ((), ())
         inside = np.array(ids, np.int64) < vocab_size  # a bias on an id the model never produces changes nothing
         self._bias_ids, self._biases = np.array(ids, np.int64)[inside], np.array(biases, np.float32)[inside]
+        self._outside = None  # -inf past `allowed_token_ids`
+        if params.allowed_token_ids is not None:
+            self._outside = np.full(vocab_size, -np.inf, np.float32)
+            self._outside[[i for i in params.allowed_token_ids if i < vocab_size]] = 0.0
         self._penalizes = bool(params.presence_penalty or params.frequency_penalty)
         self._counts = np.zeros(vocab_size, np.int32) if self._penalizes else None
         self._seen = None
@@ -96,6 +100,8 @@ class Adjuster:
         for j in range(len(drafts) + 1):
             before = drafts[:j]
             bias[j, self._bias_ids] = self._biases
+            if self._outside is not None:
+                bias[j] += self._outside
             if self.grammar is not None:
                 self.grammar.forbid(bias[j])
                 if j < len(drafts):

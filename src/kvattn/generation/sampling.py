@@ -196,6 +196,7 @@ class SamplingParams:
         [-100, 100] (-100 in effect bans a token); kept as sorted pairs.
       min_tokens: the stop ids cannot end a completion before it holds this
         many tokens, nor can stop strings.
+      allowed_token_ids: sample only among these ids (None: all).
       stop: strings that end the text when they appear (not included,
         unless `include_stop_str_in_output`).
       stop_token_ids: ids that end a completion (included in its tokens).
@@ -224,6 +225,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -247,6 +249,11 @@ class SamplingParams:
         object.__setattr__(self, "repetition_penalty", repetition)
         object.__setattr__(self, "logit_bias", _biases(self.logit_bias))
         _count(self.min_tokens, "min_tokens", 0, self.max_tokens)
+        if self.allowed_token_ids is not None:
+            allowed = tuple(_count(i, "allowed_token_ids", 0) for i in self.allowed_token_ids)
+            if not allowed:
+                raise ValueError("allowed_token_ids must hold one id or more (None: all)")
+            object.__setattr__(self, "allowed_token_ids", allowed)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise TypeError(f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
@@ -274,9 +281,11 @@ class SamplingParams:
 
     @property
     def adjusts(self) -> bool:
-        """Whether its logits need `Adjustments`: penalties, biases, `min_tokens` or structured outputs."""
+        """Whether its logits need `Adjustments`: penalties, biases, `min_tokens`, `allowed_token_ids` or
+        structured outputs."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.structured_outputs is not None)
+                    or self.logit_bias or self.min_tokens or self.structured_outputs is not None
+                    or self.allowed_token_ids is not None)
 
     def stop_ids(self, eos_token_ids=()) -> frozenset[int]:
         """The ids that end a completion: `stop_token_ids`, and the model's `eos_token_ids` unless `ignore_eos`."""

@@ -181,7 +181,7 @@ class _App:
         choice.last_token_at = now
         choice.token_ids.append(token.id)
         piece, stopped = choice.stream.push(token.id)
-        strings = [(token, self.tokenizer.decode([token.id], skip_special_tokens=False))] if job.top_logprobs \
+        strings = [(token, job.token_name(self.tokenizer, token.id))] if job.top_logprobs \
             is not None else []
         choice.logprobs += strings
         return _Delta(row, piece, [token.id], strings, "stop" if stopped else None, token.logprob)

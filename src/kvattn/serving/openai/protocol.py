@@ -53,11 +53,11 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none", "auto"), "structural_tag": (), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
     # sampling
-    "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],), "allowed_token_ids": (),
-    "logits_processors": (), "vllm_xargs": (),
+    "length_penalty": (1,), "use_beam_search": (False,), "bad_words": ([],), "logits_processors": (),
+    "vllm_xargs": (),
     # text and prompt handling
     "spaces_between_special_tokens": (True,),
-    "truncate_prompt_tokens": (), "prompt_logprobs": (), "return_tokens_as_token_ids": (False,),
+    "prompt_logprobs": (),
     "documents": (), "chat_template": (), "mm_processor_kwargs": ({},), "suffix": ("",),
     # other modalities and models
     "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
@@ -151,6 +151,12 @@ class _Request(BaseModel):
     """Extra: no end of sequence, stop id or stop string before this many tokens."""
     min_p: Annotated[Number, Field(ge=0, le=1)] = 0.0
     """Extra: sample among the tokens at least this many times as likely as the most likely one."""
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 20)] | None = None
+    """Extra: sample only among these ids."""
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    """Extra: keep only the prompt's last k tokens (-1: as many as the context holds, with `max_tokens`)."""
+    return_tokens_as_token_ids: StrictBool = False
+    """Extra: name each token in the logprobs `token_id:N`, not by its text."""
     response_format: ResponseFormat | None = None
     structured_outputs: Structured | None = None
     """Extra: vLLM's structured outputs (a JSON schema, any JSON object, a regex, a choice or a grammar)."""
@@ -379,6 +385,8 @@ class Job:
     """Completions returned per prompt (`n`); `params.n` are made (`best_of`)."""
     echo: list[str] | None = None
     """With `echo`: each prompt's text, which its completions' text begins with."""
+    tokens_as_ids: bool = False
+    """Name the tokens of the logprobs `token_id:N` (`return_tokens_as_token_ids`)."""
 
     @property
     def rows(self) -> int:
@@ -388,6 +396,10 @@ class Job:
     @property
     def stops(self) -> list[str]:
         return list(self.params.stop)
+
+    def token_name(self, tokenizer: Tokenizer, token_id: int) -> str:
+        """How the logprobs name a token: its text (special tokens too), or `token_id:N`."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else tokenizer.decode([token_id], skip_special_tokens=False)
 
     @property
     def top_logprobs(self) -> int | None:  # None: no logprobs
@@ -414,9 +426,10 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
     """
     served_model(body.model, model_name)
     chat = isinstance(body, ChatRequest)
+    limit = None if body.truncate_prompt_tokens is not None else max_len  # a prompt to truncate may be longer
     try:
         if chat:
-            prompts = [chat_ids(tokenizer, body.messages, at_most=max_len,
+            prompts = [chat_ids(tokenizer, body.messages, at_most=limit,
                                 add_generation_prompt=body.add_generation_prompt,
                                 continue_final_message=body.continue_final_message, tools=body.tools,
                                 template_kwargs=body.chat_template_kwargs)]
@@ -424,7 +437,7 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             prompts = [list(prompt) if isinstance(prompt, list)
-                       else tokenizer.encode(prompt, add_special_tokens=True, at_most=max_len)
+                       else tokenizer.encode(prompt, add_special_tokens=True, at_most=limit)
                        for prompt in body.prompts]
             max_tokens = body.max_tokens or 16
             top_logprobs = body.logprobs
@@ -433,6 +446,14 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
                        param="prompt", code="context_length_exceeded") from None
     except (ValueError, TypeError) as error:
         raise ApiError(400, str(error)) from None
+    if body.truncate_prompt_tokens is not None:
+        keep = body.truncate_prompt_tokens
+        if keep == -1:
+            keep = max_len - (max_tokens or 1)
+        if keep < 1:
+            raise ApiError(400, f"truncate_prompt_tokens keeps {keep} tokens: give max_tokens below the context "
+                                f"of {max_len}", param="truncate_prompt_tokens")
+        prompts = [prompt[-keep:] for prompt in prompts]
     longest = max(len(prompt) for prompt in prompts)
     if not min(len(prompt) for prompt in prompts):
         raise ApiError(400, "a prompt encodes to no tokens", param="prompt")
@@ -452,7 +473,8 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
             n=body.n if chat else body.best_of or body.n,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, logit_bias=_logit_bias(body.logit_bias, tokenizer.vocab_size),
-            min_tokens=body.min_tokens, stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()),
+            min_tokens=body.min_tokens, allowed_token_ids=_ids_in(body.allowed_token_ids, tokenizer.vocab_size),
+            stop=tuple(body.stops), stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, logprobs=top_logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, structured_outputs=body.structured())
         params.sampling.check_vocab(tokenizer.vocab_size)
@@ -463,12 +485,19 @@ def job(body: CompletionRequest | ChatRequest, tokenizer: Tokenizer, *, model_na
         raise ApiError(400, str(error)) from None
     if chat:
         return Job(prompts, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar,
-                   body.tools, body.tool_choice, returned=body.n)
+                   body.tools, body.tool_choice, returned=body.n, tokens_as_ids=body.return_tokens_as_token_ids)
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in body.prompts]
     return Job(prompts, params, params.stop_ids(tokenizer.eos_token_ids), body.return_token_ids, grammar,
-               returned=body.n, echo=echo)
+               returned=body.n, echo=echo, tokens_as_ids=body.return_tokens_as_token_ids)
+
+
+def _ids_in(ids: list[int] | None, vocab_size: int) -> tuple[int, ...] | None:
+    """`allowed_token_ids`, each in the vocabulary."""
+    if ids is not None and max(ids) >= vocab_size:
+        raise ValueError(f"allowed_token_ids are token ids in [0, {vocab_size}), got {max(ids)}")
+    return None if ids is None else tuple(ids)
 
 
 def _logit_bias(biases: dict[str, float] | None, vocab_size: int) -> dict[int, float]:

@@ -23,7 +23,8 @@ class ClientGone(Exception):
     """The client closed its connection before its answer was complete."""
 
 
-def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: bool, offsets: list[int]) -> dict:
+def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: bool, offsets: list[int],
+                   job: Job) -> dict:
     """OpenAI's logprobs object: `{"content": [...]}` for chat, the legacy four lists for completions.
 
     `offsets` are where each token's text starts in the choice's text (its
@@ -31,15 +32,17 @@ def token_logprobs(tokenizer: Tokenizer, tokens: list[tuple[Token, str]], chat: 
     which add their string to `tokens` but nothing to the text, never point
     past its end.
     """
-    decode = tokenizer.decode
+    def name(token_id: int) -> str:
+        return job.token_name(tokenizer, token_id)
+
     if chat:
         return {"content": [
             {"token": text, "logprob": token.logprob, "bytes": list(text.encode()),
-             "top_logprobs": [{"token": (alt := decode([i], skip_special_tokens=False)), "logprob": lp,
+             "top_logprobs": [{"token": (alt := name(i)), "logprob": lp,
                                "bytes": list(alt.encode())} for i, lp in token.top]}
             for token, text in tokens]}
     return {"tokens": [text for _, text in tokens], "token_logprobs": [token.logprob for token, _ in tokens],
-            "top_logprobs": [{decode([i], skip_special_tokens=False): lp for i, lp in token.top}
+            "top_logprobs": [{name(i): lp for i, lp in token.top}
                              for token, _ in tokens],
             "text_offset": offsets}
 
@@ -81,7 +84,7 @@ async def whole(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat:
             prompt = job.echo[row // job.params.n]
             text, choice["offsets"] = prompt + text, [offset + len(prompt) for offset in choice["offsets"]]
         entry = {"index": index, "finish_reason": choice["finish_reason"],
-                 "logprobs": (token_logprobs(tokenizer, choice["tokens"], chat, choice["offsets"])
+                 "logprobs": (token_logprobs(tokenizer, choice["tokens"], chat, choice["offsets"], job)
                               if job.top_logprobs is not None else None)}
         if chat:
             calls = ToolCalls(job.tools, job.tool_choice)
@@ -130,7 +133,7 @@ async def sse(tokenizer: Tokenizer, events, first, head: dict, job: Job, chat: b
     try:
         while not isinstance(item, dict):
             if item.text or item.ids or item.finish_reason:
-                logprobs = (token_logprobs(tokenizer, item.tokens, chat, [offsets[item.index]] * len(item.tokens))
+                logprobs = (token_logprobs(tokenizer, item.tokens, chat, [offsets[item.index]] * len(item.tokens), job)
                             if job.top_logprobs is not None and item.tokens else None)
                 offsets[item.index] += len(item.text)
                 entry = {"index": item.index, "logprobs": logprobs, "finish_reason": item.finish_reason}
