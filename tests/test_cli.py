@@ -224,7 +224,7 @@ def test_serve_refuses_a_max_len_past_the_trained_context_before_loading(monkeyp
     assert "--allow-long-context" in err and err.count("\n") == 1, err
 
 
-def test_serve_accepts_a_long_context_when_told_to(monkeypatch, capsys):
+def test_serve_accepts_a_long_context_and_int8_weights_when_told_to(monkeypatch, capsys):
     loaded = {}
 
     def from_pretrained(path, **kwargs):
@@ -232,8 +232,9 @@ def test_serve_accepts_a_long_context_when_told_to(monkeypatch, capsys):
         raise ValueError("stopped at loading")
 
     monkeypatch.setattr(models, "from_pretrained", from_pretrained)
-    assert cli.main(["serve", str(CHAT), "--port", "0", "--max-len", "1000", "--allow-long-context"]) == 1
-    assert loaded["max_len"] == 1000
+    assert cli.main(["serve", str(CHAT), "--port", "0", "--max-len", "1000", "--allow-long-context",
+                     "--weights", "int8"]) == 1
+    assert loaded["max_len"] == 1000 and loaded["weights"] == "int8"
     lines = capsys.readouterr().err.splitlines()
     assert "past the checkpoint's trained context of 512 positions" in lines[0] and "may degrade" in lines[0]
     assert lines[1].startswith(f"kvattn serve: loading {CHAT} (max_len 1000")

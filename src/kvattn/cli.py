@@ -76,6 +76,8 @@ _SPECULATIVE_HELP = ("ngram:K[:N]: draft up to K tokens per step by prompt looku
 # K + 1 is the width of the verify program, compiled for every batch bucket: a bound turns a typo such as
 # ngram:99999999999 into a usage error rather than an allocation failure deep in compilation.
 _SPECULATIVE_MAX = 64
+_WEIGHTS = ("int8",)
+_WEIGHTS_HELP = "compact weights: int8 with per-output scales (default: float weights in --dtype)"
 _LONG_CONTEXT_HELP = "allow a context past the checkpoint's max_position_embeddings (outputs there may degrade)"
 
 
@@ -127,8 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=_TOP_P, default=None, help="sample within this probability mass")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
-    generate.add_argument("--weights", choices=("int8",), help="compact weights: int8 with per-output scales "
-                          "(default: float weights in --dtype)")
+    generate.add_argument("--weights", choices=_WEIGHTS, help=_WEIGHTS_HELP)
     generate.add_argument("--speculative", type=_speculative, help=_SPECULATIVE_HELP)
     generate.set_defaults(run=functools.partial(_generate, usage=generate))
 
@@ -155,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=_SECONDS, default=30.0,
                        help="on SIGTERM, seconds running requests get to finish")
     serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="computation dtype")
+    serve.add_argument("--weights", choices=_WEIGHTS, help=_WEIGHTS_HELP)
     serve.add_argument("--speculative", type=_speculative, help=_SPECULATIVE_HELP)
     serve.set_defaults(run=functools.partial(_serve, usage=serve))
     return parser
@@ -306,7 +308,7 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
     return launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
                         prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
-                        chat_template=template, model_name=args.model_name, api_key=args.api_key,
+                        weights=args.weights, chat_template=template, model_name=args.model_name, api_key=args.api_key,
                         max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)
 
 

@@ -59,7 +59,7 @@ def test_the_sampler_processes_logits_as_transformers_does(number):
                             repetition_penalty=case["repetition"],
                             logit_bias={int(k): v for k, v in case["bias"].items()}, min_tokens=case["min_tokens"])
     adjusters = _adjusters(params, history, META["prompt_tokens"], logits.shape[1], META["eos_token_ids"])
-    rows = RowSampling.of([(params.sampling, 0, 0, 0)] * len(history), len(history))
+    rows = RowSampling.of([(params.sampling, 0, 0, 0, 0)] * len(history), len(history))
     got = np.asarray(_processed(logits, _filled(adjusters, logits.shape[1]), rows))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(expected))
     finite = np.isfinite(expected)

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvattn.generation.sampling import (
-    RowSampling, Sampling, SamplingParams, draw, filter_rows, filtered, row_keys, sample, sample_rows,
+    MAX_TOP_LOGPROBS, RowSampling, Sampling, SamplingParams, draw, filter_rows, filtered, greedy_tokens, row_keys,
+    sample, sample_rows, scaled_rows,
 )
 
 
@@ -78,8 +79,38 @@ def test_every_face_draws_through_one_sampler():
     want = draw(filter_rows(logits / 0.8, *rows), jax.random.split(key, 4))
     assert sample(logits, key, sampling).tolist() == want.tolist()
     np.testing.assert_array_equal(filtered(logits, sampling), filter_rows(logits / 0.8, *rows))
-    settings_ = RowSampling.of([(sampling, 7, 0, i) for i in range(4)], 4)
+    settings_ = RowSampling.of([(sampling, 7, 0, i, 0) for i in range(4)], 4)
     tokens = sample_rows(logits, settings_)[0]
     assert tokens.tolist() == draw(filter_rows(logits / 0.8, *rows), row_keys(settings_)).tolist()
-    greedy = RowSampling.of([(Sampling(), 7, 0, 0)], 4)
+    greedy = RowSampling.of([(Sampling(), 7, 0, 0, 0)], 4)
     assert sample_rows(logits, greedy)[0].tolist() == jnp.argmax(logits, axis=-1).tolist()
+
+
+SAMPLE_ROWS = jax.jit(sample_rows)
+
+
+@pytest.mark.parametrize("asked", [(0, 0, 0), (0, 3, 0), (20, 20, 20)])
+def test_alternatives_are_log_softmax_to_the_bit_and_made_only_when_a_row_asks(asked):
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 50)).astype(np.float32) * 4)
+    logits = logits.at[0, 7].set(-jnp.inf)
+    rows = RowSampling.of([(Sampling(t), 3, 0, 1, top) for t, top in zip((0.0, 0.7, 1.3), asked)], 3)
+    tokens, chosen, top_ids, top_logprobs = SAMPLE_ROWS(logits, rows)
+    log_softmax = jax.jit(lambda x: jax.nn.log_softmax(scaled_rows(x, rows)[0], axis=-1))(logits)
+    np.testing.assert_array_equal(chosen, jnp.take_along_axis(log_softmax, tokens[:, None], axis=-1)[:, 0])
+    if any(asked):
+        want_logprobs, want_ids = jax.lax.top_k(log_softmax, MAX_TOP_LOGPROBS)
+        np.testing.assert_array_equal(top_ids, want_ids)
+        np.testing.assert_array_equal(top_logprobs, want_logprobs)
+    else:  # nobody asked: no top-k ran
+        assert not np.any(top_ids) and not np.any(top_logprobs)
+
+
+GREEDY = jax.jit(greedy_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([-np.inf, -2.0, -0.5, 0.0, 0.5, 3.0, np.inf, np.nan]), min_size=5, max_size=5),
+                min_size=1, max_size=4))
+def test_greedy_tokens_is_argmax_with_its_ties_nan_and_inf(rows):
+    logits = np.asarray(rows, np.float32)
+    assert GREEDY(logits).tolist() == np.argmax(logits, axis=-1).tolist()

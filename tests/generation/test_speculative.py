@@ -224,8 +224,8 @@ def test_lookup_traces_once_whatever_max_ngram():
 
 def test_verify_rows_without_drafts_samples_as_sample_rows():
     logits = jnp.asarray(np.random.default_rng(5).standard_normal((6, 3, VOCAB)).astype(np.float32))
-    settings = RowSampling.of([(generation.Sampling(t, top_k=k), s, 1, 4) for t, k, s in
-                                      [(0.0, None, 0), (1.0, None, 1), (0.7, 3, 2), (1.3, None, 3)]], 6)
+    settings = RowSampling.of([(generation.Sampling(t, top_k=k), s, 1, 4, top) for t, k, s, top in
+                               [(0.0, None, 0, 0), (1.0, None, 1, 5), (0.7, 3, 2, 0), (1.3, None, 3, 20)]], 6)
     kept, tokens, logprobs, top_ids, _ = speculation.verify_rows(logits, jnp.ones((6, 2), jnp.int32),
                                                                  jnp.zeros(6, jnp.int32), settings)
     want = sample_rows(logits[:, 0], settings)
@@ -314,7 +314,8 @@ def first_tokens() -> dict[str, np.ndarray]:
         # The server's form: every row with its own settings and seed, drafts copied.
         rows = jnp.arange(ROUND_ROWS, dtype=jnp.uint32)
         settings = RowSampling(jnp.full(rows.shape, SAMPLING.temperature), jnp.full(rows.shape, SAMPLING.top_k),
-                                      jnp.ones(rows.shape), jnp.zeros(rows.shape), rows, rows * 0, rows * 0 + 3)
+                                      jnp.ones(rows.shape), jnp.zeros(rows.shape), rows, rows * 0, rows * 0 + 3,
+                                      jnp.zeros(rows.shape, jnp.int32))
         out["rows"] = speculation.verify_rows(logits, copied, widths, settings)[1][:, 0]
         return out
 

@@ -318,7 +318,10 @@ MALFORMED = [
     b'{"model": "chat", "prompt": "a", "guided_grammar": "x y z"}',
     b'{"model": "chat", "prompt": "a", "guided_json": "{not json"}',
     b'{"model": "other", "prompt": "a"}', b'{"model": "chat", "prompt": "a", "stream_options": {"include_usage": true}}',
-    b'{"model": "chat", "prompt": "a", "stop_token_ids": [999]}', b'\xff\xfe', b'{"model": "chat", "prompt": "\\ud800"}',
+    b'{"model": "chat", "prompt": "a", "stop_token_ids": [999]}', b'{"model": "chat", "prompt": "a", "allowed_token_ids": []}',
+    b'{"model": "chat", "prompt": "a", "allowed_token_ids": [999]}',
+    b'{"model": "chat", "prompt": "a", "truncate_prompt_tokens": -2}',
+    b'{"model": "chat", "prompt": "a", "truncate_prompt_tokens": -1, "max_tokens": 100000}', b'\xff\xfe', b'{"model": "chat", "prompt": "\\ud800"}',
 ]
 CHAT_MALFORMED = [
     b'{"model": "chat"}', b'{"model": "chat", "messages": []}', b'{"model": "chat", "messages": [{"role": "user"}]}',
@@ -327,6 +330,13 @@ CHAT_MALFORMED = [
     b'{"model": "chat", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     b'{"model": "chat", "messages": "hi"}',
     b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+    b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": true, '
+    b'"continue_final_message": true}',
+    b'{"model": "chat", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}',
 ]
 
 
@@ -337,7 +347,9 @@ def _mutations(rng: random.Random, count: int):
               "stream", "messages", "stop_token_ids", "ignore_eos", "user", "return_token_ids", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "min_p", "response_format",
               "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "echo",
-              "best_of", "tools", "tool_choice", "chat_template_kwargs"]
+              "best_of", "tools", "tool_choice", "chat_template_kwargs", "parallel_tool_calls", "top_logprobs",
+              "add_generation_prompt", "continue_final_message", "allowed_token_ids", "truncate_prompt_tokens",
+              "return_tokens_as_token_ids"]
     for _ in range(count):
         chat = rng.random() < 0.5
         body = ({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} if chat

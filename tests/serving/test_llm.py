@@ -22,16 +22,18 @@ def llm(name: str, **options) -> kvattn.LLM:
 
 # Each family's blocks, as the paged engine runs them, are checked against transformers in test_server.py and
 # test_speculative.py; here the faces meet: learned positions (gpt2), a sliding window (mistral), QK-norm and
-# prompt lookup (qwen3), one engine per row, so their programs compile once each.
-@pytest.mark.parametrize("family, speculative", [
-    ("gpt2", None), ("mistral", None), ("qwen3", PromptLookup(num_tokens=3, max_ngram=2)),
+# prompt lookup (qwen3), int8 weights (llama: the int8 dots of `generate`), one engine per row, so their programs
+# compile once each.
+@pytest.mark.parametrize("family, speculative, weights", [
+    ("gpt2", None, None), ("mistral", None, None), ("qwen3", PromptLookup(num_tokens=3, max_ngram=2), None),
+    ("llama", None, "int8"),
 ])
-def test_greedy_llm_equals_fixed_batch_generate_token_for_token(family, speculative):
+def test_greedy_llm_equals_fixed_batch_generate_token_for_token(family, speculative, weights):
     want = expected(family)
     prompts = [list(want["prompts"][row, :length]) for row, length in enumerate(want["lengths"])]
-    reference = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=len(prompts))
+    reference = models.from_pretrained(FIXTURES / family, max_len=48, batch_size=len(prompts), weights=weights)
     generated = np.asarray(generation.generate(reference, want["prompts"], 12, lengths=want["lengths"]).tokens)
-    engine = llm(family, speculative=speculative)
+    engine = llm(family, speculative=speculative, weights=weights)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.prompt_token_ids for o in outputs] == prompts
     assert [o.outputs[0].token_ids for o in outputs] == generated.tolist()

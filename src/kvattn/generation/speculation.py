@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvattn.generation.sampling import (
-    MAX_TOP_LOGPROBS, Adjustments, RowSampling, adjusted, draw, filter_rows, filtered, row_keys,
+    Adjustments, RowSampling, adjusted, draw, filter_rows, filtered, greedy_tokens, row_keys, token_logprobs,
 )
 
 __all__ = ["Policy", "lookup", "probabilities", "verify", "verify_rows"]
@@ -164,15 +164,25 @@ def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: In
     """
     rows, width, vocab = logits.shape
     drafting = jnp.arange(width - 1)[None, :] < widths[:, None]
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    greedy_kept = _leading(drafting & (best[:, :-1] == drafts))
-    greedy_token = jnp.take_along_axis(best, greedy_kept[:, None], axis=1)[:, 0]
+    top = greedy_tokens(logits)
+    greedy_kept = _leading(drafting & (top[:, :-1] == drafts))
+    greedy_token = jnp.take_along_axis(top, greedy_kept[:, None], axis=1)[:, 0]
     if temperature is None:
         return greedy_kept, greedy_token, logits
     sampling = temperature > 0
     scaled = logits / jnp.where(sampling, temperature, 1.0)[:, None, None]
+    kept, token = jax.lax.cond(  # an all-greedy batch skips the draws
+        jnp.any(sampling), lambda: _sampled(scaled, drafts, drafting, sampling, greedy_kept, greedy_token, widths,
+                                            top_k, top_p, min_p, keys, q),
+        lambda: (greedy_kept, greedy_token))
+    return kept, token, scaled
+
+
+def _sampled(scaled, drafts, drafting, sampling, greedy_kept, greedy_token, widths, top_k, top_p, min_p, keys, q):
+    """`verify`'s drafts kept and next token where some row samples (its greedy rows keep the greedy answer)."""
+    rows, width, vocab = scaled.shape
     candidates = filter_rows(scaled.reshape(rows * width, vocab), jnp.repeat(top_k, width), jnp.repeat(top_p, width),
-                             None if min_p is None else jnp.repeat(min_p, width)).reshape(logits.shape)
+                             None if min_p is None else jnp.repeat(min_p, width)).reshape(scaled.shape)
     p = jax.nn.softmax(candidates, axis=-1)
     p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
     q_draft = jnp.ones_like(p_draft) if q is None else jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
@@ -190,7 +200,7 @@ def verify(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: In
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)  # rounding only
         last = jnp.where(refused, jnp.log(residual), last)
     drawn = draw(last, keys[jnp.arange(rows), kept])
-    return kept, jnp.where(sampling, drawn, greedy_token).astype(jnp.int32), scaled
+    return kept, jnp.where(sampling, drawn, greedy_token).astype(jnp.int32)
 
 
 def verify_rows(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], widths: Int[Array, " B"],
@@ -206,19 +216,17 @@ def verify_rows(logits: Float[Array, "B R1 V"], drafts: Int[Array, "B R"], width
     Returns:
       `(kept, tokens, logprobs, top_ids, top_logprobs)`: drafts kept `(B,)`; the tokens produced `(B, K1)`
       (the kept drafts, then the target's token, then zeros); each one's log-probability after its row's
-      temperature; the `MAX_TOP_LOGPROBS` most likely tokens and their log-probabilities at each position.
+      temperature; the `MAX_TOP_LOGPROBS` most likely tokens and their log-probabilities at each position
+      (zeros when no row's `settings.top_logprobs` asks).
     """
-    rows, width, vocab = logits.shape
+    rows, width, _ = logits.shape
     at = jnp.arange(width)
-    positions = RowSampling(*(jnp.repeat(field, width) for field in settings[:-1]),
-                            (settings.index[:, None] + at.astype(jnp.uint32)[None, :]).reshape(-1))
+    positions = jax.tree.map(lambda field: jnp.repeat(field, width), settings)._replace(
+        index=(settings.index[:, None] + at.astype(jnp.uint32)[None, :]).reshape(-1))
     keys = row_keys(positions).reshape(rows, width)
     logits = adjusted(logits, adjustments)
     kept, token, scaled = verify(logits, drafts, widths, settings.temperature, settings.top_k, settings.top_p, keys,
                                  min_p=settings.min_p)
     padded = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(at[None, :] < kept[:, None], padded, jnp.where(at[None, :] == kept[:, None], token[:, None], 0))
-    logprobs = jax.nn.log_softmax(scaled, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_TOP_LOGPROBS, vocab))
-    chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
-    return kept, tokens, chosen, top_ids.astype(jnp.int32), top_logprobs
+    return kept, tokens, *token_logprobs(scaled, tokens, jnp.any(settings.top_logprobs > 0))

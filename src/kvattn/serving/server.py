@@ -274,7 +274,7 @@ class Server:
 
     def _rows(self, requests: list[Request | None], size: int | None = None) -> RowSampling:
         """Sampling rows for `requests` (None: an idle row), padded to `size` (default: the batch size)."""
-        rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0) for r in requests]
+        rows = [r.settings() if r is not None else (Sampling(), 0, 0, 0, 0) for r in requests]
         return RowSampling.of(rows, size or self.config.cache.batch_size)
 
     def _adjustments(self, requests: list[Request | None], size: int, width: int | None = None,

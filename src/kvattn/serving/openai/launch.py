@@ -118,7 +118,7 @@ def _bound_templates(tokenizer: Tokenizer) -> None:
 
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
           num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool,
-          speculative: PromptLookup | None, dtype: str, chat_template: str | None, model_name: str | None,
+          speculative: PromptLookup | None, dtype: str, weights: str | None, chat_template: str | None, model_name: str | None,
           api_key: str | None, max_waiting: int, shutdown_seconds: float) -> int:
     """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM;
     returns the exit status (`run`'s).
@@ -137,7 +137,7 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
         say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
         start = time.perf_counter()
         model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=max_batch, dtype=dtype,
-                                       num_pages=num_pages, page_size=page_size)
+                                       weights=weights, num_pages=num_pages, page_size=page_size)
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                              f"{model.config.vocab_size}")
