@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvattn
+from kvattn.kernels import native
 from kvattn.math import ops
 from kvattn.layer.forward import extend
 from kvattn.paging import OutOfPagesError
@@ -114,6 +115,53 @@ def test_paged_equals_contiguous(page_size, cache_dtype):
             if cache_dtype == "float32":
                 for t in range(count[b]):
                     assert_close(got[b, t], model.append(b, xs[b, t]))
+
+
+@pytest.mark.skipif(not native.available(native.PAGED_DECODE_ATTENTION),
+                    reason="kvattn's native paged kernel is not built or cannot run here")
+def test_native_paged_chunks_and_steps_equal_the_reference_and_xla():
+    """Head dims of 16 in a heads-major pool: the CPU's chunks and steps read the pages natively (not XLA's
+    views), and equal float64 and the same layer forced onto XLA, with NaN in every free page."""
+
+    def build(kernel):
+        return kvattn.MultiHeadAttention(4, 64, num_kv_heads=2, batch_size=BATCH, max_len=MAX_LEN, num_pages=16,
+                                         page_size=4, cache_layout="heads_major", decode_kernel=kernel,
+                                         rngs=nnx.Rngs(0))
+
+    native_layer, xla_layer = build("auto"), build("xla")
+    for width, kernel in ((1, native.PAGED_DECODE_ATTENTION), (CHUNK, native.PAGED_PREFILL_ATTENTION)):
+        assert kernel in str(jax.make_jaxpr(
+            functools.partial(extend.__wrapped__, config=native_layer.config, write_first=True))(
+                native_layer.weights, native_layer.paged_cache(jnp.ones((BATCH, 4), jnp.int32),
+                                                               jnp.zeros(BATCH, jnp.int32)),
+                jnp.zeros((BATCH, width, 64)), jnp.ones(BATCH, jnp.int32)))
+    manager = manager_for(native_layer)
+    for _ in range(BATCH):
+        manager.add()
+    model = ReferenceCache(weights_of(native_layer), BATCH)
+    rng = np.random.default_rng(6)
+    xs = jnp.asarray(rng.standard_normal((BATCH, CHUNK, 64)).astype(np.float32))
+    lengths = np.array([3, 1, 0], np.int32)
+    for _ in range(2):  # a chunk over nothing, then over the first
+        poison_free_pages(native_layer, manager)
+        poison_free_pages(xla_layer, manager)
+        batch = manager.reserve(lengths)
+        got, on_xla = (layer.prefill(xs, jnp.asarray(lengths), pages=batch) for layer in (native_layer, xla_layer))
+        np.testing.assert_allclose(got, on_xla, rtol=1e-5, atol=1e-5)
+        for b in range(BATCH):
+            for t in range(lengths[b]):
+                assert_close(got[b, t], model.append(b, xs[b, t]))
+            np.testing.assert_array_equal(got[b, lengths[b]:], 0)
+        xs = xs[:, ::-1]
+    for _ in range(6):
+        x = jnp.asarray(rng.standard_normal((BATCH, 64)).astype(np.float32))
+        poison_free_pages(native_layer, manager)
+        poison_free_pages(xla_layer, manager)
+        batch = manager.reserve(np.ones(BATCH, np.int32))
+        got, on_xla = (layer.step(x, pages=batch) for layer in (native_layer, xla_layer))
+        np.testing.assert_allclose(got, on_xla, rtol=1e-5, atol=1e-5)
+        for b in range(BATCH):
+            assert_close(got[b], model.append(b, x[b]))
 
 
 def test_windowed_paged_layer_equals_the_ring_and_frees_pages():

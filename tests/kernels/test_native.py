@@ -146,6 +146,52 @@ def _decode_poisons(rng):
     return cases
 
 
+# ---------------------------------------------------- paged_decode_attention
+
+
+def _paged(rng, keys, values, held, page):
+    """Caches `(B, K, S, H)` as pools `(P, K, page, H)` and a table: each sequence's first `held[b]` positions in
+    shuffled pages, every other slot (free pages, page tails) NaN, which must never be read."""
+    batch, kv_heads, _, head_dim = keys.shape
+    blocks = max(1, -(-max(held) // page))
+    pages = 1 + batch * blocks + 2  # the null page, each sequence's blocks, two free pages
+    pool = np.full((2, pages, kv_heads, page, head_dim), np.nan, np.float32)
+    table = rng.permutation(np.arange(1, pages))[: batch * blocks].reshape(batch, blocks).astype(np.int32)
+    for b, length in enumerate(held):
+        for j in range(-(-length // page)):
+            used = min(page, length - j * page)
+            pool[:, table[b, j], :, :used] = np.stack([keys, values])[:, b, :, j * page : j * page + used]
+    return pool[0], pool[1], table
+
+
+def _paged_case(rng, kv_heads, group, head_dim, page, filled, spread=1.0, poison=None):
+    """A step over shuffled pages (`_paged`), against float64 over the same positions laid out contiguously."""
+    batch, slots = len(filled), max(1, -(-max(filled) // page)) * page
+    q = (spread * rng.standard_normal((batch, kv_heads, group, head_dim))).astype(np.float32)
+    keys, values = rng.standard_normal((2, batch, kv_heads, slots, head_dim)).astype(np.float32)
+    if poison is not None:
+        slot, dims, value = poison
+        keys[0, 0, slot, dims] = value
+    k_pages, v_pages, table = _paged(rng, keys, values, filled, page)
+    filled = np.asarray(filled, np.int32)
+    return (q, k_pages, v_pages, table, filled), _decode_sums64(q, keys, values, filled)
+
+
+def _paged_cases(rng):
+    # Part of a page, whole pages, ragged sequences (one with nothing), pages of 1 and 16, spread scores.
+    return {
+        "mha-one-slot-pages": _paged_case(rng, 1, 1, 16, 1, [3]),
+        "gqa3-ragged-pages-of-4": _paged_case(rng, 2, 3, 32, 4, [9, 0, 4, 13]),
+        "gqa2-pages-of-16-spread8": _paged_case(rng, 3, 2, 64, 16, [40, 16], spread=8.0),
+    }
+
+
+def _paged_poisons(rng):
+    return {name: _paged_case(rng, 1, 2, 16, 4, [10], poison=where) for name, where in
+            (("a NaN key", (3, 0, np.nan)), ("an inf key", (3, slice(None), np.inf)),
+             ("a NaN in the last visible slot", (9, 0, np.nan)))}
+
+
 # --------------------------------------------------------- prefill_attention
 
 
@@ -192,6 +238,25 @@ def _prefill_poisons(rng):
     return cases
 
 
+# --------------------------------------------------- paged_prefill_attention
+
+
+def _paged_chunk(case, page, rng):
+    """A `prefill_attention` case with its caches moved into shuffled pages (`_paged`); the same answer."""
+    (q, k_new, v_new, keys, values, cache_len, new_len), want = case
+    k_pages, v_pages, table = _paged(rng, keys, values, [max(int(n), 1) for n in cache_len], page)
+    return (q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len), want
+
+
+def _paged_prefill_cases(rng):
+    pages = {"mha-empty-cache": 1, "gqa3-ragged-padding": 4, "gqa2-h80-spread8": 16, "h128": 2}
+    return {name: _paged_chunk(case, pages[name], rng) for name, case in _prefill_cases(rng).items()}
+
+
+def _paged_prefill_poisons(rng):
+    return {name: _paged_chunk(case, 4, rng) for name, case in _prefill_poisons(rng).items()}
+
+
 # ------------------------------------------------------------------ the harness
 
 HARNESS = {
@@ -210,6 +275,20 @@ HARNESS = {
         ([(1, 2, 1, 12), (1, 2, 5, 12), (1, 2, 5, 12), (1,)], [F32, F32, F32, I32], ValueError, "H a multiple of 16"),
         ([(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,)], [F32, F32, F32, np.int64], TypeError,
          "visible must be int32, got int64"),
+    )),
+    native.PAGED_DECODE_ATTENTION: Harness(_paged_cases, _paged_poisons, misuses=(
+        ([(1, 2, 1, 16), (3, 2, 4, 16), (3, 2, 4, 16), (2, 2), (1,)], [F32, F32, F32, I32, I32], ValueError,
+         r"table \(B, M\), filled \(B,\); got .*int32\(2, 2\)"),
+        ([(1, 2, 1, 16), (3, 2, 4, 16), (3, 1, 4, 16), (1, 2), (1,)], [F32, F32, F32, I32, I32], ValueError,
+         r"pools \(P, K, page, H\)"),
+        ([(1, 2, 1, 16), (3, 2, 4, 16), (3, 2, 4, 16), (1, 2), (1,)], [F32, F32, F32, np.int64, I32], TypeError,
+         "table must be int32, got int64"),
+    )),
+    native.PAGED_PREFILL_ATTENTION: Harness(_paged_prefill_cases, _paged_prefill_poisons, misuses=(
+        ([(1, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16), (4, 3, 4, 16), (4, 3, 4, 16), (1, 2), (1,), (1,)],
+         [F32] * 5 + [I32] * 3, ValueError, r"pools \(P, K, page, H\)"),
+        ([(1, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16), (4, 2, 4, 16), (4, 2, 4, 16), (1, 2), (1,), (1,)],
+         [F32] * 5 + [np.int64, I32, I32], TypeError, "table must be int32, got int64"),
     )),
     native.PREFILL_ATTENTION: Harness(_prefill_cases, _prefill_poisons,
                                       twin_leaks=frozenset(XLA_LEAKS["ops.attention heads-major"]), misuses=(
@@ -360,6 +439,27 @@ def test_the_f32_dot_gives_each_row_the_same_bits_alone():
     got = np.asarray(native.f32_dot(x, panels))
     for row in (0, 8, 20):
         np.testing.assert_array_equal(np.asarray(native.f32_dot(x[row:row + 1], panels))[0], got[row])
+
+
+def test_the_paged_kernels_give_the_contiguous_kernels_bits():
+    """Read page by page, each sum runs in position order as over a contiguous cache: the same bits."""
+    for target in (native.DECODE_ATTENTION, native.PAGED_DECODE_ATTENTION):
+        _needs(native.kernel(target))
+    (q, k_pages, v_pages, table, filled), _ = _paged_case(np.random.default_rng(5), 2, 3, 32, 4, [9, 0, 4, 13])
+
+    def contiguous(pool):
+        return np.swapaxes(pool[table], 1, 2).reshape(len(table), pool.shape[1], -1, pool.shape[-1])
+
+    paged = native.paged_decode_attention(q, k_pages, v_pages, table, filled)
+    want = native.decode_attention(q, contiguous(k_pages), contiguous(v_pages), filled)
+    for got, expected in zip(paged, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    _needs(native.kernel(native.PAGED_PREFILL_ATTENTION))
+    (q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len), _ = _paged_prefill_cases(
+        np.random.default_rng(6))["gqa3-ragged-padding"]
+    np.testing.assert_array_equal(
+        native.paged_prefill_attention(q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len),
+        native.prefill_attention(q, k_new, v_new, contiguous(k_pages), contiguous(v_pages), cache_len, new_len))
 
 
 def test_a_cached_layer_differentiates_on_the_native_kernels_as_on_xla():

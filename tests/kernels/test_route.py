@@ -111,6 +111,21 @@ def test_auto_runs_the_native_kernel_on_a_cpu_for_a_decode_step_it_serves():
 
 
 @needs_native
+def test_auto_runs_the_native_paged_kernel_on_a_cpu_for_a_decode_step_it_serves(monkeypatch):
+    """A float32 heads-major pool without a window or soft-cap; never a chunk, never a pool it cannot read."""
+    heads = dict(**PAGED, cache_layout="heads_major")
+    assert native.PAGED_DECODE_ATTENTION in attention_jaxpr(config(**heads))
+    assert native.PAGED_DECODE_ATTENTION not in attention_jaxpr(config(**heads), num_new=3)
+    keeps_xla = {"slots-major": PAGED, "window": dict(heads, window=8), "int8": dict(heads, cache_dtype="int8"),
+                 "bfloat16": dict(heads, cache_dtype="bfloat16"), "soft-cap": dict(heads, logit_softcap=5.0),
+                 "head_dim 24": dict(heads, head_dim=24), "forced xla": dict(heads, decode_kernel="xla")}
+    for why, options in keeps_xla.items():
+        assert native.PAGED_DECODE_ATTENTION not in attention_jaxpr(config(**options)), why
+    monkeypatch.setattr(route, "on_gpu", lambda: True)
+    assert native.PAGED_DECODE_ATTENTION not in attention_jaxpr(config(**heads))
+
+
+@needs_native
 def test_auto_runs_the_native_prefill_kernel_on_a_cpu_for_a_chunk_it_serves(monkeypatch):
     """A chunk read first over a contiguous float32 heads-major cache; never a step, never where XLA's path is kept."""
     assert native.PREFILL_ATTENTION in attention_jaxpr(config(cache_layout="heads_major"), num_new=3)

@@ -29,8 +29,9 @@ are logical: slot s of a view starting at block f holds position
 implements `kvattn.caches.base.CacheType` (`fits`, `attend`, `commit`;
 `variables`, `bind`, `unbind` on the layer's side): it always writes first,
 then reads, so `commit` has nothing left to write. A decode step may read through
-jax's Pallas paged-attention kernel instead (`kvattn.kernels.route`), which
-reads the pool where it lies, whole pages at a time.
+jax's Pallas paged-attention kernel instead (on a GPU), or kvattn's native
+one (on the CPU; `kvattn.kernels.route`), each reading the pool where it
+lies, page by page.
 """
 
 from __future__ import annotations
@@ -148,7 +149,13 @@ class PagedKVCache:
         old_pos = self.pos
         cache = append(self, k, v, written)
         filled = old_pos + written
-        path = kernels.paged_path(self.kernel, q.shape[1], self.k.values, self.layout, window=self.window)
+        path = kernels.paged_path(self.kernel, q.shape[1], self.k.values, self.layout, window=self.window,
+                                  logit_softcap=self.logit_softcap)
+        if path == "native" and q.shape[1] > 1:  # the chunk from k, v; what came before from the pages
+            return kernels.cpu.paged_chunk(q, k, v, written, cache.k.values, cache.v.values, cache.table,
+                                           old_pos), cache
+        if path == "native":  # reads no slot past `filled`: the page tails need no zeroing
+            return kernels.cpu.paged_step(q, written, cache.k.values, cache.v.values, cache.table, filled), cache
         if path != "xla":
             cache = zero_page_tails(cache, filled, written)
             ctx = kernels.paged_step(

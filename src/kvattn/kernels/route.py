@@ -7,8 +7,8 @@ as `cache_kernel` passes it on) and from what the call asks:
   - `"xla"`: `kvattn.math.ops`.
   - `"auto"`: on a GPU, the Pallas kernel where it serves the call
     (`contiguous_limits`, `paged_limits`) and reads the cache in place; on
-    the CPU, the native kernel under the same conditions (`native_limits`);
-    else `kvattn.math.ops`.
+    the CPU, the native kernel under the same conditions (`native_limits`,
+    `native_paged_limits`); else `kvattn.math.ops`.
   - `"pallas"`: the Pallas kernel, or `UnsupportedConfigError` naming what it
     lacks (a backend that is not a GPU included).
   - `"interpret"`: the Pallas kernel in its interpret mode, on any backend
@@ -17,7 +17,8 @@ as `cache_kernel` passes it on) and from what the call asks:
   kernel under `"auto"` on a CPU backend, for a contiguous cache read first
   that it serves; XLA everywhere else. No Pallas kernel takes chunks, so a
   forced mode (`"pallas"`, `"interpret"`) leaves chunks on XLA rather than
-  refusing them; paged chunks always run on XLA.
+  refusing them; a paged chunk takes the native paged prefill kernel under
+  the same rule (`native_paged_limits`).
 - **a weight dot** (`use_panels`, `use_tiles`: which form a model stores;
   `panel_dot`, `tiled_dot`: what `kvattn.kernels.dots.dense` runs): the
   native dots where they are available on the CPU backend, XLA's dot of the
@@ -43,8 +44,8 @@ from kvattn.kernels import cpu, native, pallas
 from kvattn.math import quant
 
 __all__ = [
-    "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "native_limits", "on_gpu",
-    "paged_limits", "paged_path", "panel_dot", "step_path", "tiled_dot", "use_panels", "use_tiles",
+    "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "native_limits",
+    "native_paged_limits", "on_gpu", "paged_limits", "paged_path", "panel_dot", "step_path", "tiled_dot", "use_panels", "use_tiles",
 ]
 
 
@@ -270,15 +271,44 @@ def contiguous_attention(
     return run(q, lengths, old_pos, new=(k, v))
 
 
-def paged_path(mode: str, num_new: int, k_pages: Shaped[Array, "P ..."], layout: str, *, window: int | None) -> str:
-    """Which path attention over a paged pool takes: `"xla"` for a chunk, else `step_path` with `paged_limits`.
+def native_paged_limits(k_pages: Shaped[Array, "P ..."], layout: str, *, window: int | None,
+                        logit_softcap: float | None, kernel: str = native.PAGED_DECODE_ATTENTION) -> str | None:
+    """Why the native paged `kernel` (`native.PAGED_DECODE_ATTENTION` for a step, `PAGED_PREFILL_ATTENTION` for
+    a chunk) cannot serve a call over this pool, or None.
 
-    A kernel path (`"pallas"`, `"interpret"`) runs `kvattn.kernels.pallas.paged_step`
-    over the pool written first with its page tails zeroed.
+    Both read float32 heads-major pages, from each sequence's first position
+    (no window), without a soft-cap, head dims in 16-float vectors.
+    """
+    reason = native.unavailable_reason(kernel)
+    if reason is not None:
+        return f"kvattn's native {kernel.removeprefix('kvattn_')} cannot run here: {reason}"
+    if layout != HEADS_MAJOR:
+        return "the native paged kernel reads heads-major pools"
+    if k_pages.dtype != jnp.float32:
+        return f"the pool is {k_pages.dtype}; the native paged kernel reads float32 pools"
+    if window is not None:
+        return "the native paged kernel has no window (it reads from each sequence's first position)"
+    if logit_softcap is not None:
+        return "the native paged kernel has no logit soft-cap"
+    if k_pages.shape[-1] % 16:
+        return f"head_dim {k_pages.shape[-1]} is not a multiple of 16"
+    return None
+
+
+def paged_path(mode: str, num_new: int, k_pages: Shaped[Array, "P ..."], layout: str, *, window: int | None,
+               logit_softcap: float | None = None) -> str:
+    """Which path attention over a paged pool takes: for a chunk, `chunk_path` with the native paged prefill
+    kernel; for a step, `step_path` with `paged_limits` and `native_paged_limits`.
+
+    A Pallas path (`"pallas"`, `"interpret"`) runs `kvattn.kernels.pallas.paged_step`
+    over the pool written first with its page tails zeroed; `"native"` runs
+    `kvattn.kernels.cpu.paged_step` (a step) or `paged_chunk` (a chunk).
     """
     if num_new > 1:
-        return "xla"
-    return step_path(mode, paged_limits(k_pages, layout, window=window))
+        return chunk_path(mode, native_paged_limits(k_pages, layout, window=window, logit_softcap=logit_softcap,
+                                                    kernel=native.PAGED_PREFILL_ATTENTION))
+    return step_path(mode, paged_limits(k_pages, layout, window=window),
+                     native_cannot=native_paged_limits(k_pages, layout, window=window, logit_softcap=logit_softcap))
 
 
 # ------------------------------------------------------------------ weight dots

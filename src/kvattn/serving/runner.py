@@ -39,7 +39,8 @@ class Runner:
     """
 
     def __init__(self, model: CausalLM):
-        self._graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
+        graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
+        self._graphdef = _Static(graphdef)
         self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each call may donate it
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
 
@@ -113,13 +114,30 @@ class Runner:
         return outputs
 
 
+class _Static:
+    """A graphdef as a jit static argument, hashed once: flax hashes a `GraphDef` anew on every call, node by
+    node, which a step would pay each time. Equal graphdefs stay equal, so equal models share programs."""
+
+    __slots__ = ("graphdef", "_hash")
+
+    def __init__(self, graphdef):
+        self.graphdef, self._hash = graphdef, hash(graphdef)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Static) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
+
+
 _lookup = jax.jit(lookup, static_argnames=("num_tokens", "max_ngram"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, rows, adjustments):
     """A chunk of one sequence; every row of `rows` samples from its last logits (the choices of a request)."""
-    model = nnx.merge(graphdef, params, pools)
+    model = nnx.merge(graphdef.graphdef, params, pools)
     logits = model.prefill(tokens, length, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
     logits = jnp.broadcast_to(logits, (rows.seed.shape[0], logits.shape[-1]))
     return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
@@ -127,7 +145,7 @@ def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_f
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, rows, adjustments):
-    model = nnx.merge(graphdef, params, pools)
+    model = nnx.merge(graphdef.graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
     return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
 
@@ -135,7 +153,7 @@ def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_fr
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _verify_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows, adjustments):
     """A speculative round: each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk."""
-    model = nnx.merge(graphdef, params, pools)
+    model = nnx.merge(graphdef.graphdef, params, pools)
     logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to))
     kept = verify_rows(logits, tokens[:, 1:], jnp.maximum(lengths - 1, 0), rows, adjustments)
     return *kept, nnx.state(model, nnx.Cache)

@@ -9,6 +9,12 @@
 - `decode_attention` (`decode_attention.cc`): one query per sequence and
   head over a contiguous float32 heads-major cache, unnormalised with its
   residuals, as jax's Pallas GPU decode kernel returns them.
+- `paged_decode_attention` (`decode_attention.cc`): the same sums over a
+  paged float32 pool `(P, K, page, H)`, read page by page through each
+  sequence's page table where the pages lie (XLA's path gathers them into
+  a view first).
+- `paged_prefill_attention` (`prefill_attention.cc`): `prefill_attention`
+  with the cached keys and values read from a paged float32 pool.
 - `prefill_attention` (`prefill_attention.cc`): a chunk of new tokens over
   a contiguous float32 heads-major cache and causally over themselves,
   `kvattn.math.ops.attention` without a window or a soft-cap.
@@ -48,6 +54,8 @@ __all__ = [
     "F32_DOT",
     "INT8_DOT",
     "KERNELS",
+    "PAGED_DECODE_ATTENTION",
+    "PAGED_PREFILL_ATTENTION",
     "PREFILL_ATTENTION",
     "Kernel",
     "available",
@@ -58,6 +66,10 @@ __all__ = [
     "int8_dot",
     "int8_dot_on_xla",
     "kernel",
+    "paged_decode_attention",
+    "paged_decode_attention_on_xla",
+    "paged_prefill_attention",
+    "paged_prefill_attention_on_xla",
     "prefill_attention",
     "prefill_attention_on_xla",
     "unavailable_reason",
@@ -67,6 +79,8 @@ __all__ = [
 INT8_DOT = "kvattn_int8_dot"
 F32_DOT = "kvattn_f32_dot"
 DECODE_ATTENTION = "kvattn_decode_attention"
+PAGED_DECODE_ATTENTION = "kvattn_paged_decode_attention"
+PAGED_PREFILL_ATTENTION = "kvattn_paged_prefill_attention"
 PREFILL_ATTENTION = "kvattn_prefill_attention"
 
 
@@ -273,6 +287,40 @@ def decode_attention(
     return _call(DECODE_ATTENTION)(q, k_cache, v_cache, visible)
 
 
+def paged_decode_attention(
+    q: Float[Array, "B K G H"], k_pages: Float[Array, "P K page H"], v_pages: Float[Array, "P K page H"],
+    table: Int32[Array, "B M"], filled: Int32[Array, " B"],
+) -> tuple[Float[Array, "B K G H"], Float[Array, "B K G"], Float[Array, "B K G"]]:
+    """`decode_attention` over positions `0 .. filled[b] - 1` of a paged pool: `(o, total, top)`.
+
+    Sequence b's position `j * page + s` lies in slot s of page
+    `table[b, j]` of the pools `(P, K, page, H)` (heads-major pages, as
+    `kvattn.caches.paged` lays them out); the kernel reads the pages where
+    they lie, and never a slot at or past `filled[b]` (clamped to the
+    table's `M * page`), so a page's free tail may hold anything. A table
+    entry outside `[0, P)` reads the nearest page (a pool is never read
+    past). Each sum runs in position order, so the outputs are
+    `decode_attention`'s over the same positions laid out contiguously, to
+    the bit. CPU only, when `available()`; differentiable through its twin.
+
+    Raises:
+      TypeError: q or the pools not float32, or table or filled not int32.
+      ValueError: shapes other than those above (`H` a multiple of 16).
+      RuntimeError: the kernel cannot run here.
+    """
+    caller = "paged_decode_attention"
+    _expect_dtype(caller, jnp.float32, q=q, k_pages=k_pages, v_pages=v_pages)
+    _expect_dtype(caller, jnp.int32, table=table, filled=filled)
+    batch, kv_heads, _, head_dim = q.shape if q.ndim == 4 else (None,) * 4
+    _expect(q.ndim == 4 and head_dim % 16 == 0 and k_pages.shape == v_pages.shape and k_pages.ndim == 4
+            and (k_pages.shape[1], k_pages.shape[3]) == (kv_heads, head_dim) and k_pages.shape[0] >= 1
+            and k_pages.shape[2] >= 1 and table.ndim == 2 and table.shape[0] == batch and filled.shape == (batch,),
+            caller, "q (B, K, G, H) with H a multiple of 16, pools (P, K, page, H), table (B, M), filled (B,)",
+            q, k_pages, v_pages, table, filled)
+    _ready(PAGED_DECODE_ATTENTION, caller)
+    return _call(PAGED_DECODE_ATTENTION)(q, k_pages, v_pages, table, filled)
+
+
 def prefill_attention(
     q: Float[Array, "B T N H"], k_new: Float[Array, "B T K H"], v_new: Float[Array, "B T K H"],
     k_cache: Float[Array, "B K S H"], v_cache: Float[Array, "B K S H"], cache_len: Int32[Array, " B"],
@@ -308,6 +356,43 @@ def prefill_attention(
     return _call(PREFILL_ATTENTION)(q, k_new, v_new, k_cache, v_cache, cache_len, new_len)
 
 
+def paged_prefill_attention(
+    q: Float[Array, "B T N H"], k_new: Float[Array, "B T K H"], v_new: Float[Array, "B T K H"],
+    k_pages: Float[Array, "P K page H"], v_pages: Float[Array, "P K page H"], table: Int32[Array, "B M"],
+    cache_len: Int32[Array, " B"], new_len: Int32[Array, " B"],
+) -> Float[Array, "B T N H"]:
+    """`prefill_attention` with the cached positions `0 .. cache_len[b] - 1` read from a paged pool.
+
+    Position `j * page + s` of sequence b lies in slot s of page
+    `table[b, j]` of the pools `(P, K, page, H)` (heads-major pages), read
+    where it lies; the new tokens come from `k_new`, `v_new` (a pool written
+    first holds the same values). `cache_len` is clamped to the table's
+    `M * page`; a table entry outside `[0, P)` reads the nearest page. The
+    outputs are `prefill_attention`'s over the same positions laid out
+    contiguously, to the bit. CPU only, when `available()`; differentiable
+    through its twin.
+
+    Raises:
+      TypeError: a float operand not float32, or table or lengths not int32.
+      ValueError: shapes other than those above (`K` dividing `N`, `H` a multiple of 16).
+      RuntimeError: the kernel cannot run here.
+    """
+    caller = "paged_prefill_attention"
+    _expect_dtype(caller, jnp.float32, q=q, k_new=k_new, v_new=v_new, k_pages=k_pages, v_pages=v_pages)
+    _expect_dtype(caller, jnp.int32, table=table, cache_len=cache_len, new_len=new_len)
+    batch, num_new, heads, head_dim = q.shape if q.ndim == 4 else (None,) * 4
+    kv_heads = k_new.shape[2] if k_new.ndim == 4 else 0
+    _expect(q.ndim == 4 and head_dim % 16 == 0 and k_new.shape == v_new.shape == (batch, num_new, kv_heads, head_dim)
+            and kv_heads and heads % kv_heads == 0 and k_pages.shape == v_pages.shape and k_pages.ndim == 4
+            and (k_pages.shape[1], k_pages.shape[3]) == (kv_heads, head_dim) and k_pages.shape[0] >= 1
+            and k_pages.shape[2] >= 1 and table.ndim == 2 and table.shape[0] == batch
+            and cache_len.shape == new_len.shape == (batch,), caller,
+            "q (B, T, N, H) with H a multiple of 16, new keys and values (B, T, K, H) with K dividing N, pools "
+            "(P, K, page, H), table (B, M), lengths (B,)", q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len)
+    _ready(PAGED_PREFILL_ATTENTION, caller)
+    return _call(PAGED_PREFILL_ATTENTION)(q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len)
+
+
 # ------------------------------------------------------------------ the XLA twins
 
 
@@ -338,6 +423,33 @@ def decode_attention_on_xla(
     return jnp.einsum("bkgs,bksh->bkgh", weights, values), jnp.sum(weights, axis=-1), top
 
 
+def _gathered(pool: Float[Array, "P K page H"], table: Int32[Array, "B M"]) -> Float[Array, "B K S H"]:
+    """Each sequence's pages laid out contiguously, `S = M * page` (an entry outside `[0, P)`: the nearest page)."""
+    view = jnp.swapaxes(pool[jnp.clip(table, 0, pool.shape[0] - 1)], 1, 2)  # (B, K, M, page, H)
+    return view.reshape(*view.shape[:2], -1, view.shape[-1])
+
+
+def paged_decode_attention_on_xla(
+    q: Float[Array, "B K G H"], k_pages: Float[Array, "P K page H"], v_pages: Float[Array, "P K page H"],
+    table: Int32[Array, "B M"], filled: Int32[Array, " B"],
+) -> tuple[Float[Array, "B K G H"], Float[Array, "B K G"], Float[Array, "B K G"]]:
+    """What `paged_decode_attention` computes: `decode_attention_on_xla` over each sequence's pages gathered."""
+    return decode_attention_on_xla(q, _gathered(k_pages, table), _gathered(v_pages, table), filled)
+
+
+def paged_prefill_attention_on_xla(q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len
+                                   ) -> Float[Array, "B T N H"]:
+    """What `paged_prefill_attention` computes: `prefill_attention_on_xla` over each sequence's pages gathered,
+    the slots it never reads zeroed (a free page's NaN would meet a weight of 0 there)."""
+    held = jnp.clip(cache_len, 0, table.shape[1] * k_pages.shape[2])
+
+    def read(pool):
+        view = _gathered(pool, table)
+        return jnp.where((jnp.arange(view.shape[2])[None, :] < held[:, None])[:, None, :, None], view, 0.0)
+
+    return prefill_attention_on_xla(q, k_new, v_new, read(k_pages), read(v_pages), held, new_len)
+
+
 def prefill_attention_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_len) -> Float[Array, "B T N H"]:
     """What `prefill_attention` computes: `kvattn.math.ops.attention` over heads-major caches."""
     return ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, ops.HEADS_MAJOR)
@@ -362,6 +474,19 @@ def _decode_example(rng):
     return q[:, :, :1], k_cache, v_cache, np.array([3], np.int32)
 
 
+def _paged_decode_example(rng):
+    q = rng.standard_normal((1, 1, 1, 16)).astype(np.float32)
+    k_pages, v_pages = rng.standard_normal((2, 3, 1, 2, 16)).astype(np.float32)
+    return q, k_pages, v_pages, np.array([[2, 1]], np.int32), np.array([3], np.int32)
+
+
+def _paged_prefill_example(rng):
+    q, k_new, v_new = rng.standard_normal((3, 1, 2, 1, 16)).astype(np.float32)
+    k_pages, v_pages = rng.standard_normal((2, 3, 1, 2, 16)).astype(np.float32)
+    return (q, k_new, v_new, k_pages, v_pages, np.array([[2, 1]], np.int32), np.array([3], np.int32),
+            np.array([2], np.int32))
+
+
 def _prefill_example(rng):
     q, k_new, v_new = rng.standard_normal((3, 1, 2, 1, 16)).astype(np.float32)
     k_cache, v_cache = rng.standard_normal((2, 1, 1, 3, 16)).astype(np.float32)
@@ -374,5 +499,9 @@ KERNELS = (
            differentiable=False, tolerance=0.0),
     Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx512f",), _f32_example),
     Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx512f",), _decode_example),
+    Kernel("paged_decode_attention", paged_decode_attention, paged_decode_attention_on_xla, ("avx512f",),
+           _paged_decode_example),
+    Kernel("paged_prefill_attention", paged_prefill_attention, paged_prefill_attention_on_xla, ("avx512f",),
+           _paged_prefill_example),
     Kernel("prefill_attention", prefill_attention, prefill_attention_on_xla, ("avx512f",), _prefill_example),
 )

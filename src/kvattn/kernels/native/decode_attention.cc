@@ -1,22 +1,31 @@
-// kvattn's decode attention for XLA:CPU: one query per sequence and head over a contiguous float32 cache.
+// kvattn's decode attention for XLA:CPU: one query per sequence and head over a float32 cache, contiguous
+// (`decode_attention`) or paged (`paged_decode_attention`).
 //
 // For each sequence b, kv head k and query g of its group, over slots
-// s < visible[b] of the heads-major caches (B, K, S, H):
+// s < visible[b] of the sequence's keys and values:
 //   score[s] = q[b, k, g] . keys[b, k, s]
 //   top      = max_s score[s]
 //   total    = sum_s exp(score[s] - top)
 //   o        = sum_s exp(score[s] - top) values[b, k, s]
 // unnormalised, as jax's Pallas decode kernel returns them with its
-// residuals, so `kvattn.kernels.contiguous_step` folds in the new token and
-// divides alike for both. Slots at or past visible[b] are never read; with
-// none visible, o and total are 0 and top is -inf (exp: `kvattn::Exp`). A
-// NaN or inf among the visible scores spreads as in a float64 softmax: top
-// NaN or +inf, weights NaN.
+// residuals, so `kvattn.kernels.cpu` folds in the new token and divides
+// alike for both. Slots at or past visible[b] are never read; with none
+// visible, o and total are 0 and top is -inf (exp: `kvattn::Exp`). A NaN or
+// inf among the visible scores spreads as in a float64 softmax: top NaN or
+// +inf, weights NaN.
 //
-// XLA's own path for this step reads a cache bucket under a `cond`, with a
-// scores dot, a masked softmax and a values dot as separate thunks; this
-// reads the visible slots once per (b, k), splitting the pairs over XLA's
-// intra-op thread pool.
+// The contiguous caches are heads-major (B, K, S, H). A paged pool is
+// (P, K, page, H), heads-major within each page, and table[b, j] names the
+// page holding the sequence's slots j*page .. (j+1)*page - 1 (an entry
+// outside [0, P) reads page 0 or P - 1, never past the pool): the same
+// sums, read page by page where the pages lie, with no copy into a view.
+// Each sum runs over s in order whatever the layout, so a sequence's
+// outputs are the same bits paged or contiguous.
+//
+// XLA's own path for this step reads a cache bucket under a `cond` (a paged
+// one gathers its pages into views first), with a scores dot, a masked
+// softmax and a values dot as separate thunks; this reads the visible
+// slots once per (b, k), splitting the pairs over XLA's intra-op thread pool.
 
 #include <algorithm>
 #include <cmath>
@@ -36,20 +45,46 @@ namespace {
 
 using kvattn::Exp;
 
-// One (b, k) pair: G queries of H (a multiple of 16) over `visible` slots of `keys` and `values` (S, H).
-KVATTN_AVX512 void Pair(const float* q, const float* keys, const float* values, int64_t visible, int64_t G,
-                        int64_t H, float* o, float* total, float* top, std::vector<float>& scores) {
+// Where one (b, k) pair's slots lie in a contiguous cache: one run of rows of H from `base`.
+struct Contiguous {
+  const float* base;
+  int64_t H;
+  int64_t span;  // slots from `at(first)` that lie one after another: all of them
+  const float* at(int64_t first) const { return base + first * H; }
+};
+
+// Where one (b, k) pair's slots lie in a paged pool (P, K, page, H): runs of `span` = page slots, the run
+// from slot `first` (a multiple of the page) in page table[first / page].
+struct Pages {
+  const float* pool;
+  const int32_t* table;
+  int64_t P, K, k, H, span;
+  const float* at(int64_t first) const {
+    const int64_t page = std::clamp<int64_t>(table[first / span], 0, P - 1);
+    return pool + ((page * K + k) * span) * H;
+  }
+};
+
+// One (b, k) pair: G queries of H (a multiple of 16) over `visible` slots of `keys` and `values`, read run
+// by run (`Contiguous` or `Pages`), each sum in slot order.
+template <typename Slots>
+KVATTN_AVX512 void Pair(const float* q, Slots keys, Slots values, int64_t visible, int64_t G, int64_t H, float* o,
+                        float* total, float* top, std::vector<float>& scores) {
   const int64_t chunks = H / 16;
   const int64_t padded = (visible + 15) / 16 * 16;
   scores.assign(G * padded, -std::numeric_limits<float>::infinity());
-  for (int64_t s = 0; s < visible; ++s) {
-    const float* key = keys + s * H;
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * H + 16 * c), _mm512_loadu_ps(key + 16 * c), acc);
+  for (int64_t first = 0; first < visible; first += keys.span) {
+    const float* run = keys.at(first);
+    const int64_t count = std::min(keys.span, visible - first);
+    for (int64_t s = 0; s < count; ++s) {
+      const float* key = run + s * H;
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * H + 16 * c), _mm512_loadu_ps(key + 16 * c), acc);
+        }
+        scores[g * padded + first + s] = _mm512_reduce_add_ps(acc);
       }
-      scores[g * padded + s] = _mm512_reduce_add_ps(acc);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -74,8 +109,12 @@ KVATTN_AVX512 void Pair(const float* q, const float* keys, const float* values, 
     for (int64_t c = 0; c < chunks; ++c) {
       const float* weights = scores.data() + g * padded;
       __m512 acc = _mm512_setzero_ps();
-      for (int64_t s = 0; s < visible; ++s) {
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[s]), _mm512_loadu_ps(values + s * H + 16 * c), acc);
+      for (int64_t first = 0; first < visible; first += values.span) {
+        const float* run = values.at(first) + 16 * c;
+        const int64_t count = std::min(values.span, visible - first);
+        for (int64_t s = 0; s < count; ++s) {
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[first + s]), _mm512_loadu_ps(run + s * H), acc);
+        }
       }
       _mm512_storeu_ps(o + g * H + 16 * c, acc);
     }
@@ -107,13 +146,45 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Leng
     std::vector<float> scores;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t n = std::clamp<int64_t>(seen[pair / K], 0, S);
-      Pair(qp + pair * G * H, kp + pair * S * H, vp + pair * S * H, n, G, H, op + pair * G * H, tp + pair * G,
-           mp + pair * G, scores);
+      Pair(qp + pair * G * H, Contiguous{kp + pair * S * H, H, S}, Contiguous{vp + pair * S * H, H, S}, n, G, H,
+           op + pair * G * H, tp + pair * G, mp + pair * G, scores);
     }
   });
 }
 
 KVATTN_KERNEL(decode_attention, Attend);
+
+using Table = ffi::Buffer<ffi::S32, 2>;
+
+ffi::Future AttendPages(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Table table, Lengths filled,
+                        ffi::Result<Rank4> o, ffi::Result<Rank3> total, ffi::Result<Rank3> top) {
+  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), td = table.dimensions();
+  const int64_t B = qd[0], K = qd[1], G = qd[2], H = qd[3], P = kd[0], page = kd[2], M = td[1];
+  if (kd[1] != K || kd[3] != H || vd[0] != P || vd[1] != K || vd[2] != page || vd[3] != H || td[0] != B ||
+      filled.dimensions()[0] != B || H % 16 != 0 || P < 1 || page < 1) {
+    return Failed("kvattn paged decode attention: q (B, K, G, H), pools (P, K, page, H), table (B, M), "
+                  "filled (B,), H % 16 == 0");
+  }
+  const float* qp = q.typed_data();
+  const float* kp = keys.typed_data();
+  const float* vp = values.typed_data();
+  const int32_t* tp = table.typed_data();
+  const int32_t* seen = filled.typed_data();
+  float* op = o->typed_data();
+  float* sp = total->typed_data();
+  float* mp = top->typed_data();
+  return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
+    std::vector<float> scores;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t b = pair / K, k = pair % K;
+      const int64_t n = std::clamp<int64_t>(seen[b], 0, M * page);
+      Pair(qp + pair * G * H, Pages{kp, tp + b * M, P, K, k, H, page}, Pages{vp, tp + b * M, P, K, k, H, page}, n,
+           G, H, op + pair * G * H, sp + pair * G, mp + pair * G, scores);
+    }
+  });
+}
+
+KVATTN_KERNEL(paged_decode_attention, AttendPages);
 
 #endif  // KVATTN_X86
 

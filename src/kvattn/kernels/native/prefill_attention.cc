@@ -1,5 +1,6 @@
 // kvattn's chunk attention for XLA:CPU: a prefill's new tokens over the filled cache and causally over
-// themselves, float32, heads-major cache.
+// themselves, float32, over a heads-major cache (`prefill_attention`) or a paged pool
+// (`paged_prefill_attention`).
 //
 // Sequence b held cache_len[b] tokens and appends the first new_len[b] of its T new tokens. New token
 // t < new_len[b], query head n = k G + g, sees the keys
@@ -7,6 +8,10 @@
 // and gets sum_j softmax_j(q . key_j / sqrt(H)) value_j over them: `kvattn.math.ops.attention` without a
 // window or a soft-cap (q scaled by a float32 1/sqrt(H) first, as there). Padding queries
 // (t >= new_len[b]) get zeros; nothing past the visible keys is read.
+//
+// A paged pool is (P, K, page, H), and table[b, j] names the page holding the sequence's slots
+// j*page .. (j+1)*page - 1 (an entry outside [0, P) reads page 0 or P - 1): the cached keys are read from
+// their pages where they lie, the rest is the same, so the outputs are the contiguous kernel's to the bit.
 //
 // XLA's path forms the scores, the masked softmax and two batched dots as separate thunks with
 // transposes between them. This does one (b, k) pair at a time, the pairs split over XLA's intra-op
@@ -71,17 +76,34 @@ KVATTN_AVX512 void Mix(const float* const* values, int64_t column, const int64_t
   }
 }
 
+// Where cached slot j of pair (b, k) lies in a contiguous cache (B, K, S, H): its offset in floats.
+struct Contiguous {
+  int64_t K, S, H;
+  int64_t operator()(int64_t b, int64_t k, int64_t j) const { return ((b * K + k) * S + j) * H; }
+};
+
+// Where cached slot j of pair (b, k) lies in a paged pool (P, K, page, H) through the table (B, M).
+struct Pages {
+  const int32_t* table;
+  int64_t M, P, K, page, H;
+  int64_t operator()(int64_t b, int64_t k, int64_t j) const {
+    const int64_t at = std::clamp<int64_t>(table[b * M + j / page], 0, P - 1);
+    return ((at * K + k) * page + j % page) * H;
+  }
+};
+
+template <typename Slots>
 KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
-                        const float* k_cache, const float* v_cache, int64_t cached, int64_t fresh, float* out,
-                        Scratch& scratch) {
-  const int64_t T = d.T, K = d.K, G = d.G, H = d.H, S = d.S, N = K * G;
+                        const float* k_cache, const float* v_cache, Slots slot, int64_t cached, int64_t fresh,
+                        float* out, Scratch& scratch) {
+  const int64_t T = d.T, K = d.K, G = d.G, H = d.H, N = K * G;
   const int64_t visible = cached + fresh;
   const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: two blocks per pass
   scratch.keys.assign(blocks * H * kLanes, 0.0f);
   scratch.values.resize(visible);
   for (int64_t j = 0; j < visible; ++j) {
     const bool old = j < cached;
-    const int64_t at = old ? ((b * K + k) * S + j) * H : ((b * T + j - cached) * K + k) * H;
+    const int64_t at = old ? slot(b, k, j) : ((b * T + j - cached) * K + k) * H;
     const float* key = (old ? k_cache : k_new) + at;
     scratch.values[j] = (old ? v_cache : v_new) + at;
     float* column = scratch.keys.data() + (j / kLanes) * H * kLanes + j % kLanes;
@@ -184,13 +206,43 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank
     Scratch scratch;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t b = pair / K;
-      Pair(shape, b, pair % K, qp, knp, vnp, kcp, vcp, std::clamp<int64_t>(held[b], 0, S),
+      Pair(shape, b, pair % K, qp, knp, vnp, kcp, vcp, Contiguous{K, S, H}, std::clamp<int64_t>(held[b], 0, S),
            std::clamp<int64_t>(added[b], 0, T), op, scratch);
     }
   });
 }
 
 KVATTN_KERNEL(prefill_attention, Attend);
+
+using Table = ffi::Buffer<ffi::S32, 2>;
+
+ffi::Future AttendPages(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank4 k_pages, Rank4 v_pages,
+                        Table table, Lengths cache_len, Lengths new_len, ffi::Result<Rank4> out) {
+  const auto qd = q.dimensions(), nd = k_new.dimensions(), pd = k_pages.dimensions(), td = table.dimensions();
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = nd[2], P = pd[0], page = pd[2], M = td[1];
+  const auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
+  if (nd[0] != B || nd[1] != T || nd[3] != H || K == 0 || N % K != 0 || !same(nd, v_new.dimensions()) ||
+      P < 1 || page < 1 || pd[1] != K || pd[3] != H || !same(pd, v_pages.dimensions()) || td[0] != B ||
+      cache_len.dimensions()[0] != B || new_len.dimensions()[0] != B || H % kLanes != 0) {
+    return Failed("kvattn paged prefill attention: q (B, T, N, H), new keys and values (B, T, K, H) with K "
+                  "dividing N, pools (P, K, page, H), table (B, M), lengths (B,), H % 16 == 0");
+  }
+  const Shape shape{B, T, K, N / K, H, M * page, static_cast<float>(1.0 / std::sqrt(static_cast<double>(H)))};
+  const float *qp = q.typed_data(), *knp = k_new.typed_data(), *vnp = v_new.typed_data();
+  const float *kpp = k_pages.typed_data(), *vpp = v_pages.typed_data();
+  const int32_t *tp = table.typed_data(), *held = cache_len.typed_data(), *added = new_len.typed_data();
+  float* op = out->typed_data();
+  return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
+    Scratch scratch;
+    for (int64_t pair = first; pair < last; ++pair) {
+      const int64_t b = pair / K;
+      Pair(shape, b, pair % K, qp, knp, vnp, kpp, vpp, Pages{tp, M, P, K, page, H},
+           std::clamp<int64_t>(held[b], 0, M * page), std::clamp<int64_t>(added[b], 0, T), op, scratch);
+    }
+  });
+}
+
+KVATTN_KERNEL(paged_prefill_attention, AttendPages);
 
 #endif  // KVATTN_X86
 
