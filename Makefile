@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A second environment with nothing but a plain `pip install .`, as a user gets it.
 PLAIN := .venv-plain
 
-.PHONY: demo test bench docs setup plain-install clean
+.PHONY: demo test bench docs setup plain-install asan clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,19 @@ plain-install: $(STAMP)
 # The benchmarks live in benchmarks/ beside the package, not in the wheel; options: python -m benchmarks --help
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# The native kernels under AddressSanitizer: the working tree copied to build/asan, its extension built
+# there with -fsanitize=address, and the kernel harness and the paged cache's tests run on it (libasan and
+# libstdc++ preloaded: jaxlib throws C++ exceptions the sanitizer must intercept). Any report fails the run.
+ASAN_FLAGS := -fsanitize=address -fno-omit-frame-pointer
+asan: $(STAMP)
+	rm -rf build/asan && mkdir -p build/asan
+	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C build/asan
+	cd build/asan && CFLAGS="$(ASAN_FLAGS)" CXXFLAGS="$(ASAN_FLAGS)" LDFLAGS=-fsanitize=address \
+		$(CURDIR)/$(BIN)/python setup.py --quiet build_ext --inplace
+	cd build/asan && LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so.6)" \
+		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 PYTHONPATH=src:. $(CURDIR)/$(BIN)/python -m pytest -q \
+		-p no:cacheprovider tests/kernels/test_native.py tests/caches/test_paged.py -k "not registers_itself"
 
 clean:
 	rm -rf $(VENV) $(PLAIN) .pytest_cache .hypothesis bench-results build site src/kvattn/kernels/native/*.so

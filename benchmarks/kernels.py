@@ -9,8 +9,8 @@ first, as the decoding drivers do) with the layer's `decode_kernel` forced to
 - paged/slots_major, paged/heads_major: a page pool of either layout.
 
 Reported per row: ms per step, the bytes one step reads (weights and the
-filled cache), GB/s, their share of the calibration (a mat-vec over the same
-bytes, `benchmarks.baselines.bandwidth`: what HBM delivers to a plain read),
+filled cache), GB/s, their share of the calibration (a streaming read of the
+same bytes, `benchmarks.baselines.bandwidth`: what memory delivers to a plain read),
 paged over contiguous for the same implementation, and how far the kernel's
 outputs are from XLA's. Targets (issue #23): a paged step at most 1.2x the
 contiguous one at B=8, and decoding at T=2048 at least 70% of the

@@ -24,8 +24,9 @@ for every batch size and dtype, on one random prompt:
   limit                   bytes one decode step must read (every weight but
                           the embedding table, plus the K/V filled on
                           average over the generation) over the bandwidth of
-                          a jitted mat-vec reading as many bytes, timed at
-                          the start of every repeat, beside the contenders
+                          a native streaming read of as many bytes
+                          (`baselines.Calibration`), timed at the start of
+                          every repeat, beside the contenders
 
 The dtype `"int8"` is compact weights with float32 computation: kvattn's
 `from_pretrained(weights="int8")` (int8 by int8 dots, per-output weight
@@ -272,9 +273,9 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                 timed, limit = _interleaved(contenders, new_tokens, repeats, calibration)
             finally:
                 theirs.close()
-            del calibration
             rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
-                             step_bytes=step_bytes, bandwidth_gbs=limit / 1e9))
+                             step_bytes=step_bytes, bandwidth_gbs=limit / 1e9, read=calibration.method))
+            del calibration
             timed["kvattn.generation.generate"]["compiles_while_timed"] = ours.compiled_programs() - compiled
             # An int8 contender agrees with kvattn's float32 tokens, when measured: its drift from float32.
             tokens = timed["kvattn.generation.generate"]["tokens"]

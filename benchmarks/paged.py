@@ -10,7 +10,7 @@ Six measurements, each against the issue's target:
   cold and on a prefix-cache hit (compilation excluded);
 - decode step: a compiled loop of steps at B=8, contiguous (written first, as
   the decoding drivers do) and paged, at several filled lengths, with the
-  calibration bandwidth of a mat-vec over the same bytes (what bounds the
+  calibration bandwidth of a streaming read of the same bytes (what bounds the
   paged step on XLA:CPU, the copy of its pages into views, is measured by
   tools/gather_bound.py);
 - host: `PageManager.reserve` per sequence per decode step.

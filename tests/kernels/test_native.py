@@ -257,6 +257,26 @@ def _paged_prefill_poisons(rng):
     return {name: _paged_chunk(case, 4, rng) for name, case in _prefill_poisons(rng).items()}
 
 
+# ------------------------------------------------------------------ read_max
+
+
+def _read_max_case(x):
+    return (x,), np.max(x.astype(np.float64), axis=1)
+
+
+def _read_max_cases(rng):
+    # A row shorter than a vector, tails of every width, rows past four vectors (the unrolled loop), 0 rows.
+    shapes = {"0x5": (0, 5), "3x1": (3, 1), "5x37": (5, 37), "4x200": (4, 200), "9x1031": (9, 1031)}
+    return {name: _read_max_case((4 * rng.standard_normal(shape)).astype(np.float32)) for name, shape in shapes.items()}
+
+
+def _read_max_poisons(rng):
+    x = rng.standard_normal((6, 100)).astype(np.float32)
+    x[0, 3], x[1, 99], x[2, :] = np.nan, np.inf, -np.inf  # a NaN, +inf in the tail, a row of -inf
+    x[3, 70], x[3, 5] = np.nan, np.inf  # NaN beats inf, whichever comes first
+    return {"NaN, inf and -inf rows": _read_max_case(x)}
+
+
 # ------------------------------------------------------------------ the harness
 
 HARNESS = {
@@ -289,6 +309,11 @@ HARNESS = {
          [F32] * 5 + [I32] * 3, ValueError, r"pools \(P, K, page, H\)"),
         ([(1, 3, 2, 16), (1, 3, 2, 16), (1, 3, 2, 16), (4, 2, 4, 16), (4, 2, 4, 16), (1, 2), (1,), (1,)],
          [F32] * 5 + [np.int64, I32, I32], TypeError, "table must be int32, got int64"),
+    )),
+    native.READ_MAX: Harness(_read_max_cases, _read_max_poisons, misuses=(
+        ([(3, 0)], [F32], ValueError, r"x \(R, C\) with C >= 1; got float32\(3, 0\)"),
+        ([(8,)], [F32], ValueError, r"x \(R, C\)"),
+        ([(2, 8)], [np.float64], TypeError, "x must be float32, got float64"),
     )),
     native.PREFILL_ATTENTION: Harness(_prefill_cases, _prefill_poisons,
                                       twin_leaks=frozenset(XLA_LEAKS["ops.attention heads-major"]), misuses=(

@@ -15,6 +15,8 @@
   a view first).
 - `paged_prefill_attention` (`prefill_attention.cc`): `prefill_attention`
   with the cached keys and values read from a paged float32 pool.
+- `read_max` (`read_max.cc`): each row's maximum of a float32 matrix, a
+  pure streaming read: the benchmarks' bandwidth limit.
 - `prefill_attention` (`prefill_attention.cc`): a chunk of new tokens over
   a contiguous float32 heads-major cache and causally over themselves,
   `kvattn.math.ops.attention` without a window or a soft-cap.
@@ -57,6 +59,7 @@ __all__ = [
     "PAGED_DECODE_ATTENTION",
     "PAGED_PREFILL_ATTENTION",
     "PREFILL_ATTENTION",
+    "READ_MAX",
     "Kernel",
     "available",
     "decode_attention",
@@ -72,6 +75,8 @@ __all__ = [
     "paged_prefill_attention_on_xla",
     "prefill_attention",
     "prefill_attention_on_xla",
+    "read_max",
+    "read_max_on_xla",
     "unavailable_reason",
 ]
 
@@ -82,6 +87,7 @@ DECODE_ATTENTION = "kvattn_decode_attention"
 PAGED_DECODE_ATTENTION = "kvattn_paged_decode_attention"
 PAGED_PREFILL_ATTENTION = "kvattn_paged_prefill_attention"
 PREFILL_ATTENTION = "kvattn_prefill_attention"
+READ_MAX = "kvattn_read_max"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +399,24 @@ def paged_prefill_attention(
     return _call(PAGED_PREFILL_ATTENTION)(q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len)
 
 
+def read_max(x: Float[Array, "R C"]) -> Float[Array, " R"]:
+    """Each row's maximum (NaN where the row holds one, as `jnp.max`), reading every byte of `x` once.
+
+    A streaming read and nothing else, split over XLA's threads: the
+    benchmarks' bandwidth limit (`benchmarks.baselines.Calibration`). CPU
+    only, when `available()`.
+
+    Raises:
+      TypeError: x not float32.
+      ValueError: x not `(R, C)` with `C >= 1`.
+      RuntimeError: the kernel cannot run here.
+    """
+    _expect_dtype("read_max", jnp.float32, x=x)
+    _expect(x.ndim == 2 and x.shape[1] >= 1, "read_max", "x (R, C) with C >= 1", x)
+    _ready(READ_MAX, "read_max")
+    return _call(READ_MAX)(x)
+
+
 # ------------------------------------------------------------------ the XLA twins
 
 
@@ -455,6 +479,11 @@ def prefill_attention_on_xla(q, k_new, v_new, k_cache, v_cache, cache_len, new_l
     return ops.attention(q, k_new, v_new, new_len, k_cache, v_cache, cache_len, ops.HEADS_MAJOR)
 
 
+def read_max_on_xla(x: Float[Array, "R C"]) -> Float[Array, " R"]:
+    """What `read_max` computes: `jnp.max` along the rows."""
+    return jnp.max(x, axis=1)
+
+
 # ------------------------------------------------- examples (the self-tests' inputs)
 
 
@@ -493,6 +522,10 @@ def _prefill_example(rng):
     return q, k_new, v_new, k_cache, v_cache, np.array([2], np.int32), np.array([2], np.int32)
 
 
+def _read_max_example(rng):
+    return (rng.standard_normal((3, 37)).astype(np.float32),)
+
+
 # The kernels, once: what registers, self-tests and differentiates each, and what the harness runs.
 KERNELS = (
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx512f", "avx512bw", "avx512vnni"), _int8_example,
@@ -504,4 +537,5 @@ KERNELS = (
     Kernel("paged_prefill_attention", paged_prefill_attention, paged_prefill_attention_on_xla, ("avx512f",),
            _paged_prefill_example),
     Kernel("prefill_attention", prefill_attention, prefill_attention_on_xla, ("avx512f",), _prefill_example),
+    Kernel("read_max", read_max, read_max_on_xla, ("avx512f",), _read_max_example, tolerance=0.0),
 )
