@@ -45,6 +45,9 @@ FAMILIES = {
               dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(COMMON, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
+    # Fused qkv_proj and gate_up_proj; its special ids inside the tiny vocabulary.
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
+             dict(COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_theta=500.0)),
 }
 
 

@@ -26,6 +26,7 @@ MINIMAL = {
     "llama": {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 1, "intermediate_size": 24, "max_position_embeddings": 16},
 }
+MINIMAL["phi3"] = MINIMAL["llama"]  # the same block: only its table differs
 
 
 def minimal(model_type: str) -> dict:
@@ -81,6 +82,7 @@ CHOICES = {
     "gpt2": [{}, {"tie_word_embeddings": False}],
     "llama": [{}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"tie_word_embeddings": True,
                                                                             "attention_bias": True}],
+    "phi3": [{}, {"tie_word_embeddings": True}],  # biases are refused (a fused qkv_proj has none)
 }
 
 
@@ -116,3 +118,13 @@ def test_the_decoder_names_no_family():
     source = Path(decoder.__file__).read_text()
     named = {node.value for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Constant)}
     assert not named & (set(FAMILIES) | set(MODEL_TYPES))
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"attention_bias": True}, "attention_bias=True; kvattn.models runs bias-free Phi-3"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+     "rope settings kvattn cannot use"),
+])
+def test_phi3_refuses_what_its_fused_table_or_rope_cannot_hold(changes, match):
+    with pytest.raises(models.UnsupportedConfigError, match=match):
+        models.from_hf_config({**minimal("phi3"), **changes})

@@ -23,6 +23,7 @@ def sizes(config) -> dict[str, int]:
         "P": config.max_position_embeddings, "Q": config.num_heads * config.head_dim,
         "KV": config.num_kv_heads * config.head_dim, "H": config.head_dim, "3Q": 3 * config.num_heads * config.head_dim,
         "N": config.num_heads, "K": config.num_kv_heads,
+        "QKV": (config.num_heads + 2 * config.num_kv_heads) * config.head_dim, "2I": 2 * config.intermediate_size,
     }
 
 

@@ -1,6 +1,6 @@
 """The model families kvattn runs, one file each, and the registry from a checkpoint's `model_type` to its family.
 
-Each file (`gpt2`, `llama`) defines a `kvattn.models.spec.Family`: its
+Each file (`gpt2`, `llama`) defines a `kvattn.models.spec.Family` (`llama` a second, Phi-3's): its
 `config.json` translation, its block spec and its weight table. Adding a
 family is one file here, one line per `model_type` in `MODEL_TYPES`, and
 its fixtures and tests.
@@ -19,6 +19,7 @@ MODEL_TYPES: dict[str, Family] = {
     "mistral": llama.FAMILY,
     "qwen2": llama.FAMILY,
     "qwen3": llama.FAMILY,
+    "phi3": llama.PHI3,
 }
 
 # By `ModelConfig.family`.

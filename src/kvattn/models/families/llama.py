@@ -7,6 +7,12 @@ defaults read from its `config.json` here. The checkpoint stores torch
 `Linear` weights `(out, in)`, transposed on loading; its query, key and
 value projections fill the three parts of `attention/qkv` along its heads
 axis, its gate and up projections the two halves of `mlp/gate_up`.
+
+Phi-3 (`PHI3`) is the same block with its own table: its checkpoints store
+the query, key and value projections fused as `qkv_proj` and the gate and
+up projections as `gate_up_proj`, each split into the same parts on
+loading. Its `longrope` scaling is refused (by `RoPE`), as is any other
+rotary scaling kvattn does not compute.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from kvattn.models.spec import BlockSpec, Family
 from kvattn.models.table import Part, Row, transpose
 from kvattn.config import RoPE
 
-__all__ = ["BLOCK", "FAMILY", "TABLE", "translate"]
+__all__ = ["BLOCK", "FAMILY", "PHI3", "PHI3_TABLE", "TABLE", "translate"]
 
 
 def translate(config: dict) -> dict:
@@ -26,6 +32,8 @@ def translate(config: dict) -> dict:
     refuse(config, "hidden_act", ("silu",))
     if config.get("mlp_bias"):
         raise UnsupportedConfigError("config.json has mlp_bias=True; kvattn.models runs bias-free Llama MLPs")
+    if model_type == "phi3" and config.get("attention_bias"):
+        raise UnsupportedConfigError("config.json has attention_bias=True; kvattn.models runs bias-free Phi-3 models")
     if config.get("pretraining_tp", 1) != 1:
         raise UnsupportedConfigError(f"config.json has pretraining_tp={config['pretraining_tp']}; only 1 is supported")
     heads = read(config, "num_attention_heads")
@@ -50,9 +58,9 @@ def translate(config: dict) -> dict:
             )
         rotary_dim = int(positive_int("head_dim", head_dim) * rotary)
     sliding = None
-    if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and config.get("use_sliding_window")):
+    if model_type in ("mistral", "phi3") or (model_type in ("qwen2", "qwen3") and config.get("use_sliding_window")):
         sliding = config.get("sliding_window")
-        if model_type != "mistral" and config.get("max_window_layers", 0) < read(config, "num_hidden_layers"):
+        if model_type in ("qwen2", "qwen3") and config.get("max_window_layers", 0) < read(config, "num_hidden_layers"):
             raise UnsupportedConfigError("config.json slides the window on only some layers (max_window_layers)")
     try:
         rope = RoPE(theta=theta, scaling=scaling, rotary_dim=rotary_dim)
@@ -137,3 +145,33 @@ TABLE = (
 )
 
 FAMILY = Family("llama", BLOCK, translate, "model.", TABLE)
+
+
+def _fused_qkv(w, config):
+    """torch `qkv_proj` `((N + 2K) * H, D)`: the query, key and value heads, each `(D, heads, H)`."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return (*_heads_in("num_heads")(w[:q], config), *_heads_in("num_kv_heads")(w[q : q + kv], config),
+            *_heads_in("num_kv_heads")(w[q + kv :], config))
+
+
+def _fused_gate_up(w, config):
+    """torch `gate_up_proj` `(2I, D)`: the gate, then the up projection, each `(D, I)`."""
+    return w[: config.intermediate_size].T, w[config.intermediate_size :].T
+
+
+_FUSED = {"layers.{i}.self_attn.qkv_proj.weight": Row(
+              "layers.{i}.self_attn.qkv_proj.weight", (_qkv("kernel", 0), _qkv("kernel", 1), _qkv("kernel", 2)),
+              ("QKV", "D"), _fused_qkv),
+          "layers.{i}.mlp.gate_up_proj.weight": Row(
+              "layers.{i}.mlp.gate_up_proj.weight", (_gate_up(0), _gate_up(1)), ("2I", "D"), _fused_gate_up)}
+_SPLIT = {"layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.qkv_proj.weight",
+          "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_up_proj.weight"}
+_DROPPED = {"layers.{i}.self_attn.k_proj.weight", "layers.{i}.self_attn.v_proj.weight",
+            "layers.{i}.mlp.up_proj.weight", "layers.{i}.self_attn.q_norm.weight", "layers.{i}.self_attn.k_norm.weight",
+            *(f"layers.{{i}}.self_attn.{name}_proj.bias" for name in "qkv")}
+
+# Llama's table with the fused rows in place of the ones they fuse (Phi-3 has no attention biases nor QK-norm).
+PHI3_TABLE = tuple(_FUSED[_SPLIT[row.source]] if row.source in _SPLIT else row for row in TABLE
+                   if row.source not in _DROPPED)
+
+PHI3 = Family("phi3", BLOCK, translate, "model.", PHI3_TABLE)
