@@ -20,7 +20,7 @@ from kvattn.paging import PageManager
 
 # The tiny Hugging Face checkpoints and transformers' outputs (made by tools/make_hf_fixtures.py).
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 def default_compile_env() -> dict[str, str]:

@@ -20,9 +20,10 @@ ATOL = 1e-4
 def weights_of(layer) -> dict:
     """The layer's parameters as float64 arrays (zero biases when it has none) and its options as data.
 
-    Options read from `layer.config`: `norm` (None, "layer" or "rms") with
-    `eps` and the `query_ln`/`key_ln` scales, `softcap`, and `rope` as a
-    plain dict (theta, scaling, rotary_dim, interleaved).
+    Options read from `layer.config`: `norm` (None, "layer", "rms" or
+    "rms_offset") with `eps` and the `query_ln`/`key_ln` scales, `softcap`,
+    `query_scale`, and `rope` as a plain dict (theta, scaling, rotary_dim,
+    interleaved).
     """
     out = {}
     for name in ("query", "key", "value", "out"):
@@ -33,12 +34,13 @@ def weights_of(layer) -> dict:
         bias = np.zeros(bias_shape) if linear.bias is None else np.asarray(linear.bias[...], np.float64)
         out[f"{name}_bias"] = bias
     config = layer.config
-    out["norm"] = {False: None, True: "layer", "rms": "rms"}[config.normalize_qk]
+    out["norm"] = {False: None, True: "layer", "rms": "rms", "rms_offset": "rms_offset"}[config.normalize_qk]
     out["eps"] = config.qk_norm_eps
     if out["norm"]:
         out["query_ln"] = np.asarray(layer.query_ln.scale[...], np.float64)
         out["key_ln"] = np.asarray(layer.key_ln.scale[...], np.float64)
     out["softcap"] = config.logit_softcap
+    out["query_scale"] = config.query_scale
     rope = config.rope
     out["rope"] = None if rope is None else dict(
         theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved
@@ -114,23 +116,26 @@ def rotate(x, positions, rope: dict) -> np.ndarray:
 
 
 def normalise(x, scale, kind: str, eps: float) -> np.ndarray:
-    """Per-head LayerNorm (no bias) or RMSNorm over the last axis, times `scale`."""
+    """Per-head LayerNorm (no bias) or RMSNorm over the last axis, times `scale` (`1 + scale` for "rms_offset")."""
     if kind == "layer":
         x = x - x.mean(axis=-1, keepdims=True)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + scale if kind == "rms_offset" else scale)
 
 
-def attention(q, k, v, positions, window: int | None = None, softcap: float | None = None) -> np.ndarray:
+def attention(q, k, v, positions, window: int | None = None, softcap: float | None = None,
+              query_scale: float | None = None) -> np.ndarray:
     """Queries `(T, N, H)` at `positions` over keys and values `(S, K, H)` at positions `0 .. S-1`.
 
     Query t sees keys `0 .. positions[t]`; with `window`, only the last
-    `window` of them; with `softcap`, logits become `softcap * tanh(logits / softcap)`.
+    `window` of them; logits are `q . k * query_scale` (`1 / sqrt(H)` when
+    None); with `softcap`, they become `softcap * tanh(logits / softcap)`.
     Returns `(T, N, H)`.
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # query head n reads kv head n // group
-    scores = np.einsum("tnh,snh->nts", q, k) / np.sqrt(q.shape[-1])
+    scale = 1 / np.sqrt(q.shape[-1]) if query_scale is None else query_scale
+    scores = np.einsum("tnh,snh->nts", q, k) * scale
     if softcap is not None:
         scores = softcap * np.tanh(scores / softcap)
     t, s = np.asarray(positions)[:, None], np.arange(len(k))[None, :]
@@ -159,7 +164,7 @@ def causal_attention(weights: dict, xs, window: int | None = None, start: int = 
     if weights.get("rope"):
         q = rotate(q, start + np.arange(len(xs)), weights["rope"])
         k = rotate(k, start + np.arange(len(xs)), weights["rope"])
-    context = attention(q, k, v, np.arange(len(xs)), window, weights.get("softcap"))
+    context = attention(q, k, v, np.arange(len(xs)), window, weights.get("softcap"), weights.get("query_scale"))
     return np.einsum("tnh,nhd->td", context, weights["out_kernel"]) + weights["out_bias"]
 
 

@@ -31,6 +31,7 @@ DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")
 STORAGE_OPTIONS = ("max_len", "batch_size", "cache_dtype", "cache_layout", "length_buckets", "num_pages", "page_size")
 
 # What a cache snapshot records, in this order: a cache only loads into a layer that agrees on each.
+# (Not `query_scale`: it scales the queries, never what the cache holds.)
 RECORDED_FIELDS = (
     "num_heads", "in_features", "max_len", "window", "head_dim", "num_kv_heads", "batch_size", "use_bias",
     "cache_dtype", "cache_layout", "qkv_features", "out_features", "dtype", "param_dtype", "normalize_qk",
@@ -180,7 +181,11 @@ class AttentionConfig:
         False; True for Flax's form (LayerNorm without bias, parameters
         `query_ln`/`key_ln`); or `"rms"` for RMSNorm with a learned scale
         (Qwen3, OLMo 2), under the same parameter names.
+        `"rms_offset"` is RMSNorm scaled by `1 + scale` (Gemma 3's; its scales
+        start at zero).
       qk_norm_eps: the epsilon of that normalisation.
+      query_scale: the attention logits' scale, `(q . k) * query_scale`
+        (Gemma's `query_pre_attn_scalar ** -0.5`); None for `1 / sqrt(head_dim)`.
       logit_softcap: `cap * tanh(scores / cap)` on the attention logits
         before masking (Gemma 2), or None.
       rope: a `kvattn.RoPE`, rotary position embedding at each token's
@@ -223,6 +228,7 @@ class AttentionConfig:
     normalize_qk: bool | str = False
     qk_norm_eps: float = 1e-6
     logit_softcap: float | None = None
+    query_scale: float | None = None
     rope: RoPE | None = None
     decode_kernel: str = "auto"
 
@@ -273,12 +279,16 @@ class AttentionConfig:
         put("use_bias", _biases(self.use_bias))
         put("dtype", None if self.dtype is None else float_dtype_name("dtype", self.dtype))
         put("param_dtype", float_dtype_name("param_dtype", self.param_dtype))
-        if self.normalize_qk not in (False, True, "rms") or isinstance(self.normalize_qk, np.ndarray):
-            raise ValueError(f"normalize_qk must be False, True (LayerNorm, Flax's) or 'rms', got {self.normalize_qk!r}")
+        if self.normalize_qk not in (False, True, "rms", "rms_offset") or isinstance(self.normalize_qk, np.ndarray):
+            raise ValueError(
+                f"normalize_qk must be False, True (LayerNorm, Flax's), 'rms' or 'rms_offset', got {self.normalize_qk!r}"
+            )
         put("normalize_qk", self.normalize_qk if isinstance(self.normalize_qk, str) else bool(self.normalize_qk))
         put("qk_norm_eps", positive_float("qk_norm_eps", self.qk_norm_eps))
         if self.logit_softcap is not None:
             put("logit_softcap", positive_float("logit_softcap", self.logit_softcap))
+        if self.query_scale is not None:
+            put("query_scale", positive_float("query_scale", self.query_scale))
         if self.rope is not None:
             if not isinstance(self.rope, RoPE):
                 raise TypeError(f"rope must be a kvattn.RoPE or None, got {self.rope!r}")

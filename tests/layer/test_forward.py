@@ -38,8 +38,9 @@ def perturbed(layer, seed=7):
 OPTIONS = st.fixed_dictionaries(
     {
         "rope": st.sampled_from(sorted(ROPES)),
-        "normalize_qk": st.sampled_from([False, True, "rms"]),
+        "normalize_qk": st.sampled_from([False, True, "rms", "rms_offset"]),
         "logit_softcap": st.sampled_from([None, 3.0]),
+        "query_scale": st.sampled_from([None, 0.2]),
         "num_kv_heads": st.sampled_from([4, 2, 1]),
         "use_bias": st.sampled_from([True, False, ("query", "key", "value")]),
         "window": st.sampled_from([None, 4]),
@@ -127,6 +128,25 @@ def test_fork_reorder_truncate_reset_keep_rotary_positions():
     y = layer.step(xs[:, 5])
     for b in range(3):
         assert_close(y[b], reference.append(b, xs[b, 5]))
+
+
+def test_gemma_options_offset_qk_norm_and_query_scale_equal_the_reference():
+    """Gemma 3's per-head norm scaled by `1 + scale`, and a logit scale other than 1/sqrt(H), in a ring."""
+    layer = modern_layer({"rope": "llama3", "normalize_qk": "rms_offset", "logit_softcap": 3.0, "num_kv_heads": 2,
+                          "use_bias": False, "window": 4, "query_scale": 0.3})
+    assert float(jnp.abs(layer.query_ln.scale[...] - 1).max()) > 0.1  # perturbed away from the rms form's ones
+    reference = ReferenceCache(weights_of(layer), 2, 4)
+    xs = stream((2, 9), in_features=D)
+    ys = layer.prefill(xs[:, :6])
+    for b in range(2):
+        for t in range(6):
+            assert_close(ys[b, t], reference.append(b, xs[b, t]))
+    for t in range(6, 9):
+        y = layer.step(xs[:, t])
+        for b in range(2):
+            assert_close(y[b], reference.append(b, xs[b, t]))
+    offset = kvattn.MultiHeadAttention(4, D, max_len=8, normalize_qk="rms_offset", rngs=nnx.Rngs(0))
+    assert not offset.query_ln.scale[...].any(), "an offset norm starts at zero: it scales by 1"
 
 
 def test_a_ring_keeps_counting_rotary_positions_past_its_slots():

@@ -27,6 +27,7 @@ MINIMAL = {
               "num_key_value_heads": 1, "intermediate_size": 24, "max_position_embeddings": 16},
 }
 MINIMAL["phi3"] = MINIMAL["llama"]  # the same block: only its table differs
+MINIMAL["gemma"] = {**MINIMAL["llama"], "head_dim": 8}  # Gemma's head_dim defaults to 256
 
 
 def minimal(model_type: str) -> dict:
@@ -83,6 +84,7 @@ CHOICES = {
     "llama": [{}, {"tie_word_embeddings": True}, {"attention_bias": True}, {"tie_word_embeddings": True,
                                                                             "attention_bias": True}],
     "phi3": [{}, {"tie_word_embeddings": True}],  # biases are refused (a fused qkv_proj has none)
+    "gemma": [{}, {"tie_word_embeddings": False}],  # gemma2 and gemma3_text (QK-norm) both ask this
 }
 
 
@@ -128,3 +130,46 @@ def test_the_decoder_names_no_family():
 def test_phi3_refuses_what_its_fused_table_or_rope_cannot_hold(changes, match):
     with pytest.raises(models.UnsupportedConfigError, match=match):
         models.from_hf_config({**minimal("phi3"), **changes})
+
+
+def test_gemma_layers_slide_as_transformers_lays_them_out():
+    gemma2 = models.from_hf_config({**minimal("gemma2"), "num_hidden_layers": 4, "sliding_window": 8})
+    assert [gemma2.sliding(i) for i in range(4)] == [True, False, True, False]
+    assert gemma2.query_scale == 256 ** -0.5 and gemma2.local_rope is None
+    gemma3 = models.from_hf_config({**minimal("gemma3_text"), "num_hidden_layers": 12, "query_pre_attn_scalar": 64,
+                                    "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert [i for i in range(12) if not gemma3.sliding(i)] == [5, 11] and gemma3.qk_norm
+    assert gemma3.query_scale == 64 ** -0.5 and gemma3.sliding_window == 4096  # transformers' default window
+    assert (gemma3.rope.theta, gemma3.local_rope.theta) == (1e6, 1e4)
+    assert gemma3.layer_rope(5) is gemma3.rope and gemma3.layer_rope(4) is gemma3.local_rope
+    # transformers 5 keys the rotary settings by layer type; a scaling applies to the full layers only.
+    keyed = models.from_hf_config({**minimal("gemma3_text"), "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert keyed.rope.scaling_dict == {"rope_type": "linear", "factor": 8.0} and keyed.local_rope.scaling is None
+    unwindowed = models.from_hf_config({**minimal("gemma2"), "sliding_window": None})
+    assert unwindowed.layer_types is None and not unwindowed.sliding(0)
+
+
+@pytest.mark.parametrize(("changes", "match"), [
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types must list one of"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must list one of"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcap must be a positive finite number"),
+])
+def test_gemma_refuses_what_it_cannot_run_by_name(changes, match):
+    with pytest.raises(models.UnsupportedConfigError, match=match):
+        models.from_hf_config({**minimal("gemma2"), **changes})
+
+
+def test_a_model_of_sliding_and_full_layers_is_bounded_by_its_full_ones():
+    config = models.from_hf_config({**minimal("gemma2"), "sliding_window": 4})
+    model = models.CausalLM(config, max_len=12)
+    assert model.windows == (4, None)
+    assert model.cache_config.capacity == 12  # the ring of the sliding layer holds 4 slots and never fills
+    # Layers alike share one config object (one compiled program per shape).
+    four = models.CausalLM(dataclasses.replace(config, num_layers=4, layer_types=None), max_len=12)
+    assert four.blocks[0].attention.config is four.blocks[3].attention.config

@@ -206,17 +206,17 @@ class DraftSteps:
 
 def rolls_back(model: CausalLM, name: str) -> None:
     """Refuses a model whose caches `truncate` cannot roll back: paged, or a sliding-window ring."""
-    config = model.blocks[0].attention.config
-    if config.cache.paged:
+    if model.cache_config.cache.paged:
         raise ValueError(
             f"speculative decoding here needs contiguous caches; the {name} is paged (its sequences belong to a "
             "PageManager): build it without num_pages and page_size"
         )
-    if config.window is not None:
+    window = max((window for window in model.windows if window is not None), default=None)
+    if window is not None:
         raise ValueError(
             f"speculative decoding rolls caches back with truncate, which the {name}'s sliding-window ring of "
-            f"{config.window} slots cannot do (it was built with max_len past its window); build it with "
-            f"max_len <= {config.window}, or decode without speculative"
+            f"{window} slots cannot do (it was built with max_len past its window); build it with "
+            f"max_len <= {window}, or decode without speculative"
         )
 
 def checked_draft(draft: CausalLM, model: CausalLM, lengths, max_new_tokens: int):
@@ -232,15 +232,14 @@ def checked_draft(draft: CausalLM, model: CausalLM, lengths, max_new_tokens: int
     batch, draft_batch = (m.blocks[0].attention.config.cache.batch_size for m in (model, draft))
     if draft_batch != batch:
         raise ValueError(f"the draft model must have the target's batch size {batch}, got batch_size={draft_batch}")
-    attention = draft.blocks[0].attention
-    held = check.state(attention.config, attention.pos[...])
+    held = check.state(draft.cache_config, draft.pos)
     target_held = np.asarray(model.pos)
     if not np.array_equal(held, target_held):
         raise ValueError(
             f"the draft model's caches must hold what the target's hold: pos {target_held.tolist()} expected, got "
             f"{held.tolist()} (reset() both, or truncate them alike)"
         )
-    check.capacity(attention.config, held, np.asarray(lengths) + max_new_tokens)
+    check.capacity(draft.cache_config, held, np.asarray(lengths) + max_new_tokens)
     _, params, cache = nnx.split(draft, nnx.Param, nnx.Cache)
     return params, cache, step_bytes(draft) / step_bytes(model)
 

@@ -53,9 +53,8 @@ def checked_inputs(model: CausalLM, prompts, max_new_tokens, lengths, temperatur
             raise ValueError(
                 f"lengths must be int ({batch},) in [1, {num_prompt}], got {lengths.dtype} {lengths.tolist()}"
             )
-    attention = model.blocks[0].attention
-    pos = check.state(attention.config, attention.pos[...])
-    check.capacity(attention.config, pos, lengths + max_new_tokens)
+    pos = check.state(model.cache_config, model.pos)
+    check.capacity(model.cache_config, pos, lengths + max_new_tokens)
     padded = np.zeros((batch, bucket(num_prompt)), np.int32)
     padded[:, :num_prompt] = prompts
     return Inputs(padded, lengths, sampling, stop_tokens)

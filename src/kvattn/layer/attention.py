@@ -127,8 +127,10 @@ class MultiHeadAttention(nnx.Module):
         )
         if config.normalize_qk:
             # Flax's names and shapes: one scale per head dim, shared by every head.
+            # The scale of "rms_offset" multiplies as `1 + scale` (`kvattn.math.norms.rms_norm`), so it starts at 0.
             norm = functools.partial(
-                nnx.RMSNorm if config.normalize_qk == "rms" else functools.partial(nnx.LayerNorm, use_bias=False),
+                {"rms": nnx.RMSNorm, "rms_offset": functools.partial(nnx.RMSNorm, scale_init=nnx.initializers.zeros),
+                 True: functools.partial(nnx.LayerNorm, use_bias=False)}[config.normalize_qk],
                 head_dim, epsilon=config.qk_norm_eps, param_dtype=config.param_dtype, rngs=rngs,
                 scale_metadata=self._annotation((None,)),
             )

@@ -8,6 +8,7 @@ both call `extend`; nothing here holds state. Axis letters follow
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -134,11 +135,15 @@ def attention_inputs(config: AttentionConfig, weights: Weights | FusedWeights, x
     weights = jax.tree.map(lambda w: w if quant.is_form(w) else w.astype(dtype), weights, is_leaf=quant.is_form)
     q, k, v = project_qkv(weights, xs.astype(dtype), config.heads_split)
     if config.normalize_qk:
-        norm = norms.rms_norm if config.normalize_qk == "rms" else norms.layer_norm
+        norm = {"rms": norms.rms_norm, "rms_offset": functools.partial(norms.rms_norm, offset=1.0),
+                True: norms.layer_norm}[config.normalize_qk]
         q, k = norm(q, weights.query_ln, config.qk_norm_eps), norm(k, weights.key_ln, config.qk_norm_eps)
     if config.rope is not None:
         q, k = apply_rope(q, positions, config.rope), apply_rope(k, positions, config.rope)
-    return q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
+    q = q.astype(jnp.float32)
+    if config.query_scale is not None:  # attention scales by 1/sqrt(H) after this
+        q = q * jnp.float32(config.query_scale * math.sqrt(config.head_dim))
+    return q, k.astype(jnp.float32), v.astype(jnp.float32)
 
 
 def output(config: AttentionConfig, weights: Weights | FusedWeights, ctx, xs):

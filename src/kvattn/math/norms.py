@@ -33,20 +33,27 @@ def layer_norm(x: Float[Array, "... H"], scale: Float[Array, " H"], eps: float, 
 
 
 def rms_norm(x: Float[Array, "... H"], scale: Float[Array, " H"], eps: float, *,
-             scale_after_cast: bool = False) -> Float[Array, "... H"]:
+             scale_after_cast: bool = False, offset: float = 0.0) -> Float[Array, "... H"]:
     """RMSNorm over the last axis with a learned scale, normalised in float32.
 
     Flax's `nnx.RMSNorm` (and so the layer's QK-norm) multiplies by the scale
     in float32 and casts the product; Hugging Face's Llama family casts the
     normalised values to `x`'s dtype first, then multiplies in that dtype
     (`scale_after_cast=True`, what `kvattn.models` loads must match). The two
-    orders agree exactly in float32 and differ by rounding below it.
+    orders agree exactly in float32 and differ by rounding below it. Gemma
+    multiplies by `offset + scale` (`offset=1`: its weights are stored as
+    their difference from one), the sum taken in float32.
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     if scale_after_cast:
+        if offset:
+            raise ValueError("rms_norm takes an offset only when it scales in float32 (scale_after_cast=False)")
         return normed.astype(x.dtype) * along_last(scale, x)
-    return (normed * along_last(scale.astype(jnp.float32), x)).astype(x.dtype)
+    scale = scale.astype(jnp.float32)
+    if offset:
+        scale = scale + jnp.float32(offset)
+    return (normed * along_last(scale, x)).astype(x.dtype)
 
 
 def along_last(vector: Shaped[Array, " F"], x: Shaped[Array, "... F"]) -> Shaped[Array, "..."]:

@@ -29,6 +29,9 @@ float weight in that form (what `kvattn.models.hf` calls for each tensor).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +77,8 @@ class Attention(MultiHeadAttention):
         self.out = Linear((heads, head_dim), (config.out_features,), bias=config.biased("out"), dtype=dtype,
                           compact=compact, rngs=rngs)
         if config.normalize_qk:
-            self.query_ln, self.key_ln = HeadScale(head_dim, dtype), HeadScale(head_dim, dtype)
+            offset = config.normalize_qk == "rms_offset"
+            self.query_ln, self.key_ln = (HeadScale(head_dim, dtype, offset=offset) for _ in range(2))
         self._build_cache()
 
     @property
@@ -85,18 +89,26 @@ class Attention(MultiHeadAttention):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: `x + attention(norm(x))`, then `x + mlp(norm(x))`, norm and MLP as the spec names."""
+    """Pre-norm residual block: `x + attention(norm(x))`, then `x + mlp(norm(x))`, norm and MLP as the spec names.
+
+    With the spec's `post_norms`, each branch's output is normalised again before it is added (Gemma's
+    `x + post_norm(attention(norm(x)))`).
+    """
 
     def __init__(self, config: ModelConfig, attention: Attention, dtype, *, compact: bool, rngs: nnx.Rngs | None):
-        norm = NORM_LAYERS[config.block.norm]
-        self.attention_norm = norm(config.hidden_size, config.norm_eps, dtype)
+        norm = functools.partial(NORM_LAYERS[config.block.norm], config.hidden_size, config.norm_eps, dtype)
+        self.attention_norm = norm()
         self.attention = attention
-        self.mlp_norm = norm(config.hidden_size, config.norm_eps, dtype)
+        self.mlp_norm = norm()
         self.mlp = MLP_LAYERS[config.block.mlp](config, dtype, compact=compact, rngs=rngs)
+        post = config.block.post_norms
+        self.attention_post_norm, self.mlp_post_norm = (norm(), norm()) if post else (None, None)
 
     def forward(self, x, attend):
-        x = x + attend(self.attention_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        h = attend(self.attention_norm(x))
+        x = x + (h if self.attention_post_norm is None else self.attention_post_norm(h))
+        h = self.mlp(self.mlp_norm(x))
+        return x + (h if self.mlp_post_norm is None else self.mlp_post_norm(h))
 
 
 class CausalLM(nnx.Module):
@@ -150,23 +162,32 @@ class CausalLM(nnx.Module):
         self.positions = (
             nnx.Param(initial((config.max_position_embeddings, hidden), 1, rngs).astype(dtype)) if learned else None
         )
-        window = config.sliding_window if config.sliding_window and config.sliding_window < max_len else None
-        # Heads-major caches (and pages): a step's attention is then a plain batched dot over (B, K)
-        # that reads the cache in place; slots-major would cost K times the flops (see kvattn.math.ops).
-        # Measured with tools/model_floor.py: 53.0 -> 43.0 ms/token at B=8, 19.0 -> 17.8 at B=1.
-        capacity = {"window": window} if window else {"max_len": max_len}
-        if num_pages is not None:
-            capacity = {"max_len": max_len, "window": window, "num_pages": num_pages, "page_size": page_size}
         biased = (("query", "key", "value") if config.attention_bias else ()) + (("out",) if block.out_bias else ())
-        attention = AttentionConfig(
-            config.num_heads, hidden, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
-            batch_size=batch_size, use_bias=biased,
-            rope=config.rope, normalize_qk="rms" if config.qk_norm else False, qk_norm_eps=config.norm_eps,
-            dtype=dtype, param_dtype=dtype, cache_dtype=cache_dtype or dtype, cache_layout="heads_major", **capacity,
-        )
+        qk_norm = ("rms_offset" if block.norm == "rms_offset" else "rms") if config.qk_norm else False
+
+        @functools.cache  # layers alike share one config (and so one compiled program per shape)
+        def attention(window: int | None, rope) -> AttentionConfig:
+            # Heads-major caches (and pages): a step's attention is then a plain batched dot over (B, K)
+            # that reads the cache in place; slots-major would cost K times the flops (see kvattn.math.ops).
+            # Measured with tools/model_floor.py: 53.0 -> 43.0 ms/token at B=8, 19.0 -> 17.8 at B=1.
+            capacity = {"window": window} if window else {"max_len": max_len}
+            if num_pages is not None:
+                capacity = {"max_len": max_len, "window": window, "num_pages": num_pages, "page_size": page_size}
+            return AttentionConfig(
+                config.num_heads, hidden, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
+                batch_size=batch_size, use_bias=biased, rope=rope, normalize_qk=qk_norm, qk_norm_eps=config.norm_eps,
+                logit_softcap=config.attn_logit_softcap, query_scale=config.query_scale, dtype=dtype,
+                param_dtype=dtype, cache_dtype=cache_dtype or dtype, cache_layout="heads_major", **capacity,
+            )
+
+        def window(layer: int) -> int | None:
+            slides = config.sliding(layer) and config.sliding_window < max_len
+            return config.sliding_window if slides else None
+
         self.blocks = nnx.List([
-            Block(config, Attention(attention, compact=compact, rngs=rngs), dtype, compact=compact, rngs=rngs)
-            for _ in range(config.num_layers)
+            Block(config, Attention(attention(window(i), config.layer_rope(i)), compact=compact, rngs=rngs), dtype,
+                  compact=compact, rngs=rngs)
+            for i in range(config.num_layers)
         ])
         self.final_norm = NORM_LAYERS[block.norm](hidden, config.norm_eps, dtype)
         self.lm_head = None if config.tie_embeddings else Linear(
@@ -228,6 +249,21 @@ class CausalLM(nnx.Module):
         return owner, name
 
     @property
+    def cache_config(self) -> AttentionConfig:
+        """The attention config of the layer whose cache holds the fewest tokens, which bounds the model's.
+
+        Every layer shares the batch size and the cache's spec but for its
+        window: with some layers sliding (a ring of `window` slots, whose
+        capacity is unbounded), it is a full-attention layer's.
+        """
+        return min((block.attention.config for block in self.blocks), key=lambda config: config.capacity)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None for full attention), in layer order."""
+        return tuple(block.attention.config.window for block in self.blocks)
+
+    @property
     def pos(self) -> jax.Array:
         """Tokens each sequence holds, `(B,)` (every layer's cache agrees)."""
         return self.blocks[0].attention.pos[...]
@@ -240,6 +276,8 @@ class CausalLM(nnx.Module):
 
     def _embed(self, tokens, positions):
         x = self.table.rows(tokens, self.dtype)
+        if self.config.block.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
         if self.positions is not None:
             x = x + jnp.take(self.positions[...], positions, axis=0)
         return x
@@ -247,7 +285,9 @@ class CausalLM(nnx.Module):
     def _logits(self, x):
         x = self.final_norm(x)
         logits = self.lm_head(x) if self.lm_head is not None else dots.dense(x, self.table)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else jnp.tanh(logits / jnp.float32(cap)) * jnp.float32(cap)
 
     def _tokens(self, tokens, shape, lengths=None):
         """`(tokens, valid)`: checked ids (eagerly it raises; traced, bad ids become 0), the rows without a bad one."""

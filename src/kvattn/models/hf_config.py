@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from kvattn import errors
 from kvattn.caches.base import INT32_MAX
+from kvattn.config import RoPE
 from kvattn.errors import UnsupportedConfigError
 
-__all__ = ["divide", "positive_int", "read", "refuse"]
+__all__ = ["divide", "positive_int", "read", "refuse", "rope"]
 
 
 def positive_int(name: str, value) -> int:
@@ -41,3 +42,38 @@ def divide(config: dict, size_key: str, heads_key: str) -> int:
     if size % heads:
         raise UnsupportedConfigError(f"config.json has {size_key}={size}, not a multiple of {heads_key}={heads}")
     return size // heads
+
+
+def rope(config: dict, head_dim: int, parameters: dict | None = None, *, theta_key: str = "rope_theta",
+         scaling_key: str | None = "rope_scaling") -> RoPE:
+    """The rotary settings of a config, refused by name when kvattn cannot compute them.
+
+    transformers 5 writes `rope_parameters` (the theta inside); earlier
+    versions `rope_theta` and `rope_scaling` at the top level, which are
+    read where `parameters` leaves them out (`theta_key`, `scaling_key`:
+    Gemma 3's sliding layers read `rope_local_base_freq` and no scaling).
+    `parameters` defaults to the config's `rope_parameters`.
+    """
+    parameters = (config.get("rope_parameters") or {}) if parameters is None else parameters
+    if not isinstance(parameters, dict):
+        raise UnsupportedConfigError(f"config.json has rope_parameters={parameters!r}; expected an object")
+    parameters = dict(parameters)
+    theta = parameters.pop("rope_theta", None)
+    theta = config.get(theta_key, 10000.0) if theta is None else theta
+    rotary = parameters.pop("partial_rotary_factor", None)
+    rotary = config.get("partial_rotary_factor") if rotary is None else rotary
+    if parameters.get("rope_type", "default") != "default":
+        scaling = parameters
+    else:
+        scaling = config.get(scaling_key) if scaling_key else None
+    rotary_dim = None
+    if rotary is not None and rotary != 1.0:
+        if isinstance(rotary, bool) or not isinstance(rotary, (int, float)) or not 0 < rotary <= 1:
+            raise UnsupportedConfigError(
+                f"config.json has partial_rotary_factor={rotary!r}; expected a number in (0, 1]"
+            )
+        rotary_dim = int(positive_int("head_dim", head_dim) * rotary)
+    try:
+        return RoPE(theta=theta, scaling=scaling, rotary_dim=rotary_dim)
+    except (TypeError, ValueError) as error:
+        raise UnsupportedConfigError(f"config.json has rope settings kvattn cannot use: {error}") from None

@@ -24,7 +24,8 @@ from kvattn.math import norms, quant
 from kvattn.models.model_config import ModelConfig
 
 __all__ = [
-    "MLP_LAYERS", "NORM_LAYERS", "GatedSiluMLP", "GeluMLP", "HeadScale", "LayerNorm", "Linear", "RMSNorm",
+    "MLP_LAYERS", "NORM_LAYERS", "GatedGeluMLP", "GatedMLP", "GatedSiluMLP", "GeluMLP", "HeadScale", "LayerNorm",
+    "Linear", "OffsetRMSNorm", "RMSNorm",
     "initial", "table_form", "weight_form",
 ]
 
@@ -60,6 +61,17 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return norms.rms_norm(x, self.weight[...], self.eps, scale_after_cast=True)
+
+
+class OffsetRMSNorm(nnx.Module):
+    """`(1 + weight) * x / sqrt(mean(x^2) + eps)` in float32, cast back after (Gemma's); the weight starts at zero."""
+
+    def __init__(self, features: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((features,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return norms.rms_norm(x, self.weight[...], self.eps, offset=1.0)
 
 
 class LayerNorm(nnx.Module):
@@ -129,8 +141,9 @@ class Linear(nnx.Module):
 class HeadScale(nnx.Module):
     """The learned scale `(H,)` of a per-head query or key norm (the path `query_ln/scale` Flax's layers use)."""
 
-    def __init__(self, head_dim: int, dtype):
-        self.scale = nnx.Param(jnp.ones((head_dim,), dtype))
+    def __init__(self, head_dim: int, dtype, *, offset: bool = False):
+        # An offset norm scales by `1 + scale` (`OffsetRMSNorm`), so its scale starts at zero.
+        self.scale = nnx.Param((jnp.zeros if offset else jnp.ones)((head_dim,), dtype))
 
 
 class GeluMLP(nnx.Module):
@@ -146,12 +159,14 @@ class GeluMLP(nnx.Module):
         return self.down(jax.nn.gelu(self.up(x), approximate=True))
 
 
-class GatedSiluMLP(nnx.Module):
-    """Llama's MLP (SwiGLU): `down(silu(gate(x)) * up(x))`.
+class GatedMLP(nnx.Module):
+    """A gated MLP: `down(act(gate(x)) * up(x))`, Llama's SwiGLU (`act` SiLU) or Gemma's GeGLU (tanh GELU).
 
     The gate and up projections are one kernel `gate_up` `(D, 2I)`, gate
     first: one dot per step instead of two.
     """
+
+    activation = staticmethod(jax.nn.silu)
 
     def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
         hidden, inner = config.hidden_size, config.intermediate_size
@@ -161,9 +176,19 @@ class GatedSiluMLP(nnx.Module):
 
     def __call__(self, x):
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-        return self.down(jax.nn.silu(gate) * up)
+        return self.down(self.activation(gate) * up)
+
+
+class GatedSiluMLP(GatedMLP):
+    """Llama's MLP (SwiGLU): `down(silu(gate(x)) * up(x))`."""
+
+
+class GatedGeluMLP(GatedMLP):
+    """Gemma's MLP (GeGLU): `down(gelu_tanh(gate(x)) * up(x))`."""
+
+    activation = staticmethod(functools.partial(jax.nn.gelu, approximate=True))
 
 
 # The layers each kind a `kvattn.models.spec.BlockSpec` names builds.
-NORM_LAYERS = {"layer": LayerNorm, "rms": RMSNorm}
-MLP_LAYERS = {"gelu": GeluMLP, "gated_silu": GatedSiluMLP}
+NORM_LAYERS = {"layer": LayerNorm, "rms": RMSNorm, "rms_offset": OffsetRMSNorm}
+MLP_LAYERS = {"gelu": GeluMLP, "gated_silu": GatedSiluMLP, "gated_gelu": GatedGeluMLP}

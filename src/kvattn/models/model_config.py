@@ -27,7 +27,9 @@ from kvattn.config import RoPE
 from kvattn.errors import positive_int
 from kvattn.math.rope import rope_tables
 
-__all__ = ["ModelConfig", "from_hf_config"]
+__all__ = ["LAYER_TYPES", "ModelConfig", "from_hf_config"]
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Far past any real model's (64-256), and small enough that checking the rotary frequencies of a config,
 # before its weights are read, allocates next to nothing.
@@ -64,6 +66,17 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    """Per layer, `"sliding_attention"` (over `sliding_window`) or `"full_attention"`, as Hugging Face names
+    them; None: every layer slides when there is a window."""
+    local_rope: RoPE | None = None
+    """The sliding layers' rotary settings where they differ from `rope` (Gemma 3's local base)."""
+    query_scale: float | None = None
+    """The attention logits' scale (Gemma's `query_pre_attn_scalar ** -0.5`); None: `1 / sqrt(head_dim)`."""
+    attn_logit_softcap: float | None = None
+    """`cap * tanh(scores / cap)` on every attention logit (Gemma 2), or None."""
+    final_logit_softcap: float | None = None
+    """`cap * tanh(logits / cap)` on the output logits (Gemma 2), or None."""
 
     def __post_init__(self):
         if not isinstance(self.family, str) or self.family not in FAMILIES:
@@ -87,18 +100,49 @@ class ModelConfig:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise UnsupportedConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
-        if self.block.positions == "learned" and self.rope is not None:
+        for name in ("query_scale", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0 < value < math.inf:
+                    raise UnsupportedConfigError(f"{name} must be a positive finite number or None, got {value!r}")
+                object.__setattr__(self, name, float(value))
+        if self.layer_types is not None:
+            types = self.layer_types
+            if isinstance(types, str) or not isinstance(types, (tuple, list)) or len(types) != self.num_layers \
+                    or any(kind not in LAYER_TYPES for kind in types):
+                raise UnsupportedConfigError(
+                    f"layer_types must list one of {list(LAYER_TYPES)} for each of the {self.num_layers} layers, "
+                    f"got {types!r}"
+                )
+            object.__setattr__(self, "layer_types", tuple(types))
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise UnsupportedConfigError("layer_types has sliding_attention layers but sliding_window is None")
+        if self.block.positions == "learned" and (self.rope is not None or self.local_rope is not None):
             raise UnsupportedConfigError(f"{self.family} models use learned positions, not rope")
-        if self.rope is not None:
+        if self.local_rope is not None and self.rope is None:
+            raise UnsupportedConfigError("local_rope is given without rope")
+        for rope in (self.rope, self.local_rope):
+            if rope is None:
+                continue
             try:
-                inv_freq, attention_factor, _ = rope_tables(self.rope, self.head_dim)
+                inv_freq, attention_factor, _ = rope_tables(rope, self.head_dim)
             except (ValueError, ArithmeticError) as error:
-                raise UnsupportedConfigError(f"rope settings {self.rope.to_json()} are not valid: {error}") from None
+                raise UnsupportedConfigError(f"rope settings {rope.to_json()} are not valid: {error}") from None
             if not (np.isfinite(inv_freq).all() and (inv_freq > 0).all() and math.isfinite(attention_factor)):
                 raise UnsupportedConfigError(
-                    f"rope settings {self.rope.to_json()} give non-finite or non-positive frequencies for "
+                    f"rope settings {rope.to_json()} give non-finite or non-positive frequencies for "
                     f"head_dim={self.head_dim}"
                 )
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def layer_rope(self, layer: int) -> RoPE | None:
+        """Layer `layer`'s rotary settings: `local_rope` on a sliding layer where there is one, else `rope`."""
+        return self.local_rope if self.local_rope is not None and self.sliding(layer) else self.rope
 
     @property
     def block(self) -> BlockSpec:

@@ -36,14 +36,17 @@ class Scheduler:
     """Requests, sequences and pages for a paged model of `config`.
 
     Args:
-      config: the model's attention config (batch size, pages, window).
+      config: the model's attention config (batch size, pages).
       chunk: prefill chunk in tokens, a multiple of the page size.
       prefix_caching: share the pages of equal prompt prefixes.
       prefills_per_step: prefill chunks a step runs at most.
+      window: the sliding window behind which a sequence's pages are released (every layer's), or None.
     """
 
-    def __init__(self, config: AttentionConfig, *, chunk: int, prefix_caching: bool, prefills_per_step: int):
+    def __init__(self, config: AttentionConfig, *, chunk: int, prefix_caching: bool, prefills_per_step: int,
+                 window: int | None = None):
         self.config = config
+        self.window = window
         self.chunk = chunk
         self.prefix_caching = prefix_caching
         self.prefills_per_step = prefills_per_step
@@ -55,7 +58,7 @@ class Scheduler:
     def _new_manager(self) -> PageManager:
         spec = self.config.cache
         return PageManager(spec.num_pages, spec.page_size, spec.batch_size, spec.pages_per_sequence,
-                           window=self.config.window)
+                           window=self.window)
 
     # -------------------------------------------------------------- requests
 

@@ -99,8 +99,12 @@ class Server:
         if speculative is not None and not isinstance(speculative, PromptLookup):
             also = " (a DraftModel drafts in kvattn.generation.generate)" if isinstance(speculative, DraftModel) else ""
             raise TypeError(f"speculative must be a PromptLookup or None, got {type(speculative).__name__}{also}")
-        if speculative is not None and config.window is not None:
-            raise ValueError(f"speculative decoding is not offered with a sliding window ({config.window}): "
+        # Pages are released behind a window only when every layer slides over the same one; a model mixing
+        # sliding and full layers (Gemma's) keeps every page, and its sliding layers mask what they do not see.
+        windows = set(model.windows)
+        window = windows.pop() if len(windows) == 1 else None
+        if speculative is not None and window is not None:
+            raise ValueError(f"speculative decoding is not offered with a sliding window ({window}): "
                              "build the model without one, or serve without speculative")
         chunk = check.positive_int(chunk, "chunk")
         if chunk % config.cache.page_size:
@@ -110,8 +114,8 @@ class Server:
         self.config = config
         self.speculative = speculative
         self.vocab_size = model.config.vocab_size
-        self.scheduler = Scheduler(config, chunk=int(chunk), prefix_caching=prefix_caching and config.window is None,
-                                   prefills_per_step=prefills)
+        self.scheduler = Scheduler(config, chunk=int(chunk), prefix_caching=prefix_caching and window is None,
+                                   prefills_per_step=prefills, window=window)
         """The host half: queue, sequences, pages."""
         self.runner = Runner(model)
         """The device half: weights, pools, programs."""

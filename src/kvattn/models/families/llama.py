@@ -18,10 +18,9 @@ rotary scaling kvattn does not compute.
 from __future__ import annotations
 
 from kvattn.errors import UnsupportedConfigError
-from kvattn.models.hf_config import divide, positive_int, read, refuse
+from kvattn.models.hf_config import divide, read, refuse, rope
 from kvattn.models.spec import BlockSpec, Family
 from kvattn.models.table import Part, Row, transpose
-from kvattn.config import RoPE
 
 __all__ = ["BLOCK", "FAMILY", "PHI3", "PHI3_TABLE", "TABLE", "translate"]
 
@@ -40,39 +39,18 @@ def translate(config: dict) -> dict:
     head_dim = config.get("head_dim")
     if head_dim is None:
         head_dim = divide(config, "hidden_size", "num_attention_heads")
-    # transformers 5 writes `rope_parameters` (theta inside); earlier versions `rope_theta` + `rope_scaling`.
-    parameters = config.get("rope_parameters") or {}
-    if not isinstance(parameters, dict):
-        raise UnsupportedConfigError(f"config.json has rope_parameters={parameters!r}; expected an object")
-    parameters = dict(parameters)
-    theta = parameters.pop("rope_theta", None)
-    theta = config.get("rope_theta", 10000.0) if theta is None else theta
-    rotary = parameters.pop("partial_rotary_factor", None)
-    rotary = config.get("partial_rotary_factor") if rotary is None else rotary
-    scaling = parameters if parameters.get("rope_type", "default") != "default" else config.get("rope_scaling")
-    rotary_dim = None
-    if rotary is not None and rotary != 1.0:
-        if isinstance(rotary, bool) or not isinstance(rotary, (int, float)) or not 0 < rotary <= 1:
-            raise UnsupportedConfigError(
-                f"config.json has partial_rotary_factor={rotary!r}; expected a number in (0, 1]"
-            )
-        rotary_dim = int(positive_int("head_dim", head_dim) * rotary)
     sliding = None
     if model_type in ("mistral", "phi3") or (model_type in ("qwen2", "qwen3") and config.get("use_sliding_window")):
         sliding = config.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and config.get("max_window_layers", 0) < read(config, "num_hidden_layers"):
             raise UnsupportedConfigError("config.json slides the window on only some layers (max_window_layers)")
-    try:
-        rope = RoPE(theta=theta, scaling=scaling, rotary_dim=rotary_dim)
-    except (TypeError, ValueError) as error:
-        raise UnsupportedConfigError(f"config.json has rope settings kvattn cannot use: {error}") from None
     return {
         "vocab_size": read(config, "vocab_size"), "hidden_size": read(config, "hidden_size"),
         "num_layers": read(config, "num_hidden_layers"), "num_heads": heads,
         "num_kv_heads": heads if config.get("num_key_value_heads") is None else config["num_key_value_heads"],
         "head_dim": head_dim, "intermediate_size": read(config, "intermediate_size"),
         "norm_eps": read(config, "rms_norm_eps", 1e-6), "tie_embeddings": config.get("tie_word_embeddings", False),
-        "max_position_embeddings": read(config, "max_position_embeddings"), "rope": rope,
+        "max_position_embeddings": read(config, "max_position_embeddings"), "rope": rope(config, head_dim),
         # Qwen2 biases its query, key and value projections unless told otherwise; Qwen3 normalizes them per head.
         "attention_bias": config.get("attention_bias", model_type == "qwen2"), "qk_norm": model_type == "qwen3",
         "sliding_window": sliding,
