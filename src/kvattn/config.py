@@ -28,7 +28,8 @@ __all__ = ["DECODE_KERNELS", "AttentionConfig", "RoPE"]
 DECODE_KERNELS = ("auto", "xla", "pallas", "interpret")
 
 # The storage keyword arguments: sugar for a cache spec (`kvattn.caches.base.spec_from_options`).
-STORAGE_OPTIONS = ("max_len", "batch_size", "cache_dtype", "cache_layout", "length_buckets", "num_pages", "page_size")
+STORAGE_OPTIONS = ("max_len", "batch_size", "cache_dtype", "cache_layout", "length_buckets", "num_pages", "page_size",
+                   "spare_slots")
 
 # What a cache snapshot records, in this order: a cache only loads into a layer that agrees on each.
 # (Not `query_scale`: it scales the queries, never what the cache holds.)
@@ -158,7 +159,7 @@ class AttentionConfig:
         `kvattn.Paged` spec (capacity, batch size, dtype, layout...; see
         `kvattn.caches.base`). The storage keyword arguments `max_len`,
         `batch_size`, `cache_dtype`, `cache_layout`, `length_buckets`,
-        `num_pages`, `page_size` are sugar for one (give those or `cache`),
+        `num_pages`, `page_size`, `spare_slots` are sugar for one (give those or `cache`),
         and the properties of the same names read the spec.
       window: sliding-window attention over the last `window` tokens; with a
         contiguous cache without `max_len`, kept in a ring of `window` slots

@@ -77,12 +77,48 @@ def test_window_configuration_errors():
         kvattn.MultiHeadAttention(2, 8, max_len=8, window=4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="exactly one of max_len"):
         kvattn.MultiHeadAttention(2, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="spare_slots are a ring's"):
+        kvattn.MultiHeadAttention(2, 8, max_len=8, spare_slots=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="spare_slots must be an int >= 0, got -1"):
+        windowed(spare_slots=-1)
     layer = windowed()
-    layer.prefill(stream((3,)))
+    layer.prefill(stream((7,)))  # wrapped: holds positions 3..6
     before = cache_arrays(layer)
-    with pytest.raises(ValueError, match="truncate is not supported on a windowed layer"):
-        layer.truncate(1)
+    with pytest.raises(ValueError, match=r"sequences \[0\] cannot roll back to \[5\] tokens: .* spare_slots=0 "
+                                         r".* at most 1 tokens"):
+        layer.truncate(5)
     assert_same_bits(before, cache_arrays(layer))
+
+
+@pytest.mark.parametrize("spare", [0, 3])
+def test_a_ring_rolls_back_its_spare_slots_and_one_as_if_never_decoded(spare):
+    """Truncate, then decode on: equal to the float64 reference of the kept history, over every wrap phase."""
+    window, xs = 3, stream((2, 16))
+    layer = windowed(window=window, batch_size=2, spare_slots=spare)
+    assert layer.k_cache[...].shape[1] == window + spare
+    weights = weights_of(layer)
+    kept = [[], []]
+    layer.prefill(xs[:, :5], jnp.array([5, 2]))
+    kept[0], kept[1] = list(xs[0, :5]), list(xs[1, :2])
+    for t in range(5, 16):
+        ys = layer.step(xs[:, t])
+        for b in range(2):
+            kept[b].append(xs[b, t])
+            assert_close(ys[b], causal_attention(weights, np.stack(kept[b]), window=window)[-1])
+        if t % 4 == 3:  # roll back as deep as the ring allows, the second sequence one token less
+            pos = np.asarray(layer.pos[...])
+            keep = pos - np.array([spare + 1, spare])
+            layer.truncate(jnp.asarray(keep))
+            kept = [history[: int(k)] for history, k in zip(kept, keep, strict=True)]
+            np.testing.assert_array_equal(np.asarray(layer.pos[...]), keep)
+    # Under jit nothing can raise: a roll-back past the spare slots empties and poisons the sequence.
+    layer.reset()
+    layer.prefill(xs[:, : 2 * (window + spare) + 1])  # wrapped twice
+    poisoned = nnx.jit(lambda layer, keep: layer.truncate(keep))
+    pos = np.asarray(layer.pos[...])
+    poisoned(layer, jnp.asarray([pos[0] - spare - 2, pos[1] - spare - 1]))
+    assert np.asarray(layer.pos[...]).tolist() == [-1, pos[1] - spare - 1]
+    assert not np.asarray(layer.k_cache[...])[0].any() and np.asarray(layer.k_cache[...])[1].any()
 
 
 # ------------------------------------------------------------ compact dtypes

@@ -58,7 +58,13 @@ DRAFTERS = {
     "qwen3": lambda family: generation.PromptLookup(num_tokens=4, max_ngram=2),
     # The target in bfloat16: most drafts kept, at half the bytes, so rounds pay.
     "llama": lambda family: generation.DraftModel(load(family, dtype=jnp.bfloat16), num_tokens=4),
+    # Sliding-window rings (of 8, far shorter than the 64 slots) with room to roll refused drafts back:
+    # every layer's (mistral), and alternating with full layers (gemma3_text).
+    "mistral": lambda family: generation.PromptLookup(num_tokens=3),
+    "gemma3_text": lambda family: generation.PromptLookup(num_tokens=4, max_ngram=2),
 }
+# What a family's target needs beyond `load`'s defaults: its rings' spare slots, one fewer than its drafts.
+TARGETS = {"mistral": {"spare_slots": 2}, "gemma3_text": {"spare_slots": 3}}
 
 
 def load(family, **options):
@@ -70,7 +76,7 @@ def decoded(request):
     """Each family's fixture prompts decoded greedily with a stop token: (family, model, drafter, want, result)."""
     family = request.param
     want = expected(family)
-    model, drafter = load(family), DRAFTERS[family](family)
+    model, drafter = load(family, **TARGETS.get(family, {})), DRAFTERS[family](family)
     result = generation.speculate(model, want["prompts"], NEW, lengths=want["lengths"], speculative=drafter,
                               stop_tokens=(stop_token(want),))
     return family, model, drafter, want, result
@@ -433,7 +439,7 @@ def test_drafts_that_cannot_serve_the_target_are_refused_before_anything_runs(ll
 
 def test_caches_that_cannot_be_rolled_back_are_refused():
     windowed = models.from_pretrained(FIXTURES / "mistral", max_len=64, batch_size=3)  # a ring past its window of 8
-    refusal(windowed, "sliding-window ring of 8 slots cannot do .* build it with max_len <= 8",
+    refusal(windowed, "up to 2 drafts .* ring of 8 slots with spare_slots=0 cannot .* build it with spare_slots >= 1",
             speculative=generation.PromptLookup(2))
     paged = load("llama", num_pages=8, page_size=8)
     refusal(paged, "needs contiguous caches; the model is paged", speculative=generation.PromptLookup(2))

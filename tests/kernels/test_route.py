@@ -37,6 +37,8 @@ def attention_jaxpr(config: kvattn.AttentionConfig, num_new: int = 1, write_firs
     fields = {name: getattr(config, name) for name in ("max_len", "window", "num_kv_heads", "batch_size",
                                                        "cache_dtype", "cache_layout", "logit_softcap", "num_pages",
                                                        "page_size", "decode_kernel", "head_dim", "data_axis")}
+    if not config.paged:
+        fields["spare_slots"] = config.cache.spare_slots
     built = kvattn.MultiHeadAttention(config.num_heads, config.in_features, rngs=nnx.Rngs(0), **fields)
     if config.paged:
         table = jnp.ones((config.batch_size, config.pages_per_sequence), jnp.int32)
@@ -73,6 +75,8 @@ RUNS_XLA = {  # options -> why the rule keeps XLA
     "head_dim 24": {"cache_layout": "heads_major", "head_dim": 24},
     "head_dim 8": {"cache_layout": "heads_major", "head_dim": 8},
     "paged window": dict(**PAGED, window=8),
+    "ring with spare slots (it holds more than its window)": {"cache_layout": "heads_major", "window": 32,
+                                                              "spare_slots": 16},
     "bfloat16 pool": dict(**PAGED, cache_dtype="bfloat16"),
     "page_size 3": {"num_pages": 12, "page_size": 3},
     "sharded": {"cache_layout": "heads_major", "data_axis": "data"},

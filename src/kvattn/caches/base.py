@@ -124,17 +124,30 @@ class Contiguous(CacheSpec):
         filled length rather than `max_len`. None picks
         `default_length_buckets`; `()` always reads the whole buffer;
         buckets past the slots are ignored.
+      spare_slots: slots a ring keeps past its window (only without
+        `max_len`): its `truncate` then rolls back up to `spare_slots + 1`
+        tokens (one without spares), as speculative decoding's refused
+        drafts need; attention still sees the last `window` positions.
 
     >>> Contiguous(max_len=16, dtype="int8", length_buckets=[8, 4])
-    Contiguous(max_len=16, batch_size=None, dtype='int8', layout='slots_major', length_buckets=(4, 8))
+    Contiguous(max_len=16, batch_size=None, dtype='int8', layout='slots_major', length_buckets=(4, 8), spare_slots=0)
     """
 
     length_buckets: tuple[int, ...] | None = None
+    spare_slots: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         if self.length_buckets is not None:
             object.__setattr__(self, "length_buckets", _buckets(self.length_buckets))
+        spare = self.spare_slots
+        if isinstance(spare, (bool, np.bool_)) or not isinstance(spare, (int, np.integer)) or spare < 0:
+            raise ValueError(f"spare_slots must be an int >= 0, got {spare!r}")
+        object.__setattr__(self, "spare_slots", int(spare))
+
+    def num_slots(self, window: int | None) -> int:
+        """Slots per sequence: `max_len`, or the ring's `window` plus its `spare_slots`."""
+        return window + self.spare_slots if self.max_len is None else self.max_len
 
     def fitted(self, window: int | None, bytes_per_token: int) -> Contiguous:
         if (self.max_len is None) == (window is None):
@@ -142,6 +155,8 @@ class Contiguous(CacheSpec):
                 f"give exactly one of max_len (a bounded cache) or window (a ring), "
                 f"got max_len={self.max_len!r} and window={window!r}"
             )
+        if self.spare_slots and self.max_len is not None:
+            raise ValueError(f"spare_slots are a ring's (a window without max_len), got max_len={self.max_len}")
         num_slots = self.num_slots(window)
         if self.length_buckets is None:
             buckets = default_length_buckets(num_slots, cache_bytes=(self.batch_size or 1) * num_slots * bytes_per_token)
@@ -194,11 +209,13 @@ class Paged(CacheSpec):
 
 
 def spec_from_options(*, max_len=None, batch_size=None, cache_dtype="float32", cache_layout="slots_major",
-                      length_buckets=None, num_pages=None, page_size=None) -> CacheSpec:
+                      length_buckets=None, num_pages=None, page_size=None, spare_slots=0) -> CacheSpec:
     """The spec that the layer's storage keyword arguments describe (their sugar)."""
     storage = dict(max_len=max_len, batch_size=batch_size, dtype=cache_dtype, layout=cache_layout)
     if num_pages is None and page_size is None:
-        return Contiguous(**storage, length_buckets=length_buckets)
+        return Contiguous(**storage, length_buckets=length_buckets, spare_slots=spare_slots)
+    if spare_slots:
+        raise ValueError("spare_slots are a ring's; a paged cache keeps its pages as the PageManager says")
     if num_pages is None or page_size is None:
         raise ValueError(
             f"a paged cache needs both num_pages and page_size, got num_pages={num_pages!r} and page_size={page_size!r}"

@@ -59,6 +59,7 @@ __all__ = [
     "fork",
     "relayout",
     "reorder",
+    "rolls_back",
     "truncate",
     "unbind",
     "variables",
@@ -145,6 +146,9 @@ class KVCache:
     def truncate(self, keep: Int[Array, " B"]) -> KVCache:
         return truncate(self, keep)
 
+    def rolls_back(self, keep: Int[Array, " B"]) -> Bool[Array, " B"]:
+        return rolls_back(self, keep)
+
     def fork(self, source: Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:
         return fork(self, source, targets)
 
@@ -180,7 +184,7 @@ class KVCache:
             )
 
         def on_xla():  # the longest filled prefix of the batch (at most the ring): what the read covers
-            filled = jnp.max(cache.pos) if cache.window is None else jnp.minimum(jnp.max(cache.pos), cache.window)
+            filled = jnp.max(cache.pos) if cache.window is None else jnp.minimum(jnp.max(cache.pos), cache.num_slots)
             return ops.bucketed(read, (cache.k, cache.v), filled, cache.length_buckets or (cache.num_slots,),
                                 cache.layout)
 
@@ -287,16 +291,45 @@ def clear(cache: KVCache, which: Bool[Array, " B"]) -> KVCache:
 
 
 def truncate(cache: KVCache, keep: Int[Array, " B"]) -> KVCache:
-    """Keeps the first `keep[b]` tokens of sequence b and zeros the slots after them."""
-    slot_axis = cache.layout.index("S")
+    """Keeps the first `keep[b]` tokens of sequence b and zeros the slots after them.
+
+    A ring zeros the slots of the positions it drops. It can only roll back
+    while it still holds every position the next query sees (`rolls_back`):
+    a sequence asked for more is emptied and poisoned (`pos` = `INVALID_POS`),
+    as an out-of-range index under `jit` leaves it.
+    """
+    slot_axis, num_slots = cache.layout.index("S"), cache.num_slots
+    slot = jnp.arange(num_slots)[None, :]
+    if cache.window is None:
+        held = slot  # the position each slot holds
+    else:  # the latest position p < pos with p % S == slot
+        pos = cache.pos[:, None]
+        held = pos - 1 - (pos - 1 - slot) % num_slots
+    kept = held < keep[:, None]
+    valid = rolls_back(cache, keep)
+    kept &= valid[:, None]
 
     def cut(array):
-        shape = [1] * array.ndim
-        shape[slot_axis] = array.shape[slot_axis]
-        slot = jnp.arange(array.shape[slot_axis]).reshape(shape)
-        return jnp.where(slot < _per_sequence(keep, array), array, jnp.zeros((), array.dtype))
+        shape = [array.shape[0]] + [1] * (array.ndim - 1)
+        shape[slot_axis] = num_slots
+        return jnp.where(kept.reshape(shape), array, jnp.zeros((), array.dtype))
 
-    return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), pos=keep.astype(cache.pos.dtype))
+    pos = jnp.where(valid, keep, INVALID_POS).astype(cache.pos.dtype)
+    return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), pos=pos)
+
+
+def rolls_back(cache: KVCache, keep: Int[Array, " B"]) -> Bool[Array, " B"]:
+    """Whether each sequence can keep only its first `keep[b]` tokens (`0 <= keep <= pos`).
+
+    Always without a window. A ring of S slots holds positions `pos - S ..
+    pos - 1`, and a query at `keep` sees the `window - 1` before it: it can
+    roll back `S - window + 1` tokens (its spare slots and one), or to
+    nothing, or anywhere while it has not yet wrapped.
+    """
+    if cache.window is None:
+        return jnp.ones(keep.shape, jnp.bool_)
+    oldest = cache.pos - cache.num_slots  # the oldest position held, when it has wrapped
+    return (keep == 0) | (oldest <= jnp.maximum(keep - cache.window + 1, 0))
 
 
 def fork(cache: KVCache, source: Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:

@@ -204,26 +204,32 @@ class DraftSteps:
         draft.truncate(jnp.minimum(draft.pos, keep))
         return nnx.state(draft, nnx.Cache)
 
-def rolls_back(model: CausalLM, name: str) -> None:
-    """Refuses a model whose caches `truncate` cannot roll back: paged, or a sliding-window ring."""
+def rolls_back(model: CausalLM, name: str, num_tokens: int) -> None:
+    """Refuses a model whose caches `truncate` cannot roll back `num_tokens` refused drafts.
+
+    Paged caches belong to a `PageManager`; a sliding-window ring rolls back
+    its spare slots and one (`kvattn.Contiguous`).
+    """
     if model.cache_config.cache.paged:
         raise ValueError(
             f"speculative decoding here needs contiguous caches; the {name} is paged (its sequences belong to a "
             "PageManager): build it without num_pages and page_size"
         )
-    window = max((window for window in model.windows if window is not None), default=None)
-    if window is not None:
-        raise ValueError(
-            f"speculative decoding rolls caches back with truncate, which the {name}'s sliding-window ring of "
-            f"{window} slots cannot do (it was built with max_len past its window); build it with "
-            f"max_len <= {window}, or decode without speculative"
-        )
+    for block in model.blocks:
+        config = block.attention.config
+        if config.window is not None and config.cache.spare_slots + 1 < num_tokens:
+            raise ValueError(
+                f"speculative decoding of up to {num_tokens} drafts rolls caches back that many tokens, which the "
+                f"{name}'s sliding-window ring of {config.window} slots with spare_slots="
+                f"{config.cache.spare_slots} cannot (it rolls back spare_slots + 1); build it with "
+                f"spare_slots >= {num_tokens - 1}, or with max_len <= {config.window}"
+            )
 
-def checked_draft(draft: CausalLM, model: CausalLM, lengths, max_new_tokens: int):
+def checked_draft(draft: CausalLM, model: CausalLM, lengths, max_new_tokens: int, num_tokens: int):
     """The draft's params and caches and its cost per step in target steps, after checking it can draft for `model`."""
     if draft is model:
         raise ValueError("the draft model must be another CausalLM than the target (their caches differ)")
-    rolls_back(draft, "draft model")
+    rolls_back(draft, "draft model", num_tokens)
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"the draft model must share the target's vocabulary: vocab_size {model.config.vocab_size} expected, "

@@ -240,8 +240,8 @@ def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: Pro
     plain `generate` leaves in them.
 
     Args:
-      model: a `CausalLM` with contiguous caches (no sliding-window ring:
-        `truncate` cannot roll one back).
+      model: a `CausalLM` with contiguous caches; a sliding-window ring
+        needs `spare_slots` of at least `num_tokens - 1` (`CausalLM`).
       speculative: a `PromptLookup` or a `DraftModel`.
 
     `prompts`, `max_new_tokens`, `lengths`, `temperature`, `top_k`, `top_p`,
@@ -252,13 +252,14 @@ def speculate(model: CausalLM, prompts, max_new_tokens: int, *, speculative: Pro
 
     An example is in the models guide, under Speculative decoding.
     """
-    rolls_back(model, "model")
     if not isinstance(speculative, (PromptLookup, DraftModel)):
         raise TypeError(f"speculative must be a PromptLookup or a DraftModel, got {type(speculative).__name__}")
+    rolls_back(model, "model", speculative.num_tokens)
     inputs = checked_inputs(model, prompts, max_new_tokens, lengths, temperature, top_k, top_p, stop_tokens, rng)
     drafter, drafter_params, drafter_state, cost = (), (), (), 0.0
     if isinstance(speculative, DraftModel):
-        drafter_params, drafter_state, cost = checked_draft(speculative.draft, model, inputs.lengths, max_new_tokens)
+        drafter_params, drafter_state, cost = checked_draft(speculative.draft, model, inputs.lengths, max_new_tokens,
+                                                            speculative.num_tokens)
         drafter = DraftSteps(nnx.graphdef(speculative.draft), speculative.num_tokens,
                               speculative.draft.config.vocab_size, speculative.policy)
     else:

@@ -124,7 +124,8 @@ def _head_dim_limit(head_dim: int) -> str | None:
     return None
 
 
-def _float32_interval(kernel: str, k_cache, k_scale, *, window, write_first, logit_softcap) -> str | None:
+def _float32_interval(kernel: str, k_cache, k_scale, layout: str, *, window, write_first,
+                      logit_softcap) -> str | None:
     """What both contiguous kernels need: float32 values, no soft-cap, one interval of slots to read."""
     if k_scale is not None or k_cache.dtype != jnp.float32:
         return f"the cache is {k_cache.dtype}; the {kernel} reads float32 caches"
@@ -132,6 +133,8 @@ def _float32_interval(kernel: str, k_cache, k_scale, *, window, write_first, log
         return f"the {kernel} has no logit soft-cap"
     if window is not None and not write_first:
         return "a ring read before the write must skip one slot (the drivers write first)"
+    if window is not None and k_cache.shape[layout.index("S")] != window:
+        return "a ring with spare slots holds more than its window (the kernels read every slot it holds)"
     return None
 
 
@@ -154,7 +157,7 @@ def contiguous_limits(
     16 or more.
     """
     num_slots, head_dim = k_cache.shape[layout.index("S")], k_cache.shape[-1]
-    cannot = _float32_interval("decode kernel", k_cache, k_scale, window=window, write_first=write_first,
+    cannot = _float32_interval("decode kernel", k_cache, k_scale, layout, window=window, write_first=write_first,
                                logit_softcap=logit_softcap)
     if cannot is None and num_slots % pallas.MIN_TILE:
         cannot = f"{num_slots} slots are not a multiple of {pallas.MIN_TILE}"
@@ -185,7 +188,7 @@ def native_limits(
         return "the native kernel reads heads-major caches"
     if kernel == native.PREFILL_ATTENTION and write_first:
         return "the native prefill kernel reads the cache before the write"
-    cannot = _float32_interval("native kernel", k_cache, k_scale, window=window, write_first=write_first,
+    cannot = _float32_interval("native kernel", k_cache, k_scale, layout, window=window, write_first=write_first,
                                logit_softcap=logit_softcap)
     if cannot is None and k_cache.shape[-1] % 16:
         cannot = f"head_dim {k_cache.shape[-1]} is not a multiple of 16"

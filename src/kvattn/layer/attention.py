@@ -16,6 +16,7 @@ import functools
 import typing
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
@@ -265,15 +266,26 @@ class MultiHeadAttention(nnx.Module):
             raises; under jit a sequence asked to keep more than it holds is
             left as it is, and a negative count keeps nothing.
 
-        Not available with `window`: the ring has already overwritten the
-        tokens that would slide back into view.
+        A ring (`window` without `max_len`) rolls back only while it still
+        holds what the next query sees: `spare_slots + 1` tokens (see
+        `kvattn.Contiguous`), to nothing, or anywhere before it has wrapped.
+        Eagerly a deeper roll-back raises; under jit it empties and poisons
+        the sequence.
         """
         cache = self._bind("truncate")
-        if cache.window is not None:
-            raise ValueError("truncate is not supported on a windowed layer; reset() it or keep decoding")
         host_pos = check.state(self.config, cache.pos)
         keep = check.keep_counts(self.config, keep, cache.pos if host_pos is None else host_pos)
-        self._store(cache.truncate(jnp.clip(keep, 0, cache.pos)))
+        keep = jnp.clip(keep, 0, cache.pos)
+        if cache.window is not None and host_pos is not None and not check.is_traced(keep):
+            deep = np.flatnonzero(~np.asarray(cache.rolls_back(keep)))
+            if deep.size:
+                spare = self.config.cache.spare_slots
+                raise ValueError(
+                    f"sequences {deep.tolist()} cannot roll back to {np.asarray(keep).reshape(-1).tolist()} tokens: "
+                    f"a ring of window {cache.window} with spare_slots={spare} has overwritten what the next query "
+                    f"would see; it rolls back at most {spare + 1} tokens (or to 0). Nothing was changed."
+                )
+        self._store(cache.truncate(keep))
 
     def fork(self, source, targets):
         """Copies sequence `source` (cache and `pos`) into other sequences of the batch.

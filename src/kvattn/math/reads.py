@@ -90,9 +90,9 @@ def visible_slots(filled, query_pos, num_slots, window, slot_positions=None):
     """Which cache slots `(B, T, S)` queries at positions `query_pos` `(B, T)` see.
 
     `filled[b]` tokens have been written. Without a window, slot s holds
-    position s and is filled when `s < filled`. In a ring of W slots, slot s
-    holds the latest position `p < filled` with `p % W == s`, filled when
-    that p >= 0. Given `slot_positions` `(B, S)`, slot s holds that position
+    position s and is filled when `s < filled`. In a ring of S slots (its
+    window W and any spare slots), slot s holds the latest position
+    `p < filled` with `p % S == s`, filled when that p >= 0. Given `slot_positions` `(B, S)`, slot s holds that position
     (a paged view), filled when it is `< filled`. A query at position q sees
     filled positions `p <= q`, and with a window only those with `p > q - W`.
     """
@@ -105,5 +105,5 @@ def visible_slots(filled, query_pos, num_slots, window, slot_positions=None):
     slot = jnp.arange(num_slots)[None, None, :]
     if window is None:
         return (slot < filled) & (slot <= query_pos)
-    position = filled - 1 - (filled - 1 - slot) % window
+    position = filled - 1 - (filled - 1 - slot) % num_slots
     return (position >= 0) & (position <= query_pos) & (position > query_pos - window)

@@ -130,13 +130,16 @@ class CausalLM(nnx.Module):
       num_pages, page_size: a paged cache per layer (see
         `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence
         slots, and a sliding window frees pages instead of using a ring.
+      spare_slots: slots each sliding layer's ring keeps past its window
+        (`kvattn.Contiguous`), so `truncate` rolls it back `spare_slots + 1`
+        tokens: speculative decoding of K drafts needs `K - 1`.
       rngs: random initial weights (LeCun normal); without, zeros
         (`from_pretrained` overwrites every value).
     """
 
     def __init__(self, config: ModelConfig, *, max_len: int, batch_size: int = 1, dtype=jnp.float32,
                  weights: str | None = None, cache_dtype=None, num_pages: int | None = None,
-                 page_size: int | None = None, rngs: nnx.Rngs | None = None):
+                 page_size: int | None = None, spare_slots: int = 0, rngs: nnx.Rngs | None = None):
         block = config.block
         learned = block.positions == "learned"
         if learned and isinstance(max_len, (int, np.integer)) and max_len > config.max_position_embeddings:
@@ -170,7 +173,7 @@ class CausalLM(nnx.Module):
             # Heads-major caches (and pages): a step's attention is then a plain batched dot over (B, K)
             # that reads the cache in place; slots-major would cost K times the flops (see kvattn.math.ops).
             # Measured with tools/model_floor.py: 53.0 -> 43.0 ms/token at B=8, 19.0 -> 17.8 at B=1.
-            capacity = {"window": window} if window else {"max_len": max_len}
+            capacity = {"window": window, "spare_slots": spare_slots} if window else {"max_len": max_len}
             if num_pages is not None:
                 capacity = {"max_len": max_len, "window": window, "num_pages": num_pages, "page_size": page_size}
             return AttentionConfig(

@@ -259,7 +259,8 @@ def eos_token_ids(path: str | os.PathLike) -> frozenset[int]:
 
 
 def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None, weights=None,
-                    cache_dtype=None, num_pages: int | None = None, page_size: int | None = None) -> CausalLM:
+                    cache_dtype=None, num_pages: int | None = None, page_size: int | None = None,
+                    spare_slots: int = 0) -> CausalLM:
     """A `CausalLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
 
     Args:
@@ -277,6 +278,8 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       cache_dtype: the caches' storage; defaults to `dtype`.
       num_pages, page_size: paged caches instead of contiguous ones (see
         `CausalLM` and `kvattn.serving`).
+      spare_slots: slots a sliding window's ring keeps past the window, so
+        speculative decoding can roll it back (`CausalLM`).
 
     Raises:
       UnsupportedConfigError: the configuration asks for something kvattn
@@ -297,7 +300,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     config = checkpoint_config(path)
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))
     model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, weights=weights,
-                     cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size)
+                     cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size, spare_slots=spare_slots)
     # An int8 parameter's scales are stored with it.
     unfilled = {name for name in parameter_paths(model) - filled_parameters(config) if not name.endswith("_scale")}
     assert not unfilled, f"the {config.family} table leaves parameters unfilled: {sorted(unfilled)}"
