@@ -21,6 +21,13 @@ for every batch size and dtype, on one random prompt:
                           with `torch_compile`: the static cache, its forward
                           under `torch.compile(mode="reduce-overhead")`
                           (float dtypes only)
+  llama.cpp               with `llama_cpp` (the folder of its binaries,
+                          `python -m tools.llama_cpp build`): `llama-server`
+                          on the same checkpoint as GGUF (F32, BF16, Q8_0 for
+                          float32, bfloat16, int8), B slots, the same
+                          prompts as token ids, greedy; its tokens compared
+                          with kvattn's like every contender's
+                          (`benchmarks.llama_cpp_contender`)
   limit                   bytes one decode step must read (every weight but
                           the embedding table, plus the K/V filled on
                           average over the generation) over the bandwidth of
@@ -68,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import plain_cache, transformers_contender
+from benchmarks import llama_cpp_contender, plain_cache, transformers_contender
 from benchmarks.baselines import Calibration
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import finished_rows, model_markdown, target, write
@@ -241,8 +248,11 @@ def greedy_agreement(tokens, reference) -> float:
 
 def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new_tokens: int, repeats: int,
                   torch_python: str, torch_threads: int, torch_compile: bool = False, seed: int = 0,
-                  progress=None) -> dict[str, Any]:
-    """Every row of the model benchmark (see the module docstring); `progress(rows)` after each contender."""
+                  llama_cpp: tuple[Path, dict[str, Path]] | None = None, progress=None) -> dict[str, Any]:
+    """Every row of the model benchmark (see the module docstring); `progress(rows)` after each contender.
+
+    `llama_cpp` is the folder of llama.cpp's binaries and its GGUF file per dtype.
+    """
 
     from kvattn import models
 
@@ -269,10 +279,18 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                 ours.streamed(2)  # compile its prefill and step, untimed
                 contenders["kvattn.generation.stream"] = ours.streamed
             contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
+            server = None
+            if llama_cpp is not None:
+                bin_dir, ggufs = llama_cpp
+                server = llama_cpp_contender.LlamaServer(bin_dir, ggufs[dtype], prompts, new_tokens, torch_threads)
+                contenders["llama.cpp"] = server.once
+                notes.append(f"llama.cpp {server.version} ({Path(ggufs[dtype]).name})")
             try:
                 timed, limit = _interleaved(contenders, new_tokens, repeats, calibration)
             finally:
                 theirs.close()
+                if server is not None:
+                    server.close()
             rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
                              step_bytes=step_bytes, bandwidth_gbs=limit / 1e9, read=calibration.method))
             del calibration
@@ -326,6 +344,13 @@ def _targets(rows) -> list[dict[str, Any]]:
     for dtype, batch in sorted({(r["dtype"], r["batch_size"]) for r in rows}):
         ours, context = figure(dtype, batch, ours_name), {"dtype": dtype, "batch_size": batch}
         theirs = figure(dtype, batch, theirs_names)
+        llama = figure(dtype, batch, ("llama.cpp",))
+        if llama is not None:  # #36 at B=1: float32 against F32 >= 1.1x, int8 against Q8_0 >= 1.3x; #35 bfloat16
+            wanted = {"float32": 1.1, "int8": 1.3, "bfloat16": 1.1}[dtype] if batch == 1 else None
+            targets.append(target("speedup over llama.cpp", ratio(llama, ours), ">=", wanted, **context))
+            targets.append(target("first token: llama.cpp / kvattn",
+                                  ratio(figure(dtype, batch, ("llama.cpp",), "first_token_ms"),
+                                        figure(dtype, batch, ours_name, "first_token_ms")), ">=", None, **context))
         if dtype == "int8":
             targets.append(target("speedup over kvattn float32", ratio(figure("float32", batch, ours_name), ours),
                                   ">=", 1.0 if batch == 1 else None, **context))
@@ -368,7 +393,7 @@ def _partial(path: Path, rows) -> None:
 def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128, new_tokens: int = 128,
               repeats: int = 3, num_layers: int | None = None, torch_python: str | None = None,
               torch_threads: int = 2, torch_compile: bool = False, out_dir: str | os.PathLike = "bench-results",
-              quick: bool = False
+              quick: bool = False, llama_cpp: str | os.PathLike | None = None
               ) -> dict[str, Any]:
     """Writes the random Llama checkpoint, measures every contender and writes `model.json` and `model.md`.
 
@@ -385,6 +410,9 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
         under `torch.compile(mode="reduce-overhead", fullgraph=True)`.
       out_dir: where the checkpoint (`checkpoint/`), `model.json` and `model.md` go.
       quick: tiny sizes (a smoke test).
+      llama_cpp: the folder of llama.cpp's binaries (`python -m tools.llama_cpp build`), to time `llama-server`
+        beside kvattn; the checkpoint then carries the serving benchmark's tokenizer, which the GGUF
+        converter (run by `torch_python`) needs.
 
     Returns:
       The results, as written to `model.json`.
@@ -397,7 +425,19 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (decode time is t(new_tokens) - t(1)), got {new_tokens}")
     out = Path(out_dir)
-    checkpoint = write_llama_checkpoint(out / "checkpoint", max_position_embeddings=prompt_len + new_tokens, **sizes)
+    ggufs = None
+    if llama_cpp is None:
+        checkpoint = write_llama_checkpoint(out / "checkpoint", max_position_embeddings=prompt_len + new_tokens,
+                                            **sizes)
+    else:
+        from benchmarks.serve_checkpoint import write_serve_checkpoint
+        from tools import llama_cpp as build
+
+        checkpoint = out / "checkpoint"
+        write_serve_checkpoint(checkpoint, sizes=sizes, max_position_embeddings=prompt_len + new_tokens)
+        kinds = build.convert(checkpoint, [llama_cpp_contender.GGUF_TYPES[d] for d in dtypes],
+                              python=torch_python or sys.executable, pre_tokenizer="default")
+        ggufs = {dtype: kinds[llama_cpp_contender.GGUF_TYPES[dtype]] for dtype in dtypes}
     from kvattn.kernels import native
 
     started = time.perf_counter()
@@ -406,6 +446,7 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
                              prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
                              torch_python=torch_python or sys.executable, torch_threads=torch_threads,
                              torch_compile=torch_compile,
+                             llama_cpp=None if llama_cpp is None else (Path(llama_cpp), ggufs),
                              progress=lambda rows: _partial(out / "model.partial.json", rows))
     results = {
         "xla_flags": os.environ.get("XLA_FLAGS"),
@@ -413,7 +454,7 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
         "int8_dot": "kvattn.kernels.native (AVX512-VNNI, tiled kernels)" if native.available() else "XLA (YNNPACK)",
         "config": dict(sizes, batch_sizes=list(batch_sizes), dtypes=list(dtypes), prompt_len=prompt_len,
                        new_tokens=new_tokens, repeats=repeats, torch_threads=torch_threads,
-                       torch_compile=torch_compile),
+                       torch_compile=torch_compile, llama_cpp=None if llama_cpp is None else str(llama_cpp)),
         "machine": machine_info(), "versions": versions(), "source": source_revision(),
         "load_average": {"before": load, "after": load_average()}, **measured,
         "elapsed_s": time.perf_counter() - started,

@@ -302,6 +302,25 @@ def test_model_targets_are_issue_23s_ratios_across_dtypes():
     assert got["int8", "compilations while timed"] == (0, True)
 
 
+def test_model_targets_against_llama_cpp_are_issue_36s_at_batch_one():
+    from benchmarks.model import _targets
+
+    def row(dtype, batch, contender, decode, first):
+        return {"dtype": dtype, "batch_size": batch, "contender": contender, "decode_ms_per_token": decode,
+                "first_token_ms": first, "compiles_while_timed": 0}
+
+    rows = [row(dtype, batch, name, decode, first)
+            for dtype in ("float32", "int8") for batch in (1, 8)
+            for name, decode, first in (("kvattn.generation.generate", 10.0, 100.0), ("llama.cpp", 12.0, 150.0))]
+    got = {(t["dtype"], t["batch_size"], t["name"]): (t["value"], t["threshold"], t["met"]) for t in _targets(rows)}
+    assert got["float32", 1, "speedup over llama.cpp"] == (1.2, 1.1, True)
+    assert got["int8", 1, "speedup over llama.cpp"] == (1.2, 1.3, False)
+    assert got["int8", 8, "speedup over llama.cpp"] == (1.2, None, None)  # reported
+    assert got["float32", 1, "first token: llama.cpp / kvattn"][0] == 1.5
+    assert not any(name == "speedup over llama.cpp" for _, _, name in
+                   {(t["dtype"], t["batch_size"], t["name"]) for t in _targets(rows[:1])})  # only where it ran
+
+
 def test_model_options_apply_only_with_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["--quick", "--new-tokens", "4", "--out-dir", str(tmp_path)])
@@ -327,3 +346,52 @@ def test_paged_bench_measures_every_target(tmp_path, capsys):
     with pytest.raises(SystemExit) as refused:
         main(["--paged", "--quick", "--batch-sizes", "2"])
     assert refused.value.code == 2 and "--paged takes" in capsys.readouterr().err
+
+
+# A stand-in for llama.cpp's server: what `LlamaServer` starts, speaking the part of its API the contender uses.
+FAKE_LLAMA_SERVER = r"""#!PYTHON
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+assert args[args.index("--parallel") + 1] == "2" and args[args.index("-t") + 1] == "1", args
+
+class Handler(BaseHTTPRequestHandler):
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self.reply({"status": "ok"} if self.path == "/health" else {"build_info": "fake-1"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["temperature"] == 0 and body["cache_prompt"] is False and body["ignore_eos"], body
+        assert all(isinstance(t, int) for t in body["prompt"]), body
+        self.reply({"tokens": [body["prompt"][-1] + i for i in range(body["n_predict"])]})
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def test_the_llama_cpp_contender_sends_token_ids_greedily_and_returns_the_tokens(tmp_path):
+    from benchmarks.llama_cpp_contender import LlamaServer
+
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.replace("PYTHON", sys.executable))
+    server.chmod(0o755)
+    contender = LlamaServer(tmp_path, tmp_path / "model.gguf", [[1, 2, 3], [7, 8, 9]], 4, threads=1)
+    try:
+        assert contender.version == "fake-1"
+        elapsed, tokens = contender.once(3)
+        assert elapsed > 0 and tokens == [[3, 4, 5], [9, 10, 11]]
+    finally:
+        contender.close()
+    assert contender.process.poll() is not None
