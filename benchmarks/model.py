@@ -35,6 +35,11 @@ for every batch size and dtype, on one random prompt:
                           (`baselines.Calibration`), timed at the start of
                           every repeat, beside the contenders
 
+The dtype `"bfloat16"` is, on a CPU where kvattn's bfloat16 dot runs,
+`from_pretrained(weights="bfloat16")`: bfloat16 weights (half the bytes a
+step reads), float32 computation and caches, against transformers and
+llama.cpp in bfloat16 (BF16 GGUF); elsewhere bfloat16 everywhere.
+
 The dtype `"int8"` is compact weights with float32 computation: kvattn's
 `from_pretrained(weights="int8")` (int8 by int8 dots, per-output weight
 scales, per-row activation scales) against transformers' float32 model under
@@ -195,11 +200,13 @@ class _Kvattn:
         return module._program._cache_size() + module._append._cache_size()
 
 
-def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str) -> int:
+def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str, bf16_weights: bool = False) -> int:
     """Bytes a decode step reads: every weight but the embedding table, and the K/V filled on average.
 
     `"int8"`: one byte per weight of the projections and the head, four per
     output channel (their scales) and per norm weight, float32 K/V.
+    `bf16_weights`: two bytes per weight of the projections and the head,
+    float32 norms and K/V.
     """
     hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     inner, vocab = config.intermediate_size, config.vocab_size
@@ -211,6 +218,8 @@ def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str
     kv = 2 * config.num_layers * batch * filled * kv_heads * head_dim
     if dtype == "int8":
         return int(projections + 4 * (outputs + norms + kv))
+    if bf16_weights:
+        return int(2 * projections + 4 * (norms + kv))
     itemsize = np.dtype(dtype).itemsize
     return int((projections + norms + kv) * itemsize)
 
@@ -263,10 +272,13 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
     for dtype in sorted(dtypes, key=lambda d: d == "int8"):
         for batch in batch_sizes:
             compact = dtype == "int8"
+            # bfloat16 on a CPU where kvattn's bfloat16 dot runs: bfloat16 weights, float32 computation.
+            bf16_weights = dtype == "bfloat16" and _bf16_weights_run()
+            weights = "int8" if compact else "bfloat16" if bf16_weights else None
             model = models.from_pretrained(checkpoint, max_len=prompt_len + new_tokens, batch_size=batch,
-                                           dtype="float32" if compact else dtype, weights="int8" if compact else None)
+                                           dtype="float32" if weights else dtype, weights=weights)
             prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
-            step_bytes = _step_bytes(model.config, batch, prompt_len, new_tokens, dtype)
+            step_bytes = _step_bytes(model.config, batch, prompt_len, new_tokens, dtype, bf16_weights)
             calibration = Calibration(step_bytes)
             base = {"dtype": dtype, "batch_size": batch}
             wanted = {name: how for name, how in caches.items() if not (compact and how[1])}
@@ -309,7 +321,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                 notes.append(theirs.versions)
             if progress:
                 progress(rows)
-            if not compact:
+            if weights is None:
                 plain = plain_cache.time_plain(model, prompts, new_tokens, repeats)
                 plain["agrees_with_kvattn"] = greedy_agreement(plain["tokens"], tokens)
                 rows.append(dict(base, contender="plain_cache", **plain))
@@ -317,6 +329,16 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                     progress(rows)
             del model
     return {"rows": finished_rows(rows), "targets": _targets(rows), "notes": sorted(set(notes))}
+
+
+def _bf16_weights_run() -> bool:
+    """Whether kvattn runs `weights="bfloat16"` here as bfloat16 weights with float32 computation."""
+    import jax
+
+    from kvattn.kernels import route
+    from kvattn.math import quant
+
+    return jax.default_backend() == "cpu" and route.use_panels(quant.PANEL_OUTPUTS, "bfloat16")
 
 
 def _targets(rows) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@ Dev-only: needs torch and transformers (`pip install -e '.[fixtures]'`, or any
 environment with them). The outputs are committed under tests/fixtures/hf/,
 so the test suite itself needs neither. Run from the repository root:
 
-    python tools/make_hf_fixtures.py
+    python tools/make_hf_fixtures.py [FAMILY ...]
+    python tools/make_hf_fixtures.py --bf16-weights [FAMILY ...]   # only add that reference to existing ones
 
 For each family: a random model (weights scaled up from transformers'
 initialisation, so that greedy decoding does not settle on one token),
@@ -159,6 +160,32 @@ def make(name: str) -> None:
     print(name, "distinct greedy tokens per prompt:", distinct, "min top-1/top-2 gaps:", [round(g, 3) for g in gaps])
 
 
+def add_bf16_weight_logits(name: str) -> None:
+    """Adds `logits_bf16_weights` to a fixture: transformers' float32 logits of its prompts with every weight
+    matrix (and the token embedding) rounded to bfloat16, as `weights="bfloat16"` stores them; norms, biases
+    and GPT-2's position table as they are. The rest of `expected.npz` is kept as it is."""
+    target = OUT / name
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for path, param in model.named_parameters():
+            if param.ndim >= 2 and "wpe" not in path:
+                param.copy_(param.to(torch.bfloat16).float())
+    with np.load(target / "expected.npz") as stored:
+        expected = dict(stored)
+    logits = np.zeros_like(expected["logits"])
+    for row, length in enumerate(expected["lengths"]):
+        with torch.no_grad():
+            ids = torch.tensor(expected["prompts"][row : row + 1, :length], dtype=torch.long)
+            logits[row, :length] = model(ids).logits[0].float().numpy()
+    np.savez(target / "expected.npz", **expected, logits_bf16_weights=logits)
+    print(name, "bfloat16-weight logits added")
+
+
 if __name__ == "__main__":
-    for family in sys.argv[1:] or FAMILIES:
-        make(family)
+    if sys.argv[1:2] == ["--bf16-weights"]:  # existing fixtures: only the bfloat16-weight reference
+        for family in sys.argv[2:] or FAMILIES:
+            add_bf16_weight_logits(family)
+    else:
+        for family in sys.argv[1:] or FAMILIES:
+            make(family)
+            add_bf16_weight_logits(family)

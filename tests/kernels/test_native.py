@@ -91,6 +91,27 @@ def _f32_poisons(rng):
     return {poison: _f32_case(rng, 3, 8, 2, poison) for poison in ("a NaN row", "an inf weight")}
 
 
+# ------------------------------------------------------------------- bf16_dot
+
+
+def _bf16_case(rng, rows, inputs, panels, poison=None):
+    """`_f32_case` with the weights in bfloat16: float64 over their exact values (a bfloat16 is a float32)."""
+    (x, f32_panels), _ = _f32_case(rng, rows, inputs, panels, poison)
+    stored = f32_panels.astype(jnp.bfloat16)
+    kernel = np.transpose(stored.astype(np.float64), (1, 0, 2)).reshape(inputs, -1)
+    return (x, stored), x.astype(np.float64) @ kernel
+
+
+def _bf16_cases(rng):
+    shapes = {"0x5x16": (0, 5, 1), "1x24x48": (1, 24, 3), "9x70x128": (9, 70, 8), "21x1x32": (21, 1, 2),
+              "3x100x592": (3, 100, 37)}
+    return {name: _bf16_case(rng, *shape) for name, shape in shapes.items()}
+
+
+def _bf16_poisons(rng):
+    return {poison: _bf16_case(rng, 3, 8, 2, poison) for poison in ("a NaN row", "an inf weight")}
+
+
 # ---------------------------------------------------------- decode_attention
 
 
@@ -289,6 +310,11 @@ HARNESS = {
         ([(3, 8), (2, 8, 16)], [np.float64, F32], TypeError, "rows must be float32, got float64"),
         ([(3, 8), (2, 9, 16)], [F32, F32], ValueError, r"got float32\(3, 8\), float32\(2, 9, 16\)"),
     )),
+    native.BF16_DOT: Harness(_bf16_cases, _bf16_poisons, misuses=(
+        ([(3, 8), (2, 8, 16)], [F32, F32], TypeError, "panels must be bfloat16, got float32"),
+        ([(3, 8), (2, 8, 16)], [jnp.bfloat16, jnp.bfloat16], TypeError, "rows must be float32, got bfloat16"),
+        ([(3, 8), (2, 9, 16)], [F32, jnp.bfloat16], ValueError, r"got float32\(3, 8\), bfloat16\(2, 9, 16\)"),
+    )),
     native.DECODE_ATTENTION: Harness(_decode_cases, _decode_poisons, misuses=(
         ([(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (2,)], [F32, F32, F32, I32], ValueError,
          r"visible \(B,\); got .*int32\(2,\)"),
@@ -350,7 +376,7 @@ def _check(entry, arguments, want, *, twin: bool = True):
     for index, (g, w) in enumerate(zip(got, wants, strict=True)):
         # NaN and inf exactly where float64 has them; finite values close (integers: equal).
         tolerance = 0 if entry.tolerance == 0 else 1e-5
-        atol = tolerance * max(1, arguments[0].shape[-1]) if entry.name == "f32_dot" else tolerance
+        atol = tolerance * max(1, arguments[0].shape[-1]) if entry.name in ("f32_dot", "bf16_dot") else tolerance
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=tolerance, atol=atol, err_msg=f"output {index}")
     if twin:
         for g, t in zip(got, jax.tree.leaves(xla(*arguments)), strict=True):

@@ -210,20 +210,25 @@ def test_rows_of_a_form_are_its_float_kernel_s_columns(form):
 
 
 @pytest.mark.parametrize("native_runs", [True, False])
-@pytest.mark.parametrize("compact", [False, True])
-def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(compact, native_runs, monkeypatch):
+@pytest.mark.parametrize("weights", [None, "int8", "bfloat16"])
+def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(weights, native_runs, monkeypatch):
     if not native_runs:
         monkeypatch.setattr(native, "available", lambda kernel=None: False)
     elif not native.available():
         pytest.skip("the native dots are not built or cannot run here")
+    compact = weights == "int8"
     for dtype in (jnp.float32, jnp.bfloat16):
         for inputs, outputs in (((64,), (96,)), ((2, 16), (48,)), ((64,), (40,)), ((6,), (32,))):
-            linear = Linear(inputs, outputs, bias=False, dtype=dtype, compact=compact, rngs=None)
+            linear = Linear(inputs, outputs, bias=False, dtype=dtype, weights=weights, rngs=None)
             out, fan_in = int(np.prod(outputs)), int(np.prod(inputs))
             if compact:
                 want = quant.TiledInt8Weights if route.use_tiles(out, fan_in) else quant.Int8Weights
-            else:
-                want = quant.PanelWeights if route.use_panels(out, dtype) else quant.FloatWeights
+            elif weights == "bfloat16":  # stored in bfloat16 whatever the model computes in
+                want = quant.PanelWeights if route.use_panels(out, jnp.bfloat16) else quant.FloatWeights
+                assert linear.kernel[...].dtype == jnp.bfloat16
+            else:  # a model computing in bfloat16 keeps XLA's dot (the bfloat16 panel dot sums in float32)
+                paneled = dtype == jnp.float32 and route.use_panels(out, dtype)
+                want = quant.PanelWeights if paneled else quant.FloatWeights
             assert linear.form is want, (dtype, inputs, outputs)
             held = [value for value in vars(linear).values() if isinstance(value, type) and issubclass(value, quant.Form)]
             assert held == [want] and isinstance(linear.weight, want)
@@ -232,13 +237,14 @@ def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(c
         config = ModelConfig(family="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=2,
                              num_kv_heads=1, head_dim=16, intermediate_size=48, norm_eps=1e-5, tie_embeddings=tied,
                              max_position_embeddings=16, rope=RoPE(theta=10000.0))
-        model = models.CausalLM(config, max_len=8, weights="int8" if compact else None)
+        model = models.CausalLM(config, max_len=8, weights=weights)
         if not tied:
             want = quant.TableWeights
         elif compact:
             want = quant.TiledInt8Weights if route.use_tiles(64, 32) else quant.Int8Weights
         else:
-            want = quant.PanelWeights if route.use_panels(64, jnp.float32) else quant.TableWeights
+            stored = jnp.bfloat16 if weights == "bfloat16" else jnp.float32
+            want = quant.PanelWeights if route.use_panels(64, stored) else quant.TableWeights
         assert model.embed_form is want and isinstance(model.table, want)
         assert (model.embed_scale is not None) == (want in INT8_FORMS)
         assert (model.lm_head is None) == tied
@@ -265,7 +271,8 @@ def test_a_projection_then_a_norm_is_right_past_32768_rows(form, monkeypatch):
         monkeypatch.setattr(native, "available", lambda kernel=None: False)
     elif not native.available():
         pytest.skip("the native dots are not built or cannot run here")
-    linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, compact=compact, rngs=nnx.Rngs(0))
+    linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, weights="int8" if compact else None,
+                    rngs=nnx.Rngs(0))
     forms = {"float32": quant.FloatWeights, "float32 panels": quant.PanelWeights, "int8": quant.Int8Weights,
              "int8 tiled": quant.TiledInt8Weights}
     assert linear.form is forms[form] and isinstance(linear.weight, forms[form])
@@ -404,11 +411,16 @@ def test_panels_hold_the_kernel_and_give_it_back():
     np.testing.assert_array_equal(paneled.panels[1, 7], kernel[7, 1])  # panel 1 holds outputs 16..31
     np.testing.assert_array_equal(quant.unpanel(paneled), kernel)
     np.testing.assert_array_equal(np.asarray(quant.panel(jnp.asarray(kernel)).panels), paneled.panels)
-    with pytest.raises(ValueError, match="float32 with outputs divisible by 16, got float32 with 24 outputs"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 with outputs divisible by 16, got float32 with 24 outputs"):
         quant.panel(kernel[:, :, :12])
     with pytest.raises(ValueError, match="got float64 with 32 outputs"):
         quant.panel(kernel.astype(np.float64))
-    assert not route.use_panels(24, jnp.float32) and not route.use_panels(32, jnp.bfloat16)
+    assert not route.use_panels(24, jnp.float32) and not route.use_panels(24, jnp.bfloat16)
+    assert not route.use_panels(32, jnp.float16)  # no native dot of float16 panels
+    # bfloat16 panels: the same layout, the kernel's exact values back.
+    half = quant.panel(kernel.astype(jnp.bfloat16))
+    assert half.panels.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(quant.unpanel(half), kernel.astype(jnp.bfloat16))
     assert route.use_panels(32, jnp.float32) == native.available()
 
 
@@ -458,8 +470,15 @@ def test_a_tied_table_in_panels_is_both_the_lookup_and_the_head(monkeypatch):
     np.testing.assert_array_equal(*tokens)
 
 
-def test_weights_that_would_run_slower_or_do_not_exist_are_refused():
-    with pytest.raises(ValueError, match="weights='bfloat16' needs fast bfloat16 dots, which the cpu backend lacks"):
+def test_weights_that_would_run_slower_or_do_not_exist_are_refused(monkeypatch):
+    if native.available(native.BF16_DOT):
+        with pytest.raises(ValueError, match="weights='bfloat16' on the CPU computes in float32 .* dtype=bfloat16"):
+            models.from_pretrained(FIXTURES / "llama", max_len=8, weights="bfloat16", dtype=jnp.bfloat16)
+    # Where kvattn's bfloat16 dot cannot run, XLA:CPU's bfloat16 dots would be slower than float32's.
+    monkeypatch.setattr(native, "available", lambda target=None: False)
+    monkeypatch.setattr(native, "unavailable_reason", lambda target: "no AVX-512 (a stand-in)")
+    with pytest.raises(ValueError, match=r"weights='bfloat16' needs fast bfloat16 dots, which the cpu backend lacks "
+                                         r"here \(no AVX-512 \(a stand-in\)\)"):
         models.from_pretrained(FIXTURES / "llama", max_len=8, weights="bfloat16")
     with pytest.raises(ValueError, match=r"weights must be one of \[None, 'int8', 'bfloat16'\], got 'int4'"):
         models.from_pretrained(FIXTURES / "llama", max_len=8, weights="int4")

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from kvattn import generation, models
+from kvattn.kernels import native
 from tests.helpers import FAMILIES, FIXTURES, expected
 
 # float32 against transformers' float32: |kvattn - transformers| <= RTOL * max|logits| per position.
@@ -203,6 +204,21 @@ def test_bfloat16_models_stay_as_close_to_float32_as_transformers_own_bfloat16(f
         between.append(np.abs(got - half).max() / scale)
     assert max(ours) <= 3 * max(theirs), (family, ours, theirs)
     assert max(between) <= 0.2, (family, between)
+
+
+@pytest.mark.skipif(not native.available(native.BF16_DOT), reason="kvattn's bfloat16 dot cannot run here")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_weights_equal_transformers_in_float32_on_the_same_bfloat16_values(family):
+    """`weights="bfloat16"` stores each weight matrix in bfloat16 (half the bytes) and computes in float32: the
+    logits transformers computes in float32 from the same rounded weights, to float32's rounding."""
+    want = expected(family)
+    model = models.from_pretrained(FIXTURES / family, max_len=64, batch_size=3, weights="bfloat16")
+    assert model.dtype == jnp.float32 and model.blocks[0].mlp.down.kernel[...].dtype == jnp.bfloat16
+    for row, length in enumerate(want["lengths"]):
+        got = model(jnp.asarray(want["prompts"][row : row + 1, :length]))[0]
+        reference = want["logits_bf16_weights"][row, :length]
+        np.testing.assert_allclose(got, reference, atol=RTOL * np.abs(reference).max(), rtol=0,
+                                   err_msg=f"{family} prompt {row}")
 
 
 def test_generate_compiles_once_per_batch_and_prompt_bucket():

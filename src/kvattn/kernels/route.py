@@ -317,14 +317,22 @@ def paged_path(mode: str, num_new: int, k_pages: Shaped[Array, "P ..."], layout:
 # ------------------------------------------------------------------ weight dots
 
 
-def use_panels(outputs: int, dtype) -> bool:
-    """Whether a float kernel of `outputs` (the product of `F`) is best stored as panels here.
+# The native dot of each dtype panels are stored in.
+_PANEL_DOTS = {
+    jnp.dtype(jnp.float32): (native.F32_DOT, native.f32_dot, native.f32_dot_on_xla),
+    jnp.dtype(jnp.bfloat16): (native.BF16_DOT, native.bf16_dot, native.bf16_dot_on_xla),
+}
 
-    It must be float32 with whole panels, and the native dot must run on
-    this backend.
+
+def use_panels(outputs: int, dtype) -> bool:
+    """Whether a kernel of `outputs` (the product of `F`) stored in `dtype` is best stored as panels here.
+
+    It must be float32 or bfloat16 with whole panels, and that dtype's
+    native dot must run on this backend.
     """
-    return (jnp.dtype(dtype) == jnp.float32 and outputs % quant.PANEL_OUTPUTS == 0 and jax.default_backend() == "cpu"
-            and native.available(native.F32_DOT))
+    dot = _PANEL_DOTS.get(jnp.dtype(dtype))
+    return (dot is not None and outputs % quant.PANEL_OUTPUTS == 0 and jax.default_backend() == "cpu"
+            and native.available(dot[0]))
 
 
 def use_tiles(outputs: int, inputs: int) -> bool:
@@ -332,11 +340,13 @@ def use_tiles(outputs: int, inputs: int) -> bool:
     return quant.can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available(native.INT8_DOT)
 
 
-def panel_dot(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
-    """`rows @ kernel` for the kernel `panels` lays out: the native dot on the CPU, XLA's dot elsewhere."""
-    if not native.available(native.F32_DOT):
-        return native.f32_dot_on_xla(rows, panels)
-    return lax.platform_dependent(rows, panels, cpu=native.f32_dot, default=native.f32_dot_on_xla)
+def panel_dot(rows: Float[Array, "M D"], panels: Shaped[Array, "Np D 16"]) -> Float[Array, "M N"]:
+    """`rows @ kernel` in float32 for the float32 or bfloat16 kernel `panels` lays out: that dtype's native dot
+    on the CPU, XLA's dot of the same values elsewhere."""
+    target, dot, twin = _PANEL_DOTS[jnp.dtype(panels.dtype)]
+    if not native.available(target):
+        return twin(rows, panels)
+    return lax.platform_dependent(rows, panels, cpu=dot, default=twin)
 
 
 def tiled_dot(values: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) -> Int[Array, "M N"]:

@@ -11,8 +11,8 @@ the dot reads it):
     `dense` quantizes `x` per row on the fly and multiplies int8 by int8;
   - `TiledInt8Weights`: those values laid out once in the order
     `kvattn.kernels.native`'s int8 dot (AVX512-VNNI) reads them (`tile`);
-  - `PanelWeights`: a float32 kernel as contiguous panels of 16 outputs
-    (`panel`), which the native float32 dot streams whole.
+  - `PanelWeights`: a float32 or bfloat16 kernel as contiguous panels of 16
+    outputs (`panel`), which the native float32 and bfloat16 dots stream whole.
 `kvattn.kernels.route.use_tiles` and `use_panels` say where the laid-out
 forms run; `benchmarks/dots.py` measures each against XLA's dots.
 
@@ -214,11 +214,13 @@ class TiledInt8Weights(Form):
 
 @_form(("panels",), ("features",))
 class PanelWeights(Form):
-    """A float32 kernel `(D, *F)` laid out for `kvattn.kernels.native`'s float32 dot: `panels` `(N / 16, D, 16)`.
+    """A kernel `(D, *F)` laid out for `kvattn.kernels.native`'s panel dots: `panels` `(N / 16, D, 16)`.
 
     `N` is the product of the output axes `features`; panel `p` holds
     outputs `16p..16p+15` for every input, contiguously. `panel` makes one,
-    `unpanel` gives the kernel back.
+    `unpanel` gives the kernel back. Stored in float32, or in bfloat16 when
+    built for that dtype (half the bytes; the dot widens each weight
+    exactly and sums in float32).
     """
 
     panels: Float[Array, "Np D 16"] | Float[np.ndarray, "Np D 16"]
@@ -230,7 +232,8 @@ class PanelWeights(Form):
 
     @classmethod
     def from_float(cls, kernel, features, dtype) -> PanelWeights:
-        return panel(kernel.astype(np.float32).reshape(-1, *features))
+        stored = jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else np.float32
+        return panel(kernel.astype(stored).reshape(-1, *features))
 
     def to_float(self):
         return unpanel(self)
@@ -247,25 +250,25 @@ def is_form(weights) -> bool:
 
 
 def panel(kernel: Float[Array, " D *F"] | Float[np.ndarray, " D *F"]) -> PanelWeights:
-    """A float32 kernel `(D, *F)` laid out as a `PanelWeights` (NumPy for a NumPy kernel).
+    """A float32 or bfloat16 kernel `(D, *F)` laid out as a `PanelWeights` (NumPy for a NumPy kernel).
 
     Raises:
-      ValueError: a kernel that is not float32, or outputs not divisible
-        by 16 (`PANEL_OUTPUTS`).
+      ValueError: a kernel that is neither float32 nor bfloat16, or outputs
+        not divisible by 16 (`PANEL_OUTPUTS`).
     """
     xp = _xp(kernel)
     features = tuple(kernel.shape[1:])
     outputs = math.prod(features)
-    if kernel.dtype != np.float32 or outputs % PANEL_OUTPUTS:
-        raise ValueError(f"a panel kernel needs float32 with outputs divisible by {PANEL_OUTPUTS}, got "
-                         f"{kernel.dtype} with {outputs} outputs")
+    if kernel.dtype not in (np.float32, jnp.bfloat16) or outputs % PANEL_OUTPUTS:
+        raise ValueError(f"a panel kernel needs float32 or bfloat16 with outputs divisible by {PANEL_OUTPUTS}, "
+                         f"got {kernel.dtype} with {outputs} outputs")
     grouped = kernel.reshape(kernel.shape[0], outputs // PANEL_OUTPUTS, PANEL_OUTPUTS)
     panels = xp.transpose(grouped, (1, 0, 2))
     return PanelWeights(xp.ascontiguousarray(panels) if xp is np else panels, features)
 
 
 def unpanel(kernel: PanelWeights) -> Float[Array, " D *F"] | Float[np.ndarray, " D *F"]:
-    """The float32 kernel `(D, *F)` a `PanelWeights` lays out."""
+    """The kernel `(D, *F)` a `PanelWeights` lays out, in its dtype."""
     xp = _xp(kernel.panels)
     return xp.transpose(kernel.panels, (1, 0, 2)).reshape(kernel.inputs, *kernel.features)
 

@@ -43,14 +43,15 @@ from kvattn import validation as check
 from kvattn.layer.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
 from kvattn.layer.forward import FusedWeights
-from kvattn.models.layers import MLP_LAYERS, NORM_LAYERS, HeadScale, Linear, initial, table_form
+from kvattn.models.layers import MLP_LAYERS, NORM_LAYERS, HeadScale, Linear, initial, storage_dtype, table_form
 from kvattn.models.model_config import ModelConfig
 from kvattn.models.tokens import in_vocab, token_ids
 
 __all__ = ["WEIGHTS", "CausalLM"]
 
-# What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8", compact (`kvattn.math.quant`).
-WEIGHTS = (None, "int8")
+# What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8" (`kvattn.math.quant`);
+# "bfloat16", float weights in bfloat16 (the model still computes in its dtype).
+WEIGHTS = (None, "int8", "bfloat16")
 
 
 class Attention(MultiHeadAttention):
@@ -59,12 +60,12 @@ class Attention(MultiHeadAttention):
     `qkv` holds the query, key and value kernels side by side, `(D, N + 2K,
     H)` (biases `(N + 2K, H)`), so a step projects with one dot rather than
     three and no program concatenates them; `out` is `(N, H, D)`. With
-    `compact`, both are int8 with per-output scales (`kvattn.math.quant`). Every
+    `weights="int8"`, both are int8 with per-output scales (`kvattn.math.quant`). Every
     other part of the layer, its config, caches and methods, is
     `kvattn.MultiHeadAttention`'s.
     """
 
-    def __init__(self, config: AttentionConfig, *, compact: bool, rngs: nnx.Rngs | None):
+    def __init__(self, config: AttentionConfig, *, weights: str | None, rngs: nnx.Rngs | None):
         # Not MultiHeadAttention.__init__: it would build the four projections apart, which these replace.
         # The rest is made as it makes it: the config, the per-head norm scales and (its own method) the cache.
         if not config.biased("query") == config.biased("key") == config.biased("value"):
@@ -73,9 +74,9 @@ class Attention(MultiHeadAttention):
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         dtype = jnp.dtype(config.param_dtype)
         self.qkv = Linear((config.in_features,), (heads + 2 * kv_heads, head_dim), bias=config.biased("query"),
-                          dtype=dtype, compact=compact, rngs=rngs)
+                          dtype=dtype, weights=weights, rngs=rngs)
         self.out = Linear((heads, head_dim), (config.out_features,), bias=config.biased("out"), dtype=dtype,
-                          compact=compact, rngs=rngs)
+                          weights=weights, rngs=rngs)
         if config.normalize_qk:
             offset = config.normalize_qk == "rms_offset"
             self.query_ln, self.key_ln = (HeadScale(head_dim, dtype, offset=offset) for _ in range(2))
@@ -95,12 +96,13 @@ class Block(nnx.Module):
     `x + post_norm(attention(norm(x)))`).
     """
 
-    def __init__(self, config: ModelConfig, attention: Attention, dtype, *, compact: bool, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, attention: Attention, dtype, *, weights: str | None,
+                 rngs: nnx.Rngs | None):
         norm = functools.partial(NORM_LAYERS[config.block.norm], config.hidden_size, config.norm_eps, dtype)
         self.attention_norm = norm()
         self.attention = attention
         self.mlp_norm = norm()
-        self.mlp = MLP_LAYERS[config.block.mlp](config, dtype, compact=compact, rngs=rngs)
+        self.mlp = MLP_LAYERS[config.block.mlp](config, dtype, weights=weights, rngs=rngs)
         post = config.block.post_norms
         self.attention_post_norm, self.mlp_post_norm = (norm(), norm()) if post else (None, None)
 
@@ -119,13 +121,17 @@ class CausalLM(nnx.Module):
       max_len: cache capacity per sequence (prompt plus new tokens).
       batch_size: sequences decoded together.
       dtype: computation dtype (float32 or bfloat16), and the weights' unless
-        they are compact.
-      weights: None for float weights in `dtype`, or `"int8"`: every
+        `weights` says otherwise.
+      weights: None for float weights in `dtype`; `"int8"`: every
         projection (and a tied embedding table) in int8 with per-output
-        float32 scales, its dots int8 by int8 (`kvattn.math.quant`). An untied
-        embedding table, only ever gathered, stays float. Float32 kernels
-        (and a tied table, the head's) are stored as panels where
-        `kvattn.kernels.route.use_panels` says kvattn's float32 dot runs.
+        float32 scales, its dots int8 by int8 (`kvattn.math.quant`), an
+        untied embedding table, only ever gathered, staying float;
+        `"bfloat16"`: every weight matrix (and the embedding table) stored
+        in bfloat16 while the model computes in `dtype`, each dot widening
+        the weights exactly (a bfloat16 checkpoint's values, at half the
+        bytes of float32). Float32 and bfloat16 kernels (and a tied table,
+        the head's) are stored as panels where
+        `kvattn.kernels.route.use_panels` says kvattn's dot of that dtype runs.
       cache_dtype: the caches' storage (see `kvattn.MultiHeadAttention`).
       num_pages, page_size: a paged cache per layer (see
         `kvattn.MultiHeadAttention`); `batch_size` then counts the sequence
@@ -149,16 +155,16 @@ class CausalLM(nnx.Module):
             )
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
-        compact = weights == "int8"
         self.config = config
         self.dtype = dtype = jnp.dtype(dtype)
         hidden, vocab = config.hidden_size, config.vocab_size
         # A tied table is the head's kernel `(D, V)`, in the form a projection of it would take (`table_form`).
-        self.embed_form = table_form(vocab, hidden, dtype, compact=compact, tied=config.tie_embeddings)
+        self.embed_form = table_form(vocab, hidden, dtype, weights=weights, tied=config.tie_embeddings)
+        self.embed_dtype = storage_dtype(dtype, weights)
         if rngs is None:
-            table = self.embed_form.blank((hidden,), (vocab,), dtype)
+            table = self.embed_form.blank((hidden,), (vocab,), self.embed_dtype)
         else:
-            table = self.embed_form.from_float(initial((vocab, hidden), 1, rngs).T, (vocab,), dtype)
+            table = self.embed_form.from_float(initial((vocab, hidden), 1, rngs).T, (vocab,), self.embed_dtype)
         main, scale = table.stored()
         self.embed = nnx.Param(jnp.asarray(main))
         self.embed_scale = None if scale is None else nnx.Param(jnp.asarray(scale))
@@ -188,13 +194,13 @@ class CausalLM(nnx.Module):
             return config.sliding_window if slides else None
 
         self.blocks = nnx.List([
-            Block(config, Attention(attention(window(i), config.layer_rope(i)), compact=compact, rngs=rngs), dtype,
-                  compact=compact, rngs=rngs)
+            Block(config, Attention(attention(window(i), config.layer_rope(i)), weights=weights, rngs=rngs), dtype,
+                  weights=weights, rngs=rngs)
             for i in range(config.num_layers)
         ])
         self.final_norm = NORM_LAYERS[block.norm](hidden, config.norm_eps, dtype)
         self.lm_head = None if config.tie_embeddings else Linear(
-            (hidden,), (vocab,), bias=False, dtype=dtype, compact=compact, rngs=rngs
+            (hidden,), (vocab,), bias=False, dtype=dtype, weights=weights, rngs=rngs
         )
 
     def load_weight(self, path: str, value) -> None:
@@ -221,7 +227,7 @@ class CausalLM(nnx.Module):
         if isinstance(owner, Linear) and name == "kernel":
             owner.load_kernel(value)
         elif owner is self and name == "embed":
-            table = self.embed_form.from_float(np.asarray(value).T, (self.config.vocab_size,), self.dtype)
+            table = self.embed_form.from_float(np.asarray(value).T, (self.config.vocab_size,), self.embed_dtype)
             main, scale = table.stored()
             self.embed[...] = jnp.asarray(main)
             if scale is not None:

@@ -38,6 +38,8 @@ from flax import nnx
 
 from kvattn.caches.base import CACHE_DTYPES
 from kvattn.errors import CheckpointError
+from kvattn.kernels import native, route
+from kvattn.math import quant
 from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.families import FAMILIES
 from kvattn.models.model_config import ModelConfig, from_hf_config
@@ -272,9 +274,12 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       dtype: computation and weight dtype; defaults to float32.
       weights: None for float weights in `dtype`; `"int8"` for compact
         weights, every projection int8 with per-output scales, its dots int8
-        by int8 (`CausalLM`, `kvattn.math.quant`); `"bfloat16"`, bfloat16 weights
-        and computation, only where the backend has fast bfloat16 dots (not
-        on CPU: see `WEIGHTS_BACKENDS`).
+        by int8 (`CausalLM`, `kvattn.math.quant`); `"bfloat16"`, bfloat16
+        weights: on a CPU where kvattn's bfloat16 dot runs (AVX-512), stored
+        in bfloat16 and computed in float32, each weight widened exactly (a
+        bfloat16 checkpoint's values at half float32's bytes); on a GPU or
+        TPU, bfloat16 weights and computation (`WEIGHTS_BACKENDS`); refused
+        elsewhere.
       cache_dtype: the caches' storage; defaults to `dtype`.
       num_pages, page_size: paged caches instead of contiguous ones (see
         `CausalLM` and `kvattn.serving`).
@@ -335,17 +340,24 @@ def _storage(dtype, weights) -> tuple[jnp.dtype, str | None]:
     """`from_pretrained`'s `(dtype, weights)` as `CausalLM` takes them, after refusing what would run slower."""
     if weights == "bfloat16":
         backend = jax.default_backend()
+        if backend == "cpu" and route.use_panels(quant.PANEL_OUTPUTS, jnp.bfloat16):
+            # kvattn's bfloat16 dot: weights stored in bfloat16, widened exactly, the model computing in float32.
+            if dtype is not None and jnp.dtype(dtype) != jnp.float32:
+                raise ValueError(f"weights='bfloat16' on the CPU computes in float32 (kvattn's bfloat16 dot widens "
+                                 f"each weight exactly); got dtype={jnp.dtype(dtype).name}")
+            return jnp.dtype(jnp.float32), "bfloat16"
         if backend not in WEIGHTS_BACKENDS["bfloat16"]:
             raise ValueError(
-                f"weights='bfloat16' needs fast bfloat16 dots, which the {backend} backend lacks: decoding would be "
-                "slower than in float32. Use weights='int8' for compact weights here, or dtype=jnp.bfloat16 to run "
-                "in bfloat16 all the same"
+                f"weights='bfloat16' needs fast bfloat16 dots, which the {backend} backend lacks here "
+                f"({native.unavailable_reason(native.BF16_DOT) or 'not a CPU'}): decoding would be slower than in "
+                "float32. Use weights='int8' for compact weights here, or dtype=jnp.bfloat16 to run in bfloat16 "
+                "all the same"
             )
         if dtype is not None and jnp.dtype(dtype) != jnp.bfloat16:
             raise ValueError(f"weights='bfloat16' computes in bfloat16; got dtype={jnp.dtype(dtype).name}")
         return jnp.dtype(jnp.bfloat16), None
     if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {[*WEIGHTS, 'bfloat16']}, got {weights!r}")
+        raise ValueError(f"weights must be one of {list(WEIGHTS)}, got {weights!r}")
     return jnp.dtype(dtype or jnp.float32), weights
 
 

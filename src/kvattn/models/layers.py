@@ -26,22 +26,31 @@ from kvattn.models.model_config import ModelConfig
 __all__ = [
     "MLP_LAYERS", "NORM_LAYERS", "GatedGeluMLP", "GatedMLP", "GatedSiluMLP", "GeluMLP", "HeadScale", "LayerNorm",
     "Linear", "OffsetRMSNorm", "RMSNorm",
-    "initial", "table_form", "weight_form",
+    "initial", "storage_dtype", "table_form", "weight_form",
 ]
 
 
-def weight_form(outputs: int, inputs: int, dtype, *, compact: bool) -> type[quant.Form]:
+def storage_dtype(dtype, weights: str | None):
+    """The dtype float weights are stored in: bfloat16 under `weights="bfloat16"`, else the model's `dtype`."""
+    return jnp.dtype(jnp.bfloat16) if weights == "bfloat16" else jnp.dtype(dtype)
+
+
+def weight_form(outputs: int, inputs: int, dtype, *, weights: str | None) -> type[quant.Form]:
     """The form a projection of `outputs` by `inputs` stores here: int8 (tiled where the native int8 dot runs)
-    when `compact`, else float32 panels where the native float32 dot runs, else the float kernel in `dtype`."""
-    if compact:
+    under `weights="int8"`; panels where the native dot runs, in float32 for a float32 model and in bfloat16
+    under `weights="bfloat16"` (whose dot sums in float32: a model computing in bfloat16 keeps XLA's dot);
+    else the float kernel in the storage dtype (`storage_dtype`)."""
+    if weights == "int8":
         return quant.TiledInt8Weights if route.use_tiles(outputs, inputs) else quant.Int8Weights
-    return quant.PanelWeights if route.use_panels(outputs, dtype) else quant.FloatWeights
+    stored = storage_dtype(dtype, weights)
+    paneled = (weights == "bfloat16" or stored == jnp.float32) and route.use_panels(outputs, stored)
+    return quant.PanelWeights if paneled else quant.FloatWeights
 
 
-def table_form(vocab: int, hidden: int, dtype, *, compact: bool, tied: bool) -> type[quant.Form]:
+def table_form(vocab: int, hidden: int, dtype, *, weights: str | None, tied: bool) -> type[quant.Form]:
     """The form of an embedding table `(V, D)`: a tied one is the head's kernel `(D, V)` in a projection's form,
     except that a plain float one stays a table; an untied one, only ever gathered, is a float table."""
-    form = weight_form(vocab, hidden, dtype, compact=compact) if tied else quant.TableWeights
+    form = weight_form(vocab, hidden, dtype, weights=weights) if tied else quant.TableWeights
     return quant.TableWeights if form is quant.FloatWeights else form
 
 
@@ -95,15 +104,17 @@ class Linear(nnx.Module):
     reads, `float_kernel` the float kernel back, `load_kernel` stores one.
     """
 
-    def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, compact: bool,
+    def __init__(self, inputs: tuple[int, ...], outputs: tuple[int, ...], *, bias: bool, dtype, weights: str | None,
                  rngs: nnx.Rngs | None):
         self.inputs, self.outputs, self.dtype = inputs, outputs, jnp.dtype(dtype)
-        self.form = weight_form(math.prod(outputs), math.prod(inputs), dtype, compact=compact)
+        self.stored_dtype = storage_dtype(dtype, weights)
+        self.form = weight_form(math.prod(outputs), math.prod(inputs), dtype, weights=weights)
         if rngs is None:  # zeros, as `initial` gives, without quantizing them
-            weights = self.form.blank(inputs, outputs, self.dtype)
+            kernel = self.form.blank(inputs, outputs, self.stored_dtype)
         else:
-            weights = self.form.from_float(initial((*inputs, *outputs), math.prod(inputs), rngs), outputs, self.dtype)
-        main, scale = weights.stored()
+            kernel = self.form.from_float(initial((*inputs, *outputs), math.prod(inputs), rngs), outputs,
+                                          self.stored_dtype)
+        main, scale = kernel.stored()
         self.kernel = nnx.Param(jnp.asarray(main))
         self.kernel_scale = None if scale is None else nnx.Param(jnp.asarray(scale))
         self.bias = nnx.Param(jnp.zeros(outputs, dtype)) if bias else None
@@ -128,7 +139,7 @@ class Linear(nnx.Module):
 
     def load_kernel(self, value) -> None:
         """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when int8)."""
-        main, scale = self.form.from_float(np.asarray(value), self.outputs, self.dtype).stored()
+        main, scale = self.form.from_float(np.asarray(value), self.outputs, self.stored_dtype).stored()
         self.kernel[...] = jnp.asarray(main)
         if scale is not None:
             self.kernel_scale[...] = jnp.asarray(scale)
@@ -149,9 +160,9 @@ class HeadScale(nnx.Module):
 class GeluMLP(nnx.Module):
     """GPT-2's MLP: `down(gelu_tanh(up(x)))`."""
 
-    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, dtype, *, weights: str | None, rngs: nnx.Rngs | None):
         hidden, inner = config.hidden_size, config.intermediate_size
-        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
+        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, weights=weights, rngs=rngs)
         self.up = layer((hidden,), (inner,))
         self.down = layer((inner,), (hidden,))
 
@@ -168,9 +179,9 @@ class GatedMLP(nnx.Module):
 
     activation = staticmethod(jax.nn.silu)
 
-    def __init__(self, config: ModelConfig, dtype, *, compact: bool, rngs: nnx.Rngs | None):
+    def __init__(self, config: ModelConfig, dtype, *, weights: str | None, rngs: nnx.Rngs | None):
         hidden, inner = config.hidden_size, config.intermediate_size
-        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, compact=compact, rngs=rngs)
+        layer = functools.partial(Linear, bias=config.block.mlp_bias, dtype=dtype, weights=weights, rngs=rngs)
         self.gate_up = layer((hidden,), (2 * inner,))
         self.down = layer((inner,), (hidden,))
 

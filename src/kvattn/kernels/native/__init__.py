@@ -6,6 +6,9 @@
 - `f32_dot` (`f32_dot.cc`): the float32 dot of panel kernels, rows by
   weights laid out once as contiguous panels of 16 outputs
   (`kvattn.math.quant.panel`).
+- `bf16_dot` (`f32_dot.cc`): the same dot over panels stored in bfloat16,
+  each weight widened exactly to float32 in register: the float32 dot of
+  those values at half the bytes, the rows kept in float32.
 - `decode_attention` (`decode_attention.cc`): one query per sequence and
   head over a contiguous float32 heads-major cache, unnormalised with its
   residuals, as jax's Pallas GPU decode kernel returns them.
@@ -47,11 +50,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int8, Int32, UInt8
+from jaxtyping import Array, Float, Int8, Int32, Shaped, UInt8
 
 from kvattn.math import ops, quant
 
 __all__ = [
+    "BF16_DOT",
     "DECODE_ATTENTION",
     "F32_DOT",
     "INT8_DOT",
@@ -62,6 +66,8 @@ __all__ = [
     "READ_MAX",
     "Kernel",
     "available",
+    "bf16_dot",
+    "bf16_dot_on_xla",
     "decode_attention",
     "decode_attention_on_xla",
     "f32_dot",
@@ -83,6 +89,7 @@ __all__ = [
 # The FFI targets' names ("kvattn_" and the kernel's name), registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
 F32_DOT = "kvattn_f32_dot"
+BF16_DOT = "kvattn_bf16_dot"
 DECODE_ATTENTION = "kvattn_decode_attention"
 PAGED_DECODE_ATTENTION = "kvattn_paged_decode_attention"
 PAGED_PREFILL_ATTENTION = "kvattn_paged_prefill_attention"
@@ -417,6 +424,30 @@ def read_max(x: Float[Array, "R C"]) -> Float[Array, " R"]:
     return _call(READ_MAX)(x)
 
 
+def bf16_dot(
+    rows: Float[Array, "M D"] | Float[np.ndarray, "M D"],
+    panels: Shaped[Array, "Np D 16"] | Shaped[np.ndarray, "Np D 16"],
+) -> Float[Array, "M N"]:
+    """`rows @ kernel` in float32, for the bfloat16 kernel `(D, N)` that `panels` lays out.
+
+    `f32_dot` over the weights' exact float32 values, streaming half the
+    bytes: each output is one float32 sum over `D` in order. CPU only, when
+    `available()`; differentiable (its derivatives are those of `rows @
+    kernel` in `jax.numpy`).
+
+    Raises:
+      TypeError: rows not float32, or panels not bfloat16.
+      ValueError: shapes other than rows `(M, D)` and panels `(N / 16, D, 16)`.
+      RuntimeError: the kernel cannot run here.
+    """
+    _expect_dtype("bf16_dot", jnp.float32, rows=rows)
+    _expect_dtype("bf16_dot", jnp.bfloat16, panels=panels)
+    _expect(rows.ndim == 2 and panels.ndim == 3 and panels.shape[2] == 16 and rows.shape[1] == panels.shape[1],
+            "bf16_dot", "rows (M, D) and panels (N / 16, D, 16)", rows, panels)
+    _ready(BF16_DOT, "bf16_dot")
+    return _call(BF16_DOT)(rows, panels)
+
+
 # ------------------------------------------------------------------ the XLA twins
 
 
@@ -429,6 +460,11 @@ def int8_dot_on_xla(rows: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"])
 def f32_dot_on_xla(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
     """What `f32_dot` computes, as XLA's dot of the kernel the panels lay out, on any backend."""
     return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
+
+
+def bf16_dot_on_xla(rows: Float[Array, "M D"], panels: Shaped[Array, "Np D 16"]) -> Float[Array, "M N"]:
+    """What `bf16_dot` computes: `f32_dot`'s twin over the panels widened to float32, on any backend."""
+    return f32_dot_on_xla(rows, panels.astype(jnp.float32))
 
 
 def decode_attention_on_xla(
@@ -498,6 +534,11 @@ def _f32_example(rng):
     return rows, weights.reshape(8, 1, 16).transpose(1, 0, 2)
 
 
+def _bf16_example(rng):
+    rows, panels = _f32_example(rng)
+    return rows, panels.astype(jnp.bfloat16)
+
+
 def _decode_example(rng):
     q, k_cache, v_cache = rng.standard_normal((3, 1, 1, 3, 16)).astype(np.float32)
     return q[:, :, :1], k_cache, v_cache, np.array([3], np.int32)
@@ -531,6 +572,7 @@ KERNELS = (
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx512f", "avx512bw", "avx512vnni"), _int8_example,
            differentiable=False, tolerance=0.0),
     Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx512f",), _f32_example),
+    Kernel("bf16_dot", bf16_dot, bf16_dot_on_xla, ("avx512f",), _bf16_example),
     Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx512f",), _decode_example),
     Kernel("paged_decode_attention", paged_decode_attention, paged_decode_attention_on_xla, ("avx512f",),
            _paged_decode_example),

@@ -1,4 +1,5 @@
-// kvattn's float32 dot for XLA:CPU: out[m, n] = sum_k a[m, k] * w[k, n], over weights laid out in panels.
+// kvattn's float32 dot for XLA:CPU: out[m, n] = sum_k a[m, k] * w[k, n], over weights laid out in panels,
+// stored in float32 (`f32_dot`) or bfloat16 (`bf16_dot`).
 //
 // Weights `(N / 16, K, 16)`: panel t holds outputs 16t..16t+15 for every k, so a panel is one contiguous
 // stream (`kvattn.math.quant.panel` lays them out). XLA:CPU's dot reads a `(K, N)` kernel row by row; a step's
@@ -6,6 +7,11 @@
 // panels are read side by side, so each k is 3 vector loads and 8 x 3 fused multiply-adds into 24
 // accumulators: the same kernel serves a step (bandwidth bound) and a prefill's rows (compute bound, and
 // there too faster than XLA's dot).
+//
+// bfloat16 panels are half the bytes to stream. A bfloat16 is the upper half of the float32 of the same
+// value, so each weight is widened exactly in register (a zero-extension and a shift) and the sums are
+// the float32 dot's over those values, rows kept in float32: AVX512-BF16's `vdpbf16ps` would round the
+// rows to bfloat16 too.
 //
 // Each output is one float32 sum over k in order, whatever M is and whichever rows share a block, so a
 // row's result does not depend on the rows beside it. A block's eight rows are read where they are
@@ -27,14 +33,19 @@ constexpr int64_t kLanes = 16;  // float32 lanes of a 512-bit vector: a panel's 
 constexpr int64_t kBlockRows = 8;
 constexpr int64_t kAhead = 4096;  // bytes read ahead of a panel's stream
 
-using Panels = ffi::Buffer<ffi::F32, 3>;  // (N / 16, K, 16)
-
 #ifdef KVATTN_X86
 
+// 16 weights of a panel row as float32.
+KVATTN_AVX512 inline __m512 Widen(const float* at) { return _mm512_loadu_ps(at); }
+KVATTN_AVX512 inline __m512 Widen(const uint16_t* at) {  // bfloat16 bits: float32's upper half
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
 // Rows [0, MR) of `a` (row stride K) by panels [t, t + NT), into out (row stride ldo).
-template <int MR, int NT>
-KVATTN_AVX512 void Panel(const float* a, int64_t K, const float* w, int64_t t, float* out, int64_t ldo) {
-  const float* panels[NT];
+template <int MR, int NT, typename W>
+KVATTN_AVX512 void Panel(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo) {
+  const W* panels[NT];
   __m512 acc[MR][NT];
   for (int j = 0; j < NT; ++j) {
     panels[j] = w + (t + j) * K * kLanes;
@@ -43,9 +54,9 @@ KVATTN_AVX512 void Panel(const float* a, int64_t K, const float* w, int64_t t, f
   for (int64_t k = 0; k < K; ++k) {
     __m512 b[NT];
     for (int j = 0; j < NT; ++j) {
-      const float* at = panels[j] + k * kLanes;
+      const W* at = panels[j] + k * kLanes;
       _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
-      b[j] = _mm512_loadu_ps(at);
+      b[j] = Widen(at);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 x = _mm512_set1_ps(a[i * K + k]);
@@ -57,8 +68,8 @@ KVATTN_AVX512 void Panel(const float* a, int64_t K, const float* w, int64_t t, f
   }
 }
 
-template <int MR>
-void Block(const float* a, int64_t K, const float* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+template <int MR, typename W>
+void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
   constexpr int kSideBySide = 3;  // 32 registers: MR * 3 accumulators, 3 panels' vectors, a broadcast
   int64_t t = t0;
   for (; t + kSideBySide <= t1; t += kSideBySide) Panel<MR, kSideBySide>(a, K, w, t, out, ldo);
@@ -67,8 +78,8 @@ void Block(const float* a, int64_t K, const float* w, float* out, int64_t ldo, i
 
 // Every block of rows by panels [t0, t1): the blocks of a panel group follow each other, so the group's
 // panels stay in cache while every row reads them.
-void Part(const float* a, int64_t M, int64_t K, const float* w, float* out, int64_t N, int64_t t0,
-          int64_t t1) {
+template <typename W>
+void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
   constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 256 k
   for (int64_t g = t0; g < t1; g += kGroup) {
     const int64_t g1 = std::min(t1, g + kGroup);
@@ -90,24 +101,42 @@ void Part(const float* a, int64_t M, int64_t K, const float* w, float* out, int6
 }
 
 
-ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, Panels w, ffi::ResultBuffer<ffi::F32> out) {
+// The rows (..., K) by panels (N / 16, K, 16) of weights W, into (..., N); `name` for errors.
+template <ffi::DataType T, typename W>
+ffi::Future Dot(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<T, 3> w,
+                ffi::ResultBuffer<ffi::F32> out) {
   const auto dims = w.dimensions();
   const auto shape = a.dimensions();
   const int64_t panels = dims[0], K = dims[1], N = panels * kLanes;
   int64_t M = 1;
   for (size_t d = 0; d + 1 < shape.size(); ++d) M *= shape[d];
   if (dims[2] != kLanes || shape.size() == 0 || shape.back() != K || out->element_count() != M * N) {
-    return Failed("kvattn's float32 dot: rows (..., K) and panels (N / 16, K, 16) into (..., N) expected");
+    return Failed(name);
   }
   float* result = out->typed_data();
   const float* rows = a.typed_data();
-  const float* weights = w.typed_data();
+  const W* weights = reinterpret_cast<const W*>(w.untyped_data());
   return kvattn::Split(pool, panels, panels / 3, [=](int64_t first, int64_t last) {
     Part(rows, M, K, weights, result, N, first, last);
   });
 }
 
-KVATTN_KERNEL(f32_dot, Dot);
+ffi::Future F32Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32, 3> w,
+                   ffi::ResultBuffer<ffi::F32> out) {
+  return Dot<ffi::F32, float>(
+      "kvattn's float32 dot: rows (..., K) and float32 panels (N / 16, K, 16) into (..., N) expected", pool, a,
+      w, out);
+}
+
+ffi::Future Bf16Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::BF16, 3> w,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  return Dot<ffi::BF16, uint16_t>(
+      "kvattn's bfloat16 dot: rows (..., K) and bfloat16 panels (N / 16, K, 16) into (..., N) expected", pool,
+      a, w, out);
+}
+
+KVATTN_KERNEL(f32_dot, F32Dot);
+KVATTN_KERNEL(bf16_dot, Bf16Dot);
 
 #endif  // KVATTN_X86
 
