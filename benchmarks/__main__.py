@@ -12,7 +12,7 @@ from kvattn import extra
 from kvattn.errors import MissingExtraError
 
 MODEL_ONLY = ("dtypes", "prompt_len", "new_tokens", "num_layers", "torch_python", "torch_threads", "torch_compile",
-              "llama_cpp")
+              "llama_cpp", "checkpoint")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--torch-threads", type=int, help="--model only: torch.set_num_threads")
     parser.add_argument("--torch-compile", action="store_true", default=None,
                         help="--model only: also time transformers' static cache under torch.compile")
+    parser.add_argument("--checkpoint", help="--model only: decode this Llama-family checkpoint directory instead "
+                        "of the random 125M one (python -m tools.make_checkpoint makes 1B-class ones)")
     parser.add_argument("--llama-cpp", help="--model only: the folder of llama.cpp's binaries "
                         "(python -m tools.llama_cpp build) to time llama-server beside kvattn")
     return parser

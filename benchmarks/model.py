@@ -415,8 +415,8 @@ def _partial(path: Path, rows) -> None:
 def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128, new_tokens: int = 128,
               repeats: int = 3, num_layers: int | None = None, torch_python: str | None = None,
               torch_threads: int = 2, torch_compile: bool = False, out_dir: str | os.PathLike = "bench-results",
-              quick: bool = False, llama_cpp: str | os.PathLike | None = None
-              ) -> dict[str, Any]:
+              quick: bool = False, llama_cpp: str | os.PathLike | None = None,
+              checkpoint: str | os.PathLike | None = None) -> dict[str, Any]:
     """Writes the random Llama checkpoint, measures every contender and writes `model.json` and `model.md`.
 
     Args:
@@ -435,6 +435,9 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
       llama_cpp: the folder of llama.cpp's binaries (`python -m tools.llama_cpp build`), to time `llama-server`
         beside kvattn; the checkpoint then carries the serving benchmark's tokenizer, which the GGUF
         converter (run by `torch_python`) needs.
+      checkpoint: a Llama-family checkpoint directory to decode instead of writing the random 125M one
+        (`python -m tools.make_checkpoint llama-1b` makes a 1B-class one); with `llama_cpp` it needs a
+        tokenizer the converter takes.
 
     Returns:
       The results, as written to `model.json`.
@@ -448,15 +451,22 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
         raise ValueError(f"new_tokens must be at least 2 (decode time is t(new_tokens) - t(1)), got {new_tokens}")
     out = Path(out_dir)
     ggufs = None
-    if llama_cpp is None:
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        given = json.loads((checkpoint / "config.json").read_text())
+        sizes = {"checkpoint": str(checkpoint), "vocab_size": given["vocab_size"], "hidden_size": given["hidden_size"],
+                 "num_layers": given["num_hidden_layers"]}
+    elif llama_cpp is None:
         checkpoint = write_llama_checkpoint(out / "checkpoint", max_position_embeddings=prompt_len + new_tokens,
                                             **sizes)
     else:
         from benchmarks.serve_checkpoint import write_serve_checkpoint
-        from tools import llama_cpp as build
 
         checkpoint = out / "checkpoint"
         write_serve_checkpoint(checkpoint, sizes=sizes, max_position_embeddings=prompt_len + new_tokens)
+    if llama_cpp is not None:
+        from tools import llama_cpp as build
+
         kinds = build.convert(checkpoint, [llama_cpp_contender.GGUF_TYPES[d] for d in dtypes],
                               python=torch_python or sys.executable, pre_tokenizer="default")
         ggufs = {dtype: kinds[llama_cpp_contender.GGUF_TYPES[dtype]] for dtype in dtypes}

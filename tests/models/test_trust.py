@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvattn import generation, models, serving
+from kvattn.kernels import native
 from kvattn.generation import SamplingParams
 from kvattn.models import CheckpointError, UnsupportedConfigError
 from tests.helpers import FIXTURES
@@ -325,6 +326,25 @@ def test_non_finite_weights_are_refused(tmp_path, value):
     tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
     with pytest.raises(CheckpointError, match="up_proj.weight holds NaN or infinity"):
         models.from_pretrained(write_checkpoint(tmp_path / "c", config, tensors), max_len=8)
+
+
+@pytest.mark.parametrize("weights", [None, "int8", "bfloat16"])
+def test_a_bfloat16_checkpoint_loads_its_own_values(tmp_path, weights):
+    """A checkpoint stored in bfloat16 (as most are) loads as its float32 twin holding the same values does:
+    float32, int8 and bfloat16 weights alike, logits to the bit."""
+    if weights == "bfloat16" and not native.available(native.BF16_DOT):
+        pytest.skip("kvattn's bfloat16 dot cannot run here")
+    config, tensors = fixture("qwen2")
+    half = {name: value.astype(jnp.bfloat16) for name, value in tensors.items()}
+    widened = {name: value.astype(np.float32) for name, value in half.items()}
+    stored = write_checkpoint(tmp_path / "bf16", config, half)
+    header = json.loads((stored / "model.safetensors").read_bytes()[8:][: int.from_bytes(
+        (stored / "model.safetensors").read_bytes()[:8], "little")])
+    assert {entry["dtype"] for name, entry in header.items() if name != "__metadata__"} == {"BF16"}
+    models_ = [models.from_pretrained(directory, max_len=16, weights=weights)
+               for directory in (stored, write_checkpoint(tmp_path / "f32", config, widened))]
+    prompt = jnp.asarray([[3, 17, 29, 5, 60]])
+    np.testing.assert_array_equal(*(np.asarray(model(prompt)) for model in models_))
 
 
 def test_a_sharded_checkpoint_loads_exactly(tmp_path, reference_params):

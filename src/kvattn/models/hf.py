@@ -220,9 +220,12 @@ def load_safetensors(directory: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _read(header: _Header) -> np.ndarray:
+    """One tensor as a NumPy array in its stored dtype (bfloat16 as `ml_dtypes`' bfloat16, which JAX's is)."""
+    # safetensors' NumPy reader has no bfloat16; its JAX reader does, and the array comes back to the host.
+    framework = "flax" if header.dtype == "BF16" else "numpy"
     try:
-        with safetensors.safe_open(header.file, framework="numpy") as opened:
-            return opened.get_tensor(header.name)
+        with safetensors.safe_open(header.file, framework=framework) as opened:
+            return np.asarray(opened.get_tensor(header.name))
     except safetensors.SafetensorError as error:
         raise CheckpointError(f"{header.file}: tensor {header.name} cannot be read: {error}") from None
 
