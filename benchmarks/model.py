@@ -450,6 +450,7 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be at least 2 (decode time is t(new_tokens) - t(1)), got {new_tokens}")
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     ggufs = None
     if checkpoint is not None:
         checkpoint = Path(checkpoint)
