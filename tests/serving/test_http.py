@@ -263,9 +263,12 @@ def test_54_clients_that_disconnect_cost_only_their_own_requests(server, client)
 
     async def impatient(http):  # a whole (not streamed) answer, given up on before it comes
         # Only the wait for the answer is short: under load a 0.3 s connect or pool wait could give up
-        # before the server ever saw the request, which would test nothing.
+        # before the server ever saw the request, which would test nothing. The answer is 150 forced tokens,
+        # 150 engine steps: well past the 0.1 s read however fast a step gets (100 tokens once came back
+        # within 0.3 s, and there was nothing to give up on).
+        long = {**body, "stream": False, "max_tokens": 150, "min_tokens": 150, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30.0, read=0.3))
+            await http.post("/v1/completions", json=long, timeout=httpx.Timeout(30.0, read=0.1))
 
     async def stayer(ac):
         reply = await ac.completions.create(model="chat", prompt=GREEDY["prompt"], **GREEDY_ARGS)
