@@ -264,6 +264,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
     """
 
     from kvattn import models
+    from kvattn.kernels import route
 
     rows, notes, float_tokens = [], [], {}
     caches = dict(transformers_contender.CACHES, **(transformers_contender.COMPILED if torch_compile else {}))
@@ -273,7 +274,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
         for batch in batch_sizes:
             compact = dtype == "int8"
             # bfloat16 on a CPU where kvattn's bfloat16 dot runs: bfloat16 weights, float32 computation.
-            bf16_weights = dtype == "bfloat16" and _bf16_weights_run()
+            bf16_weights = dtype == "bfloat16" and route.bfloat16_weights()
             weights = "int8" if compact else "bfloat16" if bf16_weights else None
             model = models.from_pretrained(checkpoint, max_len=prompt_len + new_tokens, batch_size=batch,
                                            dtype="float32" if weights else dtype, weights=weights)
@@ -329,16 +330,6 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
                     progress(rows)
             del model
     return {"rows": finished_rows(rows), "targets": _targets(rows), "notes": sorted(set(notes))}
-
-
-def _bf16_weights_run() -> bool:
-    """Whether kvattn runs `weights="bfloat16"` here as bfloat16 weights with float32 computation."""
-    import jax
-
-    from kvattn.kernels import route
-    from kvattn.math import quant
-
-    return jax.default_backend() == "cpu" and route.use_panels(quant.PANEL_OUTPUTS, "bfloat16")
 
 
 def _targets(rows) -> list[dict[str, Any]]:

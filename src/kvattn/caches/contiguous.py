@@ -59,7 +59,7 @@ __all__ = [
     "fork",
     "relayout",
     "reorder",
-    "rolls_back",
+    "can_roll_back",
     "truncate",
     "unbind",
     "variables",
@@ -146,8 +146,8 @@ class KVCache:
     def truncate(self, keep: Int[Array, " B"]) -> KVCache:
         return truncate(self, keep)
 
-    def rolls_back(self, keep: Int[Array, " B"]) -> Bool[Array, " B"]:
-        return rolls_back(self, keep)
+    def can_roll_back(self, keep: Int[Array, " B"]) -> Bool[Array, " B"]:
+        return can_roll_back(self, keep)
 
     def fork(self, source: Int[Array, ""], targets: Bool[Array, " B"]) -> KVCache:
         return fork(self, source, targets)
@@ -294,7 +294,7 @@ def truncate(cache: KVCache, keep: Int[Array, " B"]) -> KVCache:
     """Keeps the first `keep[b]` tokens of sequence b and zeros the slots after them.
 
     A ring zeros the slots of the positions it drops. It can only roll back
-    while it still holds every position the next query sees (`rolls_back`):
+    while it still holds every position the next query sees (`can_roll_back`):
     a sequence asked for more is emptied and poisoned (`pos` = `INVALID_POS`),
     as an out-of-range index under `jit` leaves it.
     """
@@ -306,7 +306,7 @@ def truncate(cache: KVCache, keep: Int[Array, " B"]) -> KVCache:
         pos = cache.pos[:, None]
         held = pos - 1 - (pos - 1 - slot) % num_slots
     kept = held < keep[:, None]
-    valid = rolls_back(cache, keep)
+    valid = can_roll_back(cache, keep)
     kept &= valid[:, None]
 
     def cut(array):
@@ -318,7 +318,7 @@ def truncate(cache: KVCache, keep: Int[Array, " B"]) -> KVCache:
     return cache.replace(k=jax.tree.map(cut, cache.k), v=jax.tree.map(cut, cache.v), pos=pos)
 
 
-def rolls_back(cache: KVCache, keep: Int[Array, " B"]) -> Bool[Array, " B"]:
+def can_roll_back(cache: KVCache, keep: Int[Array, " B"]) -> Bool[Array, " B"]:
     """Whether each sequence can keep only its first `keep[b]` tokens (`0 <= keep <= pos`).
 
     Always without a window. A ring of S slots holds positions `pos - S ..

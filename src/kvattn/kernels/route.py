@@ -44,7 +44,7 @@ from kvattn.kernels import cpu, native, pallas
 from kvattn.math import quant
 
 __all__ = [
-    "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "native_limits",
+    "bfloat16_weights", "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "native_limits",
     "native_paged_limits", "on_gpu", "paged_limits", "paged_path", "panel_dot", "step_path", "tiled_dot", "use_panels", "use_tiles",
 ]
 
@@ -333,6 +333,12 @@ def use_panels(outputs: int, dtype) -> bool:
     dot = _PANEL_DOTS.get(jnp.dtype(dtype))
     return (dot is not None and outputs % quant.PANEL_OUTPUTS == 0 and jax.default_backend() == "cpu"
             and native.available(dot[0]))
+
+
+def bfloat16_weights() -> bool:
+    """Whether `weights="bfloat16"` runs here as bfloat16 panels under float32 computation (kvattn's bfloat16 dot on
+    the CPU), rather than as bfloat16 everywhere (a GPU's or TPU's fast bfloat16 dots) or not at all."""
+    return use_panels(quant.PANEL_OUTPUTS, jnp.bfloat16)
 
 
 def use_tiles(outputs: int, inputs: int) -> bool:

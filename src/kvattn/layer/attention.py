@@ -16,8 +16,8 @@ import functools
 import typing
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 
@@ -277,7 +277,7 @@ class MultiHeadAttention(nnx.Module):
         keep = check.keep_counts(self.config, keep, cache.pos if host_pos is None else host_pos)
         keep = jnp.clip(keep, 0, cache.pos)
         if cache.window is not None and host_pos is not None and not check.is_traced(keep):
-            deep = np.flatnonzero(~np.asarray(cache.rolls_back(keep)))
+            deep = np.flatnonzero(~np.asarray(cache.can_roll_back(keep)))
             if deep.size:
                 spare = self.config.cache.spare_slots
                 raise ValueError(

@@ -39,7 +39,6 @@ from flax import nnx
 from kvattn.caches.base import CACHE_DTYPES
 from kvattn.errors import CheckpointError
 from kvattn.kernels import native, route
-from kvattn.math import quant
 from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.families import FAMILIES
 from kvattn.models.model_config import ModelConfig, from_hf_config
@@ -343,7 +342,7 @@ def _storage(dtype, weights) -> tuple[jnp.dtype, str | None]:
     """`from_pretrained`'s `(dtype, weights)` as `CausalLM` takes them, after refusing what would run slower."""
     if weights == "bfloat16":
         backend = jax.default_backend()
-        if backend == "cpu" and route.use_panels(quant.PANEL_OUTPUTS, jnp.bfloat16):
+        if route.bfloat16_weights():
             # kvattn's bfloat16 dot: weights stored in bfloat16, widened exactly, the model computing in float32.
             if dtype is not None and jnp.dtype(dtype) != jnp.float32:
                 raise ValueError(f"weights='bfloat16' on the CPU computes in float32 (kvattn's bfloat16 dot widens "
