@@ -296,5 +296,6 @@ def test_a_nan_token_in_a_prefill_reaches_no_earlier_token(decode_kernel, write_
         return np.asarray(kvattn.Decoder(layer).prefill(xs) if write_first else layer.prefill(xs))
 
     alone, got = prefill(xs[:, :3]), prefill(xs)
-    np.testing.assert_array_equal(got[0, :3], alone[0])
+    # Equal but for rounding: XLA:CPU may tile a dot of 3 rows and one of 8 differently (on AVX2, it does).
+    np.testing.assert_allclose(got[0, :3], alone[0], rtol=1e-5, atol=1e-6)
     assert np.isnan(got[0, 3:]).all()
