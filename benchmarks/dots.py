@@ -67,6 +67,7 @@ LAYERS, D, F = 12, 768, 4096
 
 def _variants() -> dict[str, tuple[Any, Any]]:
     """name -> (one layer's dot `(x, w) -> y (M, F)`, the stacked weights it reads)."""
+    import jax
     import jax.numpy as jnp
     from jax import lax
 
@@ -111,13 +112,16 @@ def _variants() -> dict[str, tuple[Any, Any]]:
         return lax.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
     def device(weights):
-        return [jnp.asarray(w) if isinstance(w, np.ndarray) else type(w)(*map(jnp.asarray, w)) for w in weights]
+        return [jax.tree.map(jnp.asarray, w) for w in weights]  # a form is a pytree of its arrays
 
-    tiled = [quant.tile(k) for k in int8] if native.available() else []
-    panels = [quant.panel(jnp.asarray(w)) for w in floats] if native.available() else []
+    tiled = [quant.tile(k) for k in int8] if native.available(native.INT8_DOT) else []
+    panels = [quant.panel(jnp.asarray(w)) for w in floats] if native.available(native.F32_DOT) else []
+    bf16_panels = [quant.panel(jnp.asarray(w, jnp.bfloat16)) for w in floats] if native.available(
+        native.BF16_DOT) else []
     return {
         "float32": (lambda x, w: x @ w, device(floats)),
         **({"float32, native (panels)": (dots.dense, panels)} if panels else {}),
+        **({"bfloat16, native (panels)": (dots.dense, bf16_panels)} if bf16_panels else {}),
         **({"int8, native (tiled)": (dots.dense, device(tiled))} if tiled else {}),
         "int8": (dots.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),

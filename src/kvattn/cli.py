@@ -77,7 +77,7 @@ _SPECULATIVE_HELP = ("ngram:K[:N]: draft up to K tokens per step by prompt looku
 # ngram:99999999999 into a usage error rather than an allocation failure deep in compilation.
 _SPECULATIVE_MAX = 64
 _WEIGHTS = ("int8", "bfloat16")
-_WEIGHTS_HELP = ("compact weights: int8 with per-output scales, or bfloat16 (on a CPU with AVX-512: stored in "
+_WEIGHTS_HELP = ("compact weights: int8 with per-output scales, or bfloat16 (on an x86 CPU with AVX2: stored in "
                  "bfloat16, computed in float32) (default: float weights in --dtype)")
 _LONG_CONTEXT_HELP = "allow a context past the checkpoint's max_position_embeddings (outputs there may degrade)"
 

@@ -439,11 +439,15 @@ def test_a_kernel_names_the_shapes_and_dtypes_it_expected_and_got(entry, shapes,
 
 
 def test_each_kernel_needs_only_the_cpu_features_it_uses(monkeypatch):
-    """On a CPU with AVX512F but no VNNI, only the int8 dot is lost: the float32 dot and attention remain."""
+    """On a CPU with AVX512F but no VNNI, only the int8 dot is lost: the float32 dot and attention remain; on
+    one with AVX2 and FMA alone, the panel dots and the streaming read remain (their AVX2 bodies)."""
     handlers, features = native._compiled()
-    monkeypatch.setattr(native, "_compiled", lambda: (handlers, {**features, "avx512vnni": False}))
+    every = {feature: True for entry in native.KERNELS for feature in entry.features}
+    monkeypatch.setattr(native, "_compiled", lambda: (handlers, {**every, "avx512vnni": False}))
     reasons = {entry.name: entry.features for entry in native.KERNELS}
     assert "avx512vnni" in reasons["int8_dot"] and all("avx512vnni" not in f for n, f in reasons.items() if n != "int8_dot")
+    assert {name for name, needs in reasons.items() if set(needs) <= {"avx2", "fma"}} == {
+        entry.name for entry in native.KERNELS if entry.target in TWO_BODIES}
     if handlers:
         assert native.unavailable_reason.__wrapped__(native.INT8_DOT) == "this CPU lacks avx512vnni"
     with pytest.raises(ValueError, match="one of .*, got 'kvattn_gemm'"):
@@ -453,8 +457,7 @@ def test_each_kernel_needs_only_the_cpu_features_it_uses(monkeypatch):
 def test_a_kernel_is_self_tested_at_registration(monkeypatch):
     """A kernel that disagrees with its twin on its example is not used (an FFI mismatch fails here)."""
     entry = native.kernel(native.F32_DOT)
-    if not native._compiled()[0]:
-        pytest.skip("the native extension is not built here")
+    _needs(entry)
     wrong = dataclasses.replace(entry, twin=lambda rows, panels: native.f32_dot_on_xla(rows, panels) + 1)
     monkeypatch.setattr(native, "KERNELS", tuple(wrong if e is entry else e for e in native.KERNELS))
     monkeypatch.setattr(native, "_call", native._call.__wrapped__)  # uncached: built from the patched table
@@ -490,6 +493,29 @@ def test_the_f32_dot_gives_each_row_the_same_bits_alone():
     got = np.asarray(native.f32_dot(x, panels))
     for row in (0, 8, 20):
         np.testing.assert_array_equal(np.asarray(native.f32_dot(x[row:row + 1], panels))[0], got[row])
+
+
+# The kernels with an AVX-512 body and an AVX2 one (`native.h`'s `Avx512`; KVATTN_NATIVE_AVX2 picks the second).
+TWO_BODIES = [native.F32_DOT, native.BF16_DOT, native.READ_MAX]
+
+
+@pytest.mark.parametrize("target", TWO_BODIES)
+def test_the_avx2_bodies_pass_the_harness_and_give_the_avx512_bodies_bits(target, monkeypatch):
+    """Every case and poison through the AVX2 body (the only one on a CPU without AVX-512), and the same bits
+    as the AVX-512 body where both run: each output is the same in-order sum."""
+    entry = native.kernel(target)
+    _needs(entry)
+    harness = HARNESS[target]
+    cases = {**harness.cases(np.random.default_rng(0)), **harness.poisons(np.random.default_rng(1))}
+    default = {name: jax.tree.leaves(entry.wrapper(*arguments)) for name, (arguments, _) in cases.items()}
+    monkeypatch.setenv("KVATTN_NATIVE_AVX2", "1")
+    for name, (arguments, want) in cases.items():
+        try:
+            _check(entry, arguments, want, twin=name not in harness.twin_leaks)
+            for got, wide in zip(jax.tree.leaves(entry.wrapper(*arguments)), default[name], strict=True):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(wide))
+        except AssertionError as error:
+            raise AssertionError(f"{entry.name}'s AVX2 body on {name}") from error
 
 
 def test_the_paged_kernels_give_the_contiguous_kernels_bits():

@@ -421,7 +421,7 @@ def test_panels_hold_the_kernel_and_give_it_back():
     half = quant.panel(kernel.astype(jnp.bfloat16))
     assert half.panels.dtype == jnp.bfloat16
     np.testing.assert_array_equal(quant.unpanel(half), kernel.astype(jnp.bfloat16))
-    assert route.use_panels(32, jnp.float32) == native.available()
+    assert route.use_panels(32, jnp.float32) == native.available(native.F32_DOT)
 
 
 @needs_native

@@ -5,7 +5,8 @@
   (`kvattn.math.quant.tile`), into exact int32.
 - `f32_dot` (`f32_dot.cc`): the float32 dot of panel kernels, rows by
   weights laid out once as contiguous panels of 16 outputs
-  (`kvattn.math.quant.panel`).
+  (`kvattn.math.quant.panel`); on AVX-512, else on AVX2 and FMA (the
+  same bits).
 - `bf16_dot` (`f32_dot.cc`): the same dot over panels stored in bfloat16,
   each weight widened exactly to float32 in register: the float32 dot of
   those values at half the bytes, the rows kept in float32.
@@ -19,7 +20,7 @@
 - `paged_prefill_attention` (`prefill_attention.cc`): `prefill_attention`
   with the cached keys and values read from a paged float32 pool.
 - `read_max` (`read_max.cc`): each row's maximum of a float32 matrix, a
-  pure streaming read: the benchmarks' bandwidth limit.
+  pure streaming read: the benchmarks' bandwidth limit (AVX-512 or AVX2).
 - `prefill_attention` (`prefill_attention.cc`): a chunk of new tokens over
   a contiguous float32 heads-major cache and causally over themselves,
   `kvattn.math.ops.attention` without a window or a soft-cap.
@@ -571,13 +572,14 @@ def _read_max_example(rng):
 KERNELS = (
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx512f", "avx512bw", "avx512vnni"), _int8_example,
            differentiable=False, tolerance=0.0),
-    Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx512f",), _f32_example),
-    Kernel("bf16_dot", bf16_dot, bf16_dot_on_xla, ("avx512f",), _bf16_example),
+    # The panel dots and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s `Avx512`).
+    Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx2", "fma"), _f32_example),
+    Kernel("bf16_dot", bf16_dot, bf16_dot_on_xla, ("avx2", "fma"), _bf16_example),
     Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx512f",), _decode_example),
     Kernel("paged_decode_attention", paged_decode_attention, paged_decode_attention_on_xla, ("avx512f",),
            _paged_decode_example),
     Kernel("paged_prefill_attention", paged_prefill_attention, paged_prefill_attention_on_xla, ("avx512f",),
            _paged_prefill_example),
     Kernel("prefill_attention", prefill_attention, prefill_attention_on_xla, ("avx512f",), _prefill_example),
-    Kernel("read_max", read_max, read_max_on_xla, ("avx512f",), _read_max_example, tolerance=0.0),
+    Kernel("read_max", read_max, read_max_on_xla, ("avx2",), _read_max_example, tolerance=0.0),
 )

@@ -17,6 +17,10 @@
 // row's result does not depend on the rows beside it. A block's eight rows are read where they are
 // (copying them k-major first was slower). Work is split over XLA's
 // intra-op thread pool by panels; the handler returns a future completed by the last part.
+//
+// Without AVX-512 (`kvattn::Avx512`), the same dot runs on AVX2 and FMA: a panel row is two 256-bit
+// vectors, and with 16 registers a block is four rows, side by side with fewer panels. Each output is
+// the same in-order sum of fused multiply-adds, so both bodies give the same bits.
 
 #include <algorithm>
 #include <cstdint>
@@ -100,6 +104,77 @@ void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t 
   }
 }
 
+// ---- AVX2 and FMA: a panel row as two halves of 8 lanes.
+
+constexpr int64_t kBlockRows2 = 4;
+
+KVATTN_AVX2 inline void Widen2(const float* at, __m256& low, __m256& high) {
+  low = _mm256_loadu_ps(at);
+  high = _mm256_loadu_ps(at + 8);
+}
+KVATTN_AVX2 inline void Widen2(const uint16_t* at, __m256& low, __m256& high) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+  low = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(halves)), 16));
+  high = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(halves, 1)), 16));
+}
+
+template <int MR, int NT, typename W>
+KVATTN_AVX2 void Panel2(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo) {
+  const W* panels[NT];
+  __m256 acc[MR][NT][2];
+  for (int j = 0; j < NT; ++j) {
+    panels[j] = w + (t + j) * K * kLanes;
+    for (int i = 0; i < MR; ++i) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 b[NT][2];
+    for (int j = 0; j < NT; ++j) {
+      const W* at = panels[j] + k * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(at) + kAhead, _MM_HINT_T0);
+      Widen2(at, b[j][0], b[j][1]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 x = _mm256_set1_ps(a[i * K + k]);
+      for (int j = 0; j < NT; ++j) {
+        acc[i][j][0] = _mm256_fmadd_ps(x, b[j][0], acc[i][j][0]);
+        acc[i][j][1] = _mm256_fmadd_ps(x, b[j][1], acc[i][j][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NT; ++j) {
+      _mm256_storeu_ps(out + i * ldo + (t + j) * kLanes, acc[i][j][0]);
+      _mm256_storeu_ps(out + i * ldo + (t + j) * kLanes + 8, acc[i][j][1]);
+    }
+  }
+}
+
+// 16 registers: MR * NT * 2 accumulators, NT * 2 weight vectors and a broadcast.
+template <int MR, typename W>
+void Block2(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+  constexpr int kSideBySide = MR == 1 ? 3 : MR == 2 ? 2 : 1;
+  int64_t t = t0;
+  for (; t + kSideBySide <= t1; t += kSideBySide) Panel2<MR, kSideBySide>(a, K, w, t, out, ldo);
+  for (; t < t1; ++t) Panel2<MR, 1>(a, K, w, t, out, ldo);
+}
+
+template <typename W>
+void Part2(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int64_t kGroup = 12;
+  for (int64_t g = t0; g < t1; g += kGroup) {
+    const int64_t g1 = std::min(t1, g + kGroup);
+    for (int64_t m = 0; m < M; m += kBlockRows2) {
+      const float* block = a + m * K;
+      float* rows = out + m * N;
+      switch (std::min(kBlockRows2, M - m)) {
+        case 1: Block2<1>(block, K, w, rows, N, g, g1); break;
+        case 2: Block2<2>(block, K, w, rows, N, g, g1); break;
+        case 3: Block2<3>(block, K, w, rows, N, g, g1); break;
+        default: Block2<4>(block, K, w, rows, N, g, g1); break;
+      }
+    }
+  }
+}
 
 // The rows (..., K) by panels (N / 16, K, 16) of weights W, into (..., N); `name` for errors.
 template <ffi::DataType T, typename W>
@@ -116,8 +191,13 @@ ffi::Future Dot(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   float* result = out->typed_data();
   const float* rows = a.typed_data();
   const W* weights = reinterpret_cast<const W*>(w.untyped_data());
+  const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, panels, panels / 3, [=](int64_t first, int64_t last) {
-    Part(rows, M, K, weights, result, N, first, last);
+    if (wide) {
+      Part(rows, M, K, weights, result, N, first, last);
+    } else {
+      Part2(rows, M, K, weights, result, N, first, last);
+    }
   });
 }
 

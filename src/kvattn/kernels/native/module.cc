@@ -27,7 +27,9 @@ PyObject* Handlers(PyObject*, PyObject*) {
 PyObject* CpuFeatures(PyObject*, PyObject*) {
 #ifdef KVATTN_X86
   __builtin_cpu_init();
-  return Py_BuildValue("{s:O,s:O,s:O}", "avx512f", __builtin_cpu_supports("avx512f") ? Py_True : Py_False,
+  return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O}", "avx2", __builtin_cpu_supports("avx2") ? Py_True : Py_False,
+                       "fma", __builtin_cpu_supports("fma") ? Py_True : Py_False,
+                       "avx512f", __builtin_cpu_supports("avx512f") ? Py_True : Py_False,
                        "avx512bw", __builtin_cpu_supports("avx512bw") ? Py_True : Py_False, "avx512vnni",
                        __builtin_cpu_supports("avx512vnni") ? Py_True : Py_False);
 #else

@@ -21,6 +21,8 @@
 #define KVATTN_X86 1
 #include <immintrin.h>
 #define KVATTN_AVX512 __attribute__((target("avx512f")))
+#define KVATTN_AVX2 __attribute__((target("avx2,fma")))
+#include <cstdlib>
 #endif
 
 namespace kvattn {
@@ -83,6 +85,13 @@ struct xla::ffi::CtxBinding<xla::ffi::ThreadPool> {
 namespace kvattn {
 
 #ifdef KVATTN_X86
+
+// Whether a kernel with two bodies runs its AVX-512 one, else its AVX2 one: the CPU has AVX512F, and
+// KVATTN_NATIVE_AVX2 is unset (the harness sets it to hold the AVX2 bodies to their twins on such a CPU).
+inline bool Avx512() {
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  return has && std::getenv("KVATTN_NATIVE_AVX2") == nullptr;
+}
 
 // exp(x) for x <= 0, sixteen at a time: Cephes' expf polynomial (relative error below 2e-7) scaled by
 // 2^n. Below -104 it returns 0, as float32's exp rounds there; -inf gives 0 and NaN gives NaN (maxps

@@ -39,14 +39,42 @@ KVATTN_AVX512 float RowMax(const float* row, int64_t C) {
   return kvattn::Maximum(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])), unordered);
 }
 
+// Without AVX-512 (`kvattn::Avx512`): four 256-bit maxima, NaN tracked by an unordered compare, the row's
+// tail read one float at a time.
+KVATTN_AVX2 float RowMax2(const float* row, int64_t C) {
+  const __m256 low = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 top[4] = {low, low, low, low};
+  __m256 unordered = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= C; c += 32) {
+    for (int i = 0; i < 4; ++i) {
+      const __m256 x = _mm256_loadu_ps(row + c + 8 * i);
+      top[i] = _mm256_max_ps(top[i], x);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+  }
+  const __m256 both = _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3]));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, both);
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  float result = lanes[0];
+  for (int i = 1; i < 8; ++i) result = std::max(result, lanes[i]);
+  for (; c < C; ++c) {
+    nan |= row[c] != row[c];
+    result = std::max(result, row[c]);
+  }
+  return nan ? __builtin_nanf("") : result;
+}
+
 ffi::Future Read(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Result<ffi::Buffer<ffi::F32, 1>> out) {
   const auto xd = x.dimensions();
   const int64_t R = xd[0], C = xd[1];
   if (C < 1 || out->dimensions()[0] != R) return Failed("kvattn read_max: x (R, C) with C >= 1, out (R,)");
   const float* xp = x.typed_data();
   float* op = out->typed_data();
+  const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, R, R, [=](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) op[r] = RowMax(xp + r * C, C);
+    for (int64_t r = first; r < last; ++r) op[r] = wide ? RowMax(xp + r * C, C) : RowMax2(xp + r * C, C);
   });
 }
 
