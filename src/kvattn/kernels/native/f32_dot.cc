@@ -34,7 +34,6 @@ using kvattn::Failed;
 namespace {
 
 constexpr int64_t kLanes = 16;  // float32 lanes of a 512-bit vector: a panel's width
-constexpr int64_t kBlockRows = 8;
 constexpr int64_t kAhead = 4096;  // bytes read ahead of a panel's stream
 
 #ifdef KVATTN_X86
@@ -72,41 +71,19 @@ KVATTN_AVX512 void Panel(const float* a, int64_t K, const W* w, int64_t t, float
   }
 }
 
-template <int MR, typename W>
-void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
-  constexpr int kSideBySide = 3;  // 32 registers: MR * 3 accumulators, 3 panels' vectors, a broadcast
-  int64_t t = t0;
-  for (; t + kSideBySide <= t1; t += kSideBySide) Panel<MR, kSideBySide>(a, K, w, t, out, ldo);
-  for (; t < t1; ++t) Panel<MR, 1>(a, K, w, t, out, ldo);
-}
-
-// Every block of rows by panels [t0, t1): the blocks of a panel group follow each other, so the group's
-// panels stay in cache while every row reads them.
-template <typename W>
-void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 256 k
-  for (int64_t g = t0; g < t1; g += kGroup) {
-    const int64_t g1 = std::min(t1, g + kGroup);
-    for (int64_t m = 0; m < M; m += kBlockRows) {
-      const float* block = a + m * K;
-      float* rows = out + m * N;
-      switch (std::min(kBlockRows, M - m)) {
-        case 1: Block<1>(block, K, w, rows, N, g, g1); break;
-        case 2: Block<2>(block, K, w, rows, N, g, g1); break;
-        case 3: Block<3>(block, K, w, rows, N, g, g1); break;
-        case 4: Block<4>(block, K, w, rows, N, g, g1); break;
-        case 5: Block<5>(block, K, w, rows, N, g, g1); break;
-        case 6: Block<6>(block, K, w, rows, N, g, g1); break;
-        case 7: Block<7>(block, K, w, rows, N, g, g1); break;
-        default: Block<8>(block, K, w, rows, N, g, g1); break;
-      }
-    }
+// The AVX-512 body: blocks of up to eight rows, three panels side by side.
+struct Avx512Body {
+  static constexpr int64_t kRows = 8;
+  template <int MR, typename W>
+  static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+    constexpr int kSideBySide = 3;  // 32 registers: MR * 3 accumulators, 3 panels' vectors, a broadcast
+    int64_t t = t0;
+    for (; t + kSideBySide <= t1; t += kSideBySide) Panel<MR, kSideBySide>(a, K, w, t, out, ldo);
+    for (; t < t1; ++t) Panel<MR, 1>(a, K, w, t, out, ldo);
   }
-}
+};
 
 // ---- AVX2 and FMA: a panel row as two halves of 8 lanes.
-
-constexpr int64_t kBlockRows2 = 4;
 
 KVATTN_AVX2 inline void Widen2(const float* at, __m256& low, __m256& high) {
   low = _mm256_loadu_ps(at);
@@ -149,29 +126,37 @@ KVATTN_AVX2 void Panel2(const float* a, int64_t K, const W* w, int64_t t, float*
   }
 }
 
-// 16 registers: MR * NT * 2 accumulators, NT * 2 weight vectors and a broadcast.
-template <int MR, typename W>
-void Block2(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
-  constexpr int kSideBySide = MR == 1 ? 3 : MR == 2 ? 2 : 1;
-  int64_t t = t0;
-  for (; t + kSideBySide <= t1; t += kSideBySide) Panel2<MR, kSideBySide>(a, K, w, t, out, ldo);
-  for (; t < t1; ++t) Panel2<MR, 1>(a, K, w, t, out, ldo);
+// The AVX2 body: blocks of up to four rows. 16 registers: MR * NT * 2 accumulators, NT * 2 weight vectors
+// and a broadcast.
+struct Avx2Body {
+  static constexpr int64_t kRows = 4;
+  template <int MR, typename W>
+  static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+    constexpr int kSideBySide = MR == 1 ? 3 : MR == 2 ? 2 : 1;
+    int64_t t = t0;
+    for (; t + kSideBySide <= t1; t += kSideBySide) Panel2<MR, kSideBySide>(a, K, w, t, out, ldo);
+    for (; t < t1; ++t) Panel2<MR, 1>(a, K, w, t, out, ldo);
+  }
+};
+
+// A block of `rows` (at most Body::kRows) by panels [t0, t1), through the body's block of that many rows.
+template <typename Body, int MR = Body::kRows, typename W>
+void Rows(int64_t rows, const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return Rows<Body, MR - 1>(rows, a, K, w, out, ldo, t0, t1);
+  }
+  Body::template Block<MR>(a, K, w, out, ldo, t0, t1);
 }
 
-template <typename W>
-void Part2(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int64_t kGroup = 12;
+// Every block of rows by panels [t0, t1): the blocks of a panel group follow each other, so the group's
+// panels stay in cache while every row reads them.
+template <typename Body, typename W>
+void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
+  constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 256 k
   for (int64_t g = t0; g < t1; g += kGroup) {
     const int64_t g1 = std::min(t1, g + kGroup);
-    for (int64_t m = 0; m < M; m += kBlockRows2) {
-      const float* block = a + m * K;
-      float* rows = out + m * N;
-      switch (std::min(kBlockRows2, M - m)) {
-        case 1: Block2<1>(block, K, w, rows, N, g, g1); break;
-        case 2: Block2<2>(block, K, w, rows, N, g, g1); break;
-        case 3: Block2<3>(block, K, w, rows, N, g, g1); break;
-        default: Block2<4>(block, K, w, rows, N, g, g1); break;
-      }
+    for (int64_t m = 0; m < M; m += Body::kRows) {
+      Rows<Body>(std::min(Body::kRows, M - m), a + m * K, K, w, out + m * N, N, g, g1);
     }
   }
 }
@@ -194,9 +179,9 @@ ffi::Future Dot(const char* name, ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
   const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, panels, panels / 3, [=](int64_t first, int64_t last) {
     if (wide) {
-      Part(rows, M, K, weights, result, N, first, last);
+      Part<Avx512Body>(rows, M, K, weights, result, N, first, last);
     } else {
-      Part2(rows, M, K, weights, result, N, first, last);
+      Part<Avx2Body>(rows, M, K, weights, result, N, first, last);
     }
   });
 }
