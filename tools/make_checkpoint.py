@@ -2,6 +2,7 @@
 
     python -m tools.make_checkpoint llama-1b --torch-python PY [--out DIR]    # Llama-3.2-1B's shapes, 2.5 GB
     python -m tools.make_checkpoint qwen-0.5b --torch-python PY [--out DIR]   # Qwen2.5-0.5B's shapes, 1 GB
+    python -m tools.make_checkpoint llama-3b --torch-python PY [--out DIR]    # Llama-3.2-3B's shapes, 6.4 GB
 
 Dev-only. Each is a `save_pretrained` directory of random weights
 (transformers' own initialisation, std 0.02) with the real model's sizes,
@@ -25,14 +26,19 @@ import sys
 
 __all__ = ["SHAPES", "make"]
 
-# The published configs' sizes (Llama-3.2-1B, Qwen2.5-0.5B), random weights.
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+
+# The published configs' sizes (Llama-3.2-1B and 3B, Qwen2.5-0.5B), random weights.
 SHAPES = {
     "llama-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=True)),
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama-3b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, tie_word_embeddings=True)),
     "qwen-0.5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
         num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -50,8 +56,9 @@ _WORKER = r"""
 import json, sys, torch, transformers
 args = json.loads(sys.argv[1])
 torch.manual_seed(args["seed"])
+torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: a 3B model never exists in float32 here
 config = getattr(transformers, args["config"])(**args["sizes"], **args["ids"])
-model = getattr(transformers, args["model"])(config).to(torch.bfloat16).eval()
+model = getattr(transformers, args["model"])(config).eval()
 model.save_pretrained(args["directory"], safe_serialization=True)
 print(json.dumps({"parameters": sum(p.numel() for p in model.parameters()), "torch": torch.__version__,
                   "transformers": transformers.__version__}))

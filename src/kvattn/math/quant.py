@@ -67,6 +67,10 @@ class Form:
 
     features: tuple[int, ...]
     arrays: tuple[str, ...]  # the names of `stored`'s arrays, main first
+    # Whether the stored arrays keep the kernel's input axes first, `(*inputs, *F)`; else the outputs run slowest
+    # along their first axis. Either way, the forms of slices of the first output axis, joined along it, are the
+    # form of the whole kernel (`kvattn.models.layers.stored_form`).
+    inputs_first = False
 
     @classmethod
     def from_float(cls, kernel, features: tuple[int, ...], dtype) -> Form:
@@ -74,8 +78,8 @@ class Form:
 
     @classmethod
     def blank(cls, inputs: tuple[int, ...], features: tuple[int, ...], dtype) -> Form:
-        """The form of a zero kernel `(*inputs, *F)`."""
-        return cls.from_float(np.zeros((*inputs, *features), dtype), features, dtype)
+        """The form of a zero kernel `(*inputs, *F)`, in JAX: under `jax.eval_shape`, shapes only, no memory."""
+        return cls.from_float(jnp.zeros((*inputs, *features), dtype), features, dtype)
 
     def stored(self) -> tuple:
         """The arrays a layer keeps, `(main, scale)`: scale None where the form has none."""
@@ -102,6 +106,7 @@ class FloatWeights(Form):
 
     kernel: Float[Array, "*I *F"] | Float[np.ndarray, "*I *F"]
     features: tuple[int, ...]
+    inputs_first = True
 
     @property
     def inputs(self) -> int:
@@ -166,7 +171,7 @@ class Int8Weights(Form):
 
     @classmethod
     def blank(cls, inputs, features, dtype) -> Int8Weights:
-        return cls(np.zeros((*features, math.prod(inputs)), np.int8), np.ones(features, np.float32))
+        return cls(jnp.zeros((*features, math.prod(inputs)), jnp.int8), jnp.ones(features, jnp.float32))
 
     def to_float(self):
         return dequantize(self)

@@ -43,7 +43,9 @@ from kvattn import validation as check
 from kvattn.layer.attention import MultiHeadAttention
 from kvattn.config import AttentionConfig
 from kvattn.layer.forward import FusedWeights
-from kvattn.models.layers import MLP_LAYERS, NORM_LAYERS, HeadScale, Linear, initial, storage_dtype, table_form
+from kvattn.models.layers import (
+    MLP_LAYERS, NORM_LAYERS, HeadScale, Linear, initial, storage_dtype, stored_form, table_form,
+)
 from kvattn.models.model_config import ModelConfig
 from kvattn.models.tokens import in_vocab, token_ids
 
@@ -203,6 +205,20 @@ class CausalLM(nnx.Module):
             (hidden,), (vocab,), bias=False, dtype=dtype, weights=weights, rngs=rngs
         )
 
+    @classmethod
+    def shapes_only(cls, config: ModelConfig, **kwargs) -> CausalLM:
+        """A `CausalLM(config, **kwargs)` whose parameters are shapes, holding no memory, until `load_weight`
+        stores each (`from_pretrained` stores all of them); its caches are built, zeroed.
+
+        A loader that built the model first would hold its initial weights
+        beside the ones it reads, the largest of them twice at the moment one
+        replaces the other.
+        """
+        model = nnx.eval_shape(lambda: cls(config, **kwargs))
+        for block in model.blocks:
+            block.attention._build_cache()  # the layer's own cache builder, now with arrays
+        return model
+
     def load_weight(self, path: str, value) -> None:
         """Stores a float weight at a parameter path, in this model's form: its dtype, or int8 with scales.
 
@@ -227,13 +243,13 @@ class CausalLM(nnx.Module):
         if isinstance(owner, Linear) and name == "kernel":
             owner.load_kernel(value)
         elif owner is self and name == "embed":
-            table = self.embed_form.from_float(np.asarray(value).T, (self.config.vocab_size,), self.embed_dtype)
-            main, scale = table.stored()
-            self.embed[...] = jnp.asarray(main)
+            value = value if hasattr(value, "T") else np.asarray(value)
+            main, scale = stored_form(self.embed_form, value.T, (self.config.vocab_size,), self.embed_dtype).stored()
+            self.embed.set_value(jax.device_put(main))
             if scale is not None:
-                self.embed_scale[...] = jnp.asarray(scale)
+                self.embed_scale.set_value(jax.device_put(scale))
         else:
-            variable[...] = jnp.asarray(value, variable.dtype)
+            variable.set_value(jnp.asarray(np.asarray(value), variable.dtype))
 
     def weight_value(self, path: str) -> jax.Array:
         """The weight at a parameter path in the layout `load_weight` takes, whatever form stores it.

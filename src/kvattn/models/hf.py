@@ -19,8 +19,11 @@ Loading checks before it converts or allocates:
      exactly (no reshape that happens to fit), a floating dtype, each name
      once across all files; every missing, unexpected and duplicated tensor
      is named.
-  4. Only then is the model built, and each tensor read, checked finite,
-     converted and assigned, one at a time.
+  4. Only then is the model built, its parameters as shapes only
+     (`CausalLM.shapes_only`), and each tensor read in place from the
+     memory-mapped file (`kvattn.models.tensors`), checked finite,
+     converted and stored, one at a time and a slice at a time: loading
+     peaks near the loaded model's own bytes (`tools/load_memory.py`).
 """
 
 from __future__ import annotations
@@ -43,11 +46,13 @@ from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.families import FAMILIES
 from kvattn.models.model_config import ModelConfig, from_hf_config
 from kvattn.models.table import Part, Row, sizes
+from kvattn.models.tensors import Joined, MappedFiles
 
 __all__ = ["WEIGHTS_BACKENDS", "filled_parameters", "from_pretrained", "load_safetensors", "locate", "parameter_paths"]
 
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refuse anything absurd unread
+_SLICE_BYTES = 16 << 20  # read at a time when a tensor is checked
 
 
 # ------------------------------------------------------------------ the tables
@@ -264,7 +269,7 @@ def eos_token_ids(path: str | os.PathLike) -> frozenset[int]:
 
 def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 1, dtype=None, weights=None,
                     cache_dtype=None, num_pages: int | None = None, page_size: int | None = None,
-                    spare_slots: int = 0) -> CausalLM:
+                    spare_slots: int = 0, on_tensor=None) -> CausalLM:
     """A `CausalLM` holding a Hugging Face checkpoint's weights, after checking everything (module docstring).
 
     Args:
@@ -277,7 +282,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       weights: None for float weights in `dtype`; `"int8"` for compact
         weights, every projection int8 with per-output scales, its dots int8
         by int8 (`CausalLM`, `kvattn.math.quant`); `"bfloat16"`, bfloat16
-        weights: on a CPU where kvattn's bfloat16 dot runs (AVX-512), stored
+        weights: on a CPU where kvattn's bfloat16 dot runs (AVX2 and FMA), stored
         in bfloat16 and computed in float32, each weight widened exactly (a
         bfloat16 checkpoint's values at half float32's bytes); on a GPU or
         TPU, bfloat16 weights and computation (`WEIGHTS_BACKENDS`); refused
@@ -287,6 +292,8 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
         `CausalLM` and `kvattn.serving`).
       spare_slots: slots a sliding window's ring keeps past the window, so
         speculative decoding can roll it back (`CausalLM`).
+      on_tensor: called as `on_tensor(done, total)` after each of the
+        checkpoint's tensors is stored (a progress bar's update).
 
     Raises:
       UnsupportedConfigError: the configuration asks for something kvattn
@@ -306,31 +313,50 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
     path = Path(path)
     config = checkpoint_config(path)
     pairs = match_headers(config, read_headers(*checkpoint_files(path)))
-    model = CausalLM(config, max_len=max_len, batch_size=batch_size, dtype=dtype, weights=weights,
-                     cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size, spare_slots=spare_slots)
+    model = CausalLM.shapes_only(config, max_len=max_len, batch_size=batch_size, dtype=dtype, weights=weights,
+                                 cache_dtype=cache_dtype, num_pages=num_pages, page_size=page_size,
+                                 spare_slots=spare_slots)
     # An int8 parameter's scales are stored with it.
     unfilled = {name for name in parameter_paths(model) - filled_parameters(config) if not name.endswith("_scale")}
     assert not unfilled, f"the {config.family} table leaves parameters unfilled: {sorted(unfilled)}"
-    # One tensor at a time, so the host holds at most one beside the model (and the parts of a fused
-    # parameter until its last one arrives); the model is returned only once every tensor has passed,
-    # so a refused checkpoint leaves nothing behind.
+    # One tensor at a time, read in place from the memory-mapped files a slice at a time (`kvattn.models.tensors`):
+    # the process holds the parameters stored so far and a slice, never a whole tensor beside its stored form.
+    # A fused parameter's parts are joined as they are read, once the last one arrives. The model is returned
+    # only once every tensor has passed, so a refused checkpoint leaves nothing behind.
+    files = MappedFiles()
     pieces: dict[str, list] = {}
-    for name, (header, want) in pairs.items():
-        if not want.targets:
-            continue
-        value = _read(header)
-        if not np.isfinite(value).all():
-            raise CheckpointError(f"{header.file.name}: tensor {name} holds NaN or infinity")
-        for target, part in zip(want.targets, want.row.convert(value, config), strict=True):
-            if isinstance(target, Part):
-                held = pieces.setdefault(target.path, [None] * len(target.sizes))
-                held[target.index] = part
-                if any(piece is None for piece in held):
-                    continue
-                target, part = target.path, np.concatenate(pieces.pop(target.path), axis=target.axis)
-            model.load_weight(target, part)
+    for done, (name, (header, want)) in enumerate(pairs.items(), start=1):
+        if want.targets:
+            view = files.view(header.file, header.name, header.dtype, header.shape)
+            if not _finite(view, files.release):
+                raise CheckpointError(f"{header.file.name}: tensor {name} holds NaN or infinity")
+            for target, part in zip(want.targets, want.row.convert(view, config), strict=True):
+                if isinstance(target, Part):
+                    held = pieces.setdefault(target.path, [None] * len(target.sizes))
+                    held[target.index] = part
+                    if any(piece is None for piece in held):
+                        continue
+                    target, part = target.path, Joined(pieces.pop(target.path), target.axis, files.release)
+                else:
+                    part = Joined((part,), 0, files.release)
+                model.load_weight(target, part)
+        if on_tensor is not None:
+            on_tensor(done, len(pairs))
     assert not pieces, f"fused parameters left incomplete: {sorted(pieces)}"
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(nnx.state(model))), "parameters left unstored"
     return model
+
+
+def _finite(view: np.ndarray, release) -> bool:
+    """Whether a mapped tensor holds no NaN nor infinity, read a slice at a time (each slice's pages released)."""
+    flat = view.reshape(-1)  # a view: a mapped tensor is contiguous
+    step = max(_SLICE_BYTES // flat.itemsize, 1)
+    for start in range(0, flat.size, step):
+        finite = bool(np.isfinite(flat[start : start + step]).all())
+        release()
+        if not finite:
+            return False
+    return True
 
 
 # Backends whose dots in bfloat16 are faster than in float32. On CPU (jaxlib 0.10) a one-row bfloat16

@@ -26,8 +26,13 @@ from kvattn.models.model_config import ModelConfig
 __all__ = [
     "MLP_LAYERS", "NORM_LAYERS", "GatedGeluMLP", "GatedMLP", "GatedSiluMLP", "GeluMLP", "HeadScale", "LayerNorm",
     "Linear", "OffsetRMSNorm", "RMSNorm",
-    "initial", "storage_dtype", "table_form", "weight_form",
+    "aligned_empty", "initial", "storage_dtype", "stored_form", "table_form", "weight_form",
 ]
+
+# While a weight is stored (`stored_form`), each slice of it read at once holds about this many float32 bytes.
+_SLICE_BYTES = 16 << 20
+# XLA:CPU adopts a host array whose data starts on such a boundary without copying it (`jax.device_put`).
+_ALIGN = 64
 
 
 def storage_dtype(dtype, weights: str | None):
@@ -52,6 +57,54 @@ def table_form(vocab: int, hidden: int, dtype, *, weights: str | None, tied: boo
     except that a plain float one stays a table; an untied one, only ever gathered, is a float table."""
     form = weight_form(vocab, hidden, dtype, weights=weights) if tied else quant.TableWeights
     return quant.TableWeights if form is quant.FloatWeights else form
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised NumPy array whose data starts on a 64-byte boundary, which `jax.device_put` on the CPU
+    adopts without a copy (a plain `np.empty` is 16-byte aligned, and copied)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def stored_form(form: type[quant.Form], kernel, features: tuple[int, ...], dtype) -> quant.Form:
+    """`form.from_float(kernel, features, dtype)`, built a slice of the first output axis at a time into NumPy arrays
+    allocated once, 64-byte aligned (`aligned_empty`: on the CPU, `jax.device_put` then holds them as they are).
+
+    `kernel` `(*inputs, *features)` is any array that slices: NumPy (a view
+    of a memory-mapped checkpoint tensor reads only the slice), JAX, or a
+    `kvattn.models.tensors.Joined`. Only one slice, about 16 MB in float32,
+    is converted at a time, so storing a weight costs its stored bytes and a
+    slice, not several whole copies. Slices hold whole panels and tiles (16
+    outputs), and every form is built per output: the result equals
+    `form.from_float` of the whole kernel, bit for bit.
+    """
+    if not hasattr(kernel, "ndim"):
+        kernel = np.asarray(kernel)
+    features = tuple(features)
+    inputs_ndim = kernel.ndim - len(features)
+    first, inner = features[0], math.prod(features[1:])
+    unit = quant.PANEL_OUTPUTS // math.gcd(inner, quant.PANEL_OUTPUTS)  # first-axis entries per 16 outputs
+    step = max(unit, _SLICE_BYTES // max(4 * math.prod(kernel.shape[:inputs_ndim]) * inner, 1) // unit * unit)
+    axis = inputs_ndim if form.inputs_first else 0  # where the stored arrays' outputs run
+    stored, filled = None, None
+    for start in range(0, first, step):
+        stop = min(start + step, first)
+        piece = np.asarray(kernel[(slice(None),) * inputs_ndim + (slice(start, stop),)])
+        part = form.from_float(piece, (stop - start, *features[1:]), dtype).stored()
+        if stored is None:  # each array's extent along `axis` is proportional to the outputs it holds
+            stored = [None if a is None else aligned_empty(
+                (*a.shape[:axis], a.shape[axis] * first // (stop - start), *a.shape[axis + 1:]), a.dtype) for a in part]
+            filled = [0] * len(part)
+        for i, a in enumerate(part):
+            if a is not None:
+                stored[i][(slice(None),) * axis + (slice(filled[i], filled[i] + a.shape[axis]),)] = a
+                filled[i] += a.shape[axis]
+    if stored is None:  # no outputs
+        return form.from_float(np.asarray(kernel), features, dtype)
+    return form.from_stored(*stored, features)
 
 
 def initial(shape: tuple[int, ...], fan_in: int, rngs: nnx.Rngs | None) -> jax.Array:
@@ -138,11 +191,12 @@ class Linear(nnx.Module):
         return (*self.inputs, *self.outputs)
 
     def load_kernel(self, value) -> None:
-        """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when int8)."""
-        main, scale = self.form.from_float(np.asarray(value), self.outputs, self.stored_dtype).stored()
-        self.kernel[...] = jnp.asarray(main)
+        """Stores a float kernel `(*inputs, *outputs)` in this layer's form (quantized per output when int8), a slice
+        at a time (`stored_form`): a memory-mapped kernel is read once, never held whole beside its stored form."""
+        main, scale = stored_form(self.form, value, self.outputs, self.stored_dtype).stored()
+        self.kernel.set_value(jax.device_put(main))
         if scale is not None:
-            self.kernel_scale[...] = jnp.asarray(scale)
+            self.kernel_scale.set_value(jax.device_put(scale))
 
     def __call__(self, x):
         y = dots.dense(x, self.weight)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from kvattn.caches.base import blocks_spanned
-from kvattn.extra import require
+from kvattn.extra import loading_progress, progress_bar, require
 from kvattn.generation.sampling import SamplingParams
 from kvattn.generation.drafters import PromptLookup
 from kvattn.models.hf import checkpoint_config, eos_token_ids, from_pretrained
@@ -122,6 +122,8 @@ class LLM:
       speculative: a `kvattn.generation.PromptLookup`: draft by lookup,
         verify in one call; the output is unchanged.
       seed: draws the seed of each request whose `SamplingParams` names none.
+      progress: show a progress bar over the checkpoint's tensors while they
+        load (with tqdm installed).
 
     Example:
       >>> from kvattn import LLM, SamplingParams
@@ -134,7 +136,7 @@ class LLM:
     def __init__(self, checkpoint, *, weights: str | None = None, dtype=None, max_len: int | None = None,
                  allow_long_context: bool = False, max_batch: int = 8, page_size: int = 16,
                  num_pages: int | None = None, chunk: int | None = None, prefix_caching: bool = True,
-                 speculative: PromptLookup | None = None, seed: int | None = None):
+                 speculative: PromptLookup | None = None, seed: int | None = None, progress: bool = True):
         path = Path(checkpoint)
         model_config = checkpoint_config(path)
         context = model_config.max_position_embeddings
@@ -158,7 +160,8 @@ class LLM:
         chunk = chunk or 4 * page_size
         pages = num_pages or max_batch * blocks_spanned(self.max_len, page_size) + 1
         model = from_pretrained(path, max_len=self.max_len, batch_size=max_batch, dtype=dtype, weights=weights,
-                                num_pages=pages, page_size=page_size)
+                                num_pages=pages, page_size=page_size,
+                                on_tensor=loading_progress() if progress else None)
         self.config = model.config
         """The model's `ModelConfig`."""
         self.engine = Server(model, chunk=chunk, prefix_caching=prefix_caching, speculative=speculative,
@@ -321,7 +324,7 @@ class LLM:
     def _run(self, choices: dict[int, _Choice], progress: bool) -> dict[int, Completion]:
         """Steps the engine until every request of `choices` has finished; one that completes a stop string
         is ended at once."""
-        bar = _progress_bar(len(choices)) if progress else None
+        bar = progress_bar(len(choices), "completions", "req") if progress else None
         completions: dict[int, Completion] = {}
         try:
             while len(completions) < len(choices):
@@ -346,14 +349,3 @@ def _is_ids(value) -> bool:
         return value.ndim == 1 and np.issubdtype(value.dtype, np.integer)
     return (isinstance(value, (list, tuple)) and bool(value)
             and all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in value))
-
-
-def _progress_bar(total: int):
-    """A tqdm bar over `total` completions, or None without tqdm (a progress bar is a convenience, not a need)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="completions", unit="req", leave=False)
-
-

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from kvattn import models
 from kvattn.caches.base import blocks_spanned
+from kvattn.extra import loading_progress
 from kvattn.generation.drafters import PromptLookup
 from kvattn.serving.engine import Engine
 from kvattn.serving.openai.app import TEXT_WORKERS, create_app
@@ -137,7 +138,8 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
         say(f"loading {checkpoint} (max_len {max_len}, batch {max_batch}, {num_pages} pages of {page_size})")
         start = time.perf_counter()
         model = models.from_pretrained(checkpoint, max_len=max_len, batch_size=max_batch, dtype=dtype,
-                                       weights=weights, num_pages=num_pages, page_size=page_size)
+                                       weights=weights, num_pages=num_pages, page_size=page_size,
+                                       on_tensor=loading_progress())
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                              f"{model.config.vocab_size}")
