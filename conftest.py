@@ -34,7 +34,7 @@ with install_import_hook("kvattn", "beartype.beartype"):
 settings.register_profile(
     "kvattn",
     deadline=None,
-    max_examples=20,
+    max_examples=10,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     derandomize=True,
 )
