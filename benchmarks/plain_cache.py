@@ -32,7 +32,8 @@ def plain_weights(model) -> dict[str, Any]:
             "query": query, "key": key, "value": value, "out": block.attention.out.float_kernel(),
             "gate": gate, "up": up, "down": block.mlp.down.float_kernel(),
         })
-    return {"embed": model.weight_value("embed"), "lm_head": model.lm_head.float_kernel(),
+    head = model.lm_head.float_kernel() if model.lm_head is not None else model.weight_value("embed").T  # tied
+    return {"embed": model.weight_value("embed"), "lm_head": head,
             "final_norm": model.final_norm.weight[...], "layers": layers}
 
 
