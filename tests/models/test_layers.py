@@ -54,11 +54,11 @@ def test_a_form_stored_a_slice_at_a_time_is_the_whole_form_bit_for_bit(case):
         source = tensors.Joined([kernel[:, a:b] for a, b in zip(cut, cut[1:]) if a < b], 1)
     else:
         source = kernel
-    saved, layers._SLICE_BYTES = layers._SLICE_BYTES, slice_bytes
+    saved, tensors.SLICE_BYTES = tensors.SLICE_BYTES, slice_bytes
     try:
         got = layers.stored_form(form, source, features, dtype)
     finally:
-        layers._SLICE_BYTES = saved
+        tensors.SLICE_BYTES = saved
     assert type(got) is form and got.features == want.features
     for a, b in zip(got.stored(), want.stored(), strict=True):
         if b is None:

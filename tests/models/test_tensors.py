@@ -22,7 +22,7 @@ import safetensors.numpy
 from flax import nnx
 
 from kvattn import extra, models
-from kvattn.models import hf, layers, tensors
+from kvattn.models import hf, tensors
 from tests.helpers import FIXTURES
 
 
@@ -87,8 +87,7 @@ def test_loading_holds_the_stored_weights_and_a_slice_never_a_whole_tensor_besid
     directory, named = _large_checkpoint(tmp_path / "large")
     whole = models.from_pretrained(directory, max_len=8, weights=weights)  # every tensor within one slice
     slice_bytes = 64 << 10
-    monkeypatch.setattr(layers, "_SLICE_BYTES", slice_bytes)
-    monkeypatch.setattr(hf, "_SLICE_BYTES", slice_bytes)
+    monkeypatch.setattr(tensors, "SLICE_BYTES", slice_bytes)
     tracemalloc.start()
     try:
         model = models.from_pretrained(directory, max_len=8, weights=weights)

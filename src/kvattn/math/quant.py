@@ -67,10 +67,7 @@ class Form:
 
     features: tuple[int, ...]
     arrays: tuple[str, ...]  # the names of `stored`'s arrays, main first
-    # Whether the stored arrays keep the kernel's input axes first, `(*inputs, *F)`; else the outputs run slowest
-    # along their first axis. Either way, the forms of slices of the first output axis, joined along it, are the
-    # form of the whole kernel (`kvattn.models.layers.stored_form`).
-    inputs_first = False
+    inputs_first = False  # stored `(*inputs, *F)`, else outputs slowest (`kvattn.models.layers.stored_form`)
 
     @classmethod
     def from_float(cls, kernel, features: tuple[int, ...], dtype) -> Form:
@@ -246,7 +243,6 @@ class PanelWeights(Form):
     def rows(self, ids, dtype):
         """Output `t` is lane `t % 16` of panel `t // 16`."""
         return jnp.asarray(self.panels)[ids // PANEL_OUTPUTS, :, ids % PANEL_OUTPUTS].astype(dtype)
-
 
 
 def is_form(weights) -> bool:

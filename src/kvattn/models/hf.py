@@ -46,13 +46,13 @@ from kvattn.models.decoder import WEIGHTS, CausalLM
 from kvattn.models.families import FAMILIES
 from kvattn.models.model_config import ModelConfig, from_hf_config
 from kvattn.models.table import Part, Row, sizes
+from kvattn.models import tensors
 from kvattn.models.tensors import Joined, MappedFiles
 
 __all__ = ["WEIGHTS_BACKENDS", "filled_parameters", "from_pretrained", "load_safetensors", "locate", "parameter_paths"]
 
 _FLOATS = {"F16", "BF16", "F32", "F64"}
 _MAX_JSON_BYTES = 64 << 20  # config.json and the shard index are a few KB; refuse anything absurd unread
-_SLICE_BYTES = 16 << 20  # read at a time when a tensor is checked
 
 
 # ------------------------------------------------------------------ the tables
@@ -350,7 +350,7 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
 def _finite(view: np.ndarray, release) -> bool:
     """Whether a mapped tensor holds no NaN nor infinity, read a slice at a time (each slice's pages released)."""
     flat = view.reshape(-1)  # a view: a mapped tensor is contiguous
-    step = max(_SLICE_BYTES // flat.itemsize, 1)
+    step = max(tensors.SLICE_BYTES // flat.itemsize, 1)
     for start in range(0, flat.size, step):
         finite = bool(np.isfinite(flat[start : start + step]).all())
         release()

@@ -21,6 +21,7 @@ from flax import nnx
 
 from kvattn.kernels import dots, route
 from kvattn.math import norms, quant
+from kvattn.models import tensors
 from kvattn.models.model_config import ModelConfig
 
 __all__ = [
@@ -29,8 +30,6 @@ __all__ = [
     "aligned_empty", "initial", "storage_dtype", "stored_form", "table_form", "weight_form",
 ]
 
-# While a weight is stored (`stored_form`), each slice of it read at once holds about this many float32 bytes.
-_SLICE_BYTES = 16 << 20
 # XLA:CPU adopts a host array whose data starts on such a boundary without copying it (`jax.device_put`).
 _ALIGN = 64
 
@@ -87,7 +86,7 @@ def stored_form(form: type[quant.Form], kernel, features: tuple[int, ...], dtype
     inputs_ndim = kernel.ndim - len(features)
     first, inner = features[0], math.prod(features[1:])
     unit = quant.PANEL_OUTPUTS // math.gcd(inner, quant.PANEL_OUTPUTS)  # first-axis entries per 16 outputs
-    step = max(unit, _SLICE_BYTES // max(4 * math.prod(kernel.shape[:inputs_ndim]) * inner, 1) // unit * unit)
+    step = max(unit, tensors.SLICE_BYTES // max(4 * math.prod(kernel.shape[:inputs_ndim]) * inner, 1) // unit * unit)
     axis = inputs_ndim if form.inputs_first else 0  # where the stored arrays' outputs run
     stored, filled = None, None
     for start in range(0, first, step):

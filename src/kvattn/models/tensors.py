@@ -22,7 +22,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DTYPES", "Joined", "MappedFiles"]
+__all__ = ["DTYPES", "SLICE_BYTES", "Joined", "MappedFiles"]
+
+# Read, checked or converted at a time while a checkpoint loads: the float32 bytes of one slice.
+SLICE_BYTES = 16 << 20
 
 # safetensors' floating dtypes as NumPy reads them (little-endian; bfloat16 as JAX's, from ml_dtypes).
 DTYPES = {"F16": np.dtype("<f2"), "BF16": jnp.dtype(jnp.bfloat16), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
