@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # A second environment with nothing but a plain `pip install .`, as a user gets it.
 PLAIN := .venv-plain
 
-.PHONY: demo test bench docs setup plain-install asan clean
+.PHONY: demo test suite bench docs setup plain-install asan clean
 
 setup: $(STAMP)
 
@@ -27,13 +27,17 @@ $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/kvattn/kernels/
 demo: $(STAMP)
 	$(BIN)/kvattn demo
 
-# The plain install first: a missing run-time dependency fails fast; the docs
-# site last (its examples already ran as doctests in the suite). The suite
+# The plain install beside the suite (`-j2`: its pip runs wait on the disk, and
+# the suite's last files leave a core idle, so the two overlap well); the
+# docs site last (its examples already ran as doctests in the suite). The suite
 # runs a test file per core (pytest-xdist), so a file's compiled programs stay
 # shared between its tests.
-test: plain-install
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+test: $(STAMP)
+	$(MAKE) -j2 plain-install suite
 	$(MAKE) docs
+
+suite: $(STAMP)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 # The documentation site, into site/; --strict turns every warning (a broken
 # link, a docstring the API pages cannot read) into a failure. Nothing is
