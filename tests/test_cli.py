@@ -89,7 +89,7 @@ def refused_in_one_line(status: int, err: str, expected_status: int, *words: str
         (["--speculative", "ngram:0"], ["--speculative", "in [1, 64]", "'ngram:0'"]),
         (["--speculative", "ngram:99999999999"], ["--speculative", "in [1, 64]", "'ngram:99999999999'"]),
         (["--speculative", "ngram:4:65"], ["--speculative", "in [1, 64]", "'ngram:4:65'"]),
-        (["--weights", "int4"], ["--weights", "'int4'", "int8"]),
+        (["--weights", "int2"], ["--weights", "'int2'", "int4"]),
         (["--chat"], ["--chat needs --prompt"]),
     ],
 )

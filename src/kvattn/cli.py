@@ -76,8 +76,9 @@ _SPECULATIVE_HELP = ("ngram:K[:N]: draft up to K tokens per step by prompt looku
 # K + 1 is the width of the verify program, compiled for every batch bucket: a bound turns a typo such as
 # ngram:99999999999 into a usage error rather than an allocation failure deep in compilation.
 _SPECULATIVE_MAX = 64
-_WEIGHTS = ("int8", "bfloat16")
-_WEIGHTS_HELP = ("compact weights: int8 with per-output scales, or bfloat16 (on an x86 CPU with AVX2: stored in "
+_WEIGHTS = ("int8", "int4", "bfloat16")
+_WEIGHTS_HELP = ("compact weights: int8 with per-output scales, int4 with a scale per 32 inputs, or bfloat16 "
+                 "(on an x86 CPU with AVX2: stored in "
                  "bfloat16, computed in float32) (default: float weights in --dtype)")
 _LONG_CONTEXT_HELP = "allow a context past the checkpoint's max_position_embeddings (outputs there may degrade)"
 

@@ -28,7 +28,7 @@ from flax import nnx
 import kvattn
 from kvattn.kernels import native, route
 from kvattn.layer.forward import extend
-from kvattn.math import quant
+from kvattn.math import int4, quant
 from tests.helpers import CACHED, FRESH, POISONS, XLA_LEAKS, poison_chunk
 from tests.reference import attention as reference_attention
 
@@ -67,6 +67,37 @@ def _int8_cases(rng):
     # XLA's pool takes an uneven part.
     shapes = {"1x4x16": (1, 1, 1), "9x160x96": (9, 40, 6), "8x8x32": (8, 2, 2), "9x64x592": (9, 16, 37)}
     return {name: _int8_case(rng, *shape) for name, shape in shapes.items()}
+
+
+# ------------------------------------------------------------------ int4_dot
+
+
+def _int4_case(rng, rows, inputs, outputs, group, poison=None):
+    a = rng.integers(-128, 128, (rows, inputs), dtype=np.int8)
+    weights = int4.quantize_groups(rng.standard_normal((inputs, outputs)).astype(np.float32), group)
+    scale = weights.scale.copy()
+    if poison == "a NaN scale":
+        scale[1, 0] = np.nan
+    elif poison == "inf scales":  # a group summing to zero gives NaN, as 0 * inf does in float64
+        scale[0, -1], scale[2, 0] = np.inf, -np.inf
+        a[:, :group] = 0
+    values = np.asarray(int4.unpack(weights.packed), np.int64).reshape(outputs, inputs // group, group)
+    sums = np.einsum("mgk,ngk->mng", a.astype(np.int64).reshape(rows, inputs // group, group), values)
+    with np.errstate(invalid="ignore"):
+        want = (sums * scale.astype(np.float64)[None]).sum(-1)
+    return (a, weights.packed, scale), want
+
+
+def _int4_cases(rng):
+    # Groups of one and four blocks; outputs in whole eights and not (a last block of 5, 1 output); one row and
+    # several; no rows; 37 blocks of outputs: every thread of XLA's pool takes an uneven part.
+    shapes = {"1x32x8-g32": (1, 32, 8, 32), "3x256x13-g128": (3, 256, 13, 128), "9x64x1-g32": (9, 64, 1, 32),
+              "0x64x16-g64": (0, 64, 16, 64), "2x96x296-g32": (2, 96, 296, 32)}
+    return {name: _int4_case(rng, *shape) for name, shape in shapes.items()}
+
+
+def _int4_poisons(rng):
+    return {poison: _int4_case(rng, 3, 64, 12, 32, poison) for poison in ("a NaN scale", "inf scales")}
 
 
 # ------------------------------------------------------------------- f32_dot
@@ -306,6 +337,13 @@ HARNESS = {
          r"rows \(M, D\) and tiles .*; got int8\(3, 32\), uint8\(2, 7, 16, 4\)"),
         ([(3, 32), (2, 8, 16, 4)], [np.int16, np.uint8], TypeError, "rows must be int8, got int16"),
     )),
+    native.INT4_DOT: Harness(_int4_cases, _int4_poisons, misuses=(
+        ([(3, 64), (8, 32), (8, 2)], [np.int16, np.uint8, jnp.bfloat16], TypeError, "rows must be int8, got int16"),
+        ([(3, 64), (8, 32), (8, 2)], [np.int8, np.uint8, F32], TypeError, "scale must be bfloat16, got float32"),
+        ([(3, 64), (8, 32), (8, 4)], [np.int8, np.uint8, jnp.bfloat16], ValueError,
+         r"the group a multiple of 32 dividing D; got int8\(3, 64\), uint8\(8, 32\), bfloat16\(8, 4\)"),
+        ([(3, 48), (8, 32), (8, 2)], [np.int8, np.uint8, jnp.bfloat16], ValueError, r"rows \(M, D\), packed"),
+    )),
     native.F32_DOT: Harness(_f32_cases, _f32_poisons, misuses=(
         ([(3, 8), (2, 8, 16)], [np.float64, F32], TypeError, "rows must be float32, got float64"),
         ([(3, 8), (2, 9, 16)], [F32, F32], ValueError, r"got float32\(3, 8\), float32\(2, 9, 16\)"),
@@ -440,14 +478,15 @@ def test_a_kernel_names_the_shapes_and_dtypes_it_expected_and_got(entry, shapes,
 
 def test_each_kernel_needs_only_the_cpu_features_it_uses(monkeypatch):
     """On a CPU with AVX512F but no VNNI, only the int8 dot is lost: the float32 dot and attention remain; on
-    one with AVX2 and FMA alone, the panel dots and the streaming read remain (their AVX2 bodies)."""
+    one with AVX2 and FMA alone, the panel dots and the streaming read remain (their AVX2 bodies), and the 4-bit
+    dot (AVX2 only)."""
     handlers, features = native._compiled()
     every = {feature: True for entry in native.KERNELS for feature in entry.features}
     monkeypatch.setattr(native, "_compiled", lambda: (handlers, {**every, "avx512vnni": False}))
     reasons = {entry.name: entry.features for entry in native.KERNELS}
     assert "avx512vnni" in reasons["int8_dot"] and all("avx512vnni" not in f for n, f in reasons.items() if n != "int8_dot")
     assert {name for name, needs in reasons.items() if set(needs) <= {"avx2", "fma"}} == {
-        entry.name for entry in native.KERNELS if entry.target in TWO_BODIES}
+        entry.name for entry in native.KERNELS if entry.target in TWO_BODIES} | {"int4_dot"}
     if handlers:
         assert native.unavailable_reason.__wrapped__(native.INT8_DOT) == "this CPU lacks avx512vnni"
     with pytest.raises(ValueError, match="one of .*, got 'kvattn_gemm'"):
@@ -485,14 +524,16 @@ def test_an_unavailable_kernel_says_why_and_the_dots_fall_back(monkeypatch):
     assert not route.use_tiles(32, 8) and not route.use_panels(32, jnp.float32)
 
 
-def test_the_f32_dot_gives_each_row_the_same_bits_alone():
+@pytest.mark.parametrize("target", [native.F32_DOT, native.INT4_DOT])
+def test_a_dot_gives_each_row_the_same_bits_alone(target):
     """A row's bits do not depend on the rows computed beside it (a prompt's chunks and a batch's rows agree)."""
-    entry = native.kernel(native.F32_DOT)
+    entry = native.kernel(target)
     _needs(entry)
-    (x, panels), _ = _f32_case(np.random.default_rng(4), 21, 70, 8)
-    got = np.asarray(native.f32_dot(x, panels))
+    rng = np.random.default_rng(4)
+    (x, *weights), _ = _f32_case(rng, 21, 70, 8) if target == native.F32_DOT else _int4_case(rng, 21, 96, 37, 32)
+    got = np.asarray(entry.wrapper(x, *weights))
     for row in (0, 8, 20):
-        np.testing.assert_array_equal(np.asarray(native.f32_dot(x[row:row + 1], panels))[0], got[row])
+        np.testing.assert_array_equal(np.asarray(entry.wrapper(x[row:row + 1], *weights))[0], got[row])
 
 
 # The kernels with an AVX-512 body and an AVX2 one (`native.h`'s `Avx512`; KVATTN_NATIVE_AVX2 picks the second).

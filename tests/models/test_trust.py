@@ -328,10 +328,10 @@ def test_non_finite_weights_are_refused(tmp_path, value):
         models.from_pretrained(write_checkpoint(tmp_path / "c", config, tensors), max_len=8)
 
 
-@pytest.mark.parametrize("weights", [None, "int8", "bfloat16"])
+@pytest.mark.parametrize("weights", [None, "int8", "int4", "bfloat16"])
 def test_a_bfloat16_checkpoint_loads_its_own_values(tmp_path, weights):
     """A checkpoint stored in bfloat16 (as most are) loads as its float32 twin holding the same values does:
-    float32, int8 and bfloat16 weights alike, logits to the bit."""
+    float32, int8, int4 and bfloat16 weights alike, logits to the bit."""
     if weights == "bfloat16" and not native.available(native.BF16_DOT):
         pytest.skip("kvattn's bfloat16 dot cannot run here")
     config, tensors = fixture("qwen2")

@@ -22,12 +22,12 @@ def llm(name: str, **options) -> kvattn.LLM:
 
 
 # Each family's blocks, as the paged engine runs them, are checked against transformers in test_server.py and
-# test_speculative.py; here the faces meet: learned positions (gpt2), a sliding window (mistral), QK-norm and
-# prompt lookup (qwen3), int8 weights (llama: the int8 dots of `generate`), sliding and full layers mixed with
-# prompt lookup (gemma2: every page kept, so a refused draft rolls back), bfloat16 weights (phi3), one engine per
-# row, so their programs compile once each.
+# test_speculative.py; here the faces meet: learned positions and int4 weights (gpt2), a sliding window
+# (mistral), QK-norm and prompt lookup (qwen3), int8 weights (llama: the int8 dots of `generate`), sliding and
+# full layers mixed with prompt lookup (gemma2: every page kept, so a refused draft rolls back), bfloat16 weights
+# (phi3), one engine per row, so their programs compile once each.
 @pytest.mark.parametrize("family, speculative, weights", [
-    ("gpt2", None, None), ("mistral", None, None), ("qwen3", PromptLookup(num_tokens=3, max_ngram=2), None),
+    ("gpt2", None, "int4"), ("mistral", None, None), ("qwen3", PromptLookup(num_tokens=3, max_ngram=2), None),
     ("llama", None, "int8"), ("gemma2", PromptLookup(num_tokens=3, max_ngram=2), None),
     pytest.param("phi3", None, "bfloat16", marks=pytest.mark.skipif(
         not native.available(native.BF16_DOT), reason="kvattn's bfloat16 dot cannot run here")),

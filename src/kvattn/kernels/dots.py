@@ -2,7 +2,9 @@
 
 A float kernel is XLA's dot; float32 panels run `kvattn.kernels.native`'s
 float32 dot on the CPU; an int8 kernel quantizes `x` per row and multiplies
-int8 by int8 into int32, tiled on the native int8 dot where it runs.
+int8 by int8 into int32, tiled on the native int8 dot where it runs; an
+int4 kernel does the same a group of inputs at a time, each group's sum
+scaled by its own scale.
 Which runs, and which forms models store here (`use_panels`, `use_tiles`),
 `kvattn.kernels.route` decides.
 """
@@ -14,7 +16,7 @@ from jax import lax
 from jaxtyping import Array, Shaped
 
 from kvattn.kernels import route
-from kvattn.math import quant
+from kvattn.math import int4, quant
 
 __all__ = ["dense"]
 
@@ -62,8 +64,17 @@ def _int8_dense(x, kernel: quant.Int8Weights | quant.TiledInt8Weights):
     return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
 
 
+def _int4_dense(x, kernel: int4.Int4Weights):
+    """Per row int8 `x` by the 4-bit values, one exact int32 sum per group, scaled per group and summed in float32."""
+    flat = x.reshape(-1, x.shape[-1])
+    values, row_scale = quant.quantize_rows(flat)
+    packed, scale = kernel.packed.reshape(-1, kernel.inputs // 2), kernel.scale.reshape(-1, kernel.scale.shape[-1])
+    y = route.int4_dot(values, packed, scale) * row_scale
+    return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
+
+
 # The dot of each storage form: a new form is one line here.
 _DOTS = {
     quant.FloatWeights: _float_dense, quant.TableWeights: _table_dense, quant.PanelWeights: _panel_dense,
-    quant.Int8Weights: _int8_dense, quant.TiledInt8Weights: _int8_dense,
+    quant.Int8Weights: _int8_dense, quant.TiledInt8Weights: _int8_dense, int4.Int4Weights: _int4_dense,
 }

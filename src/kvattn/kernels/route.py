@@ -20,7 +20,7 @@ as `cache_kernel` passes it on) and from what the call asks:
   refusing them; a paged chunk takes the native paged prefill kernel under
   the same rule (`native_paged_limits`).
 - **a weight dot** (`use_panels`, `use_tiles`: which form a model stores;
-  `panel_dot`, `tiled_dot`: what `kvattn.kernels.dots.dense` runs): the
+  `panel_dot`, `tiled_dot`, `int4_dot`: what `kvattn.kernels.dots.dense` runs): the
   native dots where they are available on the CPU backend, XLA's dot of the
   same values everywhere else (chosen per platform at lowering).
 
@@ -44,8 +44,9 @@ from kvattn.kernels import cpu, native, pallas
 from kvattn.math import quant
 
 __all__ = [
-    "bfloat16_weights", "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "native_limits",
-    "native_paged_limits", "on_gpu", "paged_limits", "paged_path", "panel_dot", "step_path", "tiled_dot", "use_panels", "use_tiles",
+    "bfloat16_weights", "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "int4_dot",
+    "native_limits", "native_paged_limits", "on_gpu", "paged_limits", "paged_path", "panel_dot", "step_path",
+    "tiled_dot", "use_panels", "use_tiles",
 ]
 
 
@@ -353,6 +354,14 @@ def panel_dot(rows: Float[Array, "M D"], panels: Shaped[Array, "Np D 16"]) -> Fl
     if not native.available(target):
         return twin(rows, panels)
     return lax.platform_dependent(rows, panels, cpu=dot, default=twin)
+
+
+def int4_dot(values: Int8[Array, "M D"], packed: UInt8[Array, "N Dh"], scale) -> Float[Array, "M N"]:
+    """The group-scaled float32 sums of int8 `values` by 4-bit weights: the native dot on the CPU, XLA's twin
+    elsewhere."""
+    if not native.available(native.INT4_DOT):
+        return native.int4_dot_on_xla(values, packed, scale)
+    return lax.platform_dependent(values, packed, scale, cpu=native.int4_dot, default=native.int4_dot_on_xla)
 
 
 def tiled_dot(values: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) -> Int[Array, "M N"]:

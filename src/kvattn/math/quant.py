@@ -12,12 +12,12 @@ the dot reads it):
   - `TiledInt8Weights`: those values laid out once in the order
     `kvattn.kernels.native`'s int8 dot (AVX512-VNNI) reads them (`tile`);
   - `PanelWeights`: a float32 or bfloat16 kernel as contiguous panels of 16
-    outputs (`panel`), which the native float32 and bfloat16 dots stream whole.
+    outputs (`panel`), which the native float32 and bfloat16 dots stream whole;
+  - `kvattn.math.int4.Int4Weights`: 4-bit values with a scale per group of inputs.
 `kvattn.kernels.route.use_tiles` and `use_panels` say where the laid-out
 forms run; `benchmarks/dots.py` measures each against XLA's dots.
 
-Axis legend: M rows (tokens), D input features, F output features (one or
-more axes), V a table's rows.
+Axes: M rows (tokens), D input features, F output features (one or more), V a table's rows.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 __all__ = [
     "INT8_MAX_FEATURES", "PANEL_OUTPUTS", "TILE_INPUTS", "TILE_OUTPUTS", "FloatWeights", "Form", "Int8Weights",
     "PanelWeights", "TableWeights", "TiledInt8Weights", "can_tile", "dequantize", "is_form", "panel", "quantize",
-    "quantize_rows", "rows", "tile", "unpanel", "untile",
+    "quantize_rows", "register_form", "rows", "tile", "unpanel", "untile",
 ]
 
 # int8 x int8 products summed in int32: at most 127 * 127 * D, which must stay below 2**31.
@@ -45,7 +45,7 @@ TILE_OUTPUTS, TILE_INPUTS = 16, 4
 PANEL_OUTPUTS = 16
 
 
-def _form(stored: tuple[str, ...], meta: tuple[str, ...] = ()):
+def register_form(stored: tuple[str, ...], meta: tuple[str, ...] = ()):
     """A `Form` as a frozen dataclass and a pytree: `stored` its arrays (main, then scale), `meta` static fields."""
     def register(cls):
         cls.arrays = stored
@@ -97,7 +97,7 @@ class Form:
         raise TypeError(f"a {type(self).__name__} stores no rows to look up")
 
 
-@_form(("kernel",), ("features",))
+@register_form(("kernel",), ("features",))
 class FloatWeights(Form):
     """A float kernel `(*inputs, *F)` stored as it is, in its dtype: XLA's dot."""
 
@@ -117,7 +117,7 @@ class FloatWeights(Form):
         return self.kernel.reshape(self.inputs, *self.features)
 
 
-@_form(("table",))
+@register_form(("table",))
 class TableWeights(Form):
     """A float kernel `(D, V)` stored transposed, `table` `(V, D)`: an embedding table, whose rows are gathered."""
 
@@ -142,7 +142,7 @@ class TableWeights(Form):
         return jnp.take(self.table, ids, axis=0).astype(dtype)
 
 
-@_form(("values", "scale"))
+@register_form(("values", "scale"))
 class Int8Weights(Form):
     """A projection's weights in int8: `values` `(*F, D)` and one float32 `scale` per output channel `F`.
 
@@ -178,7 +178,7 @@ class Int8Weights(Form):
         return rows(self, ids).astype(dtype) * jnp.take(self.scale, ids, axis=0)[..., None].astype(dtype)
 
 
-@_form(("tiles", "scale"))
+@register_form(("tiles", "scale"))
 class TiledInt8Weights(Form):
     """`Int8Weights` laid out for `kvattn.kernels.native`'s int8 dot: `tiles` `(N / 16, D / 4, 16, 4)`, `scale` `*F`.
 
@@ -214,7 +214,7 @@ class TiledInt8Weights(Form):
     rows = Int8Weights.rows
 
 
-@_form(("panels",), ("features",))
+@register_form(("panels",), ("features",))
 class PanelWeights(Form):
     """A kernel `(D, *F)` laid out for `kvattn.kernels.native`'s panel dots: `panels` `(N / 16, D, 16)`.
 

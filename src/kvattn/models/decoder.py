@@ -52,8 +52,8 @@ from kvattn.models.tokens import in_vocab, token_ids
 __all__ = ["WEIGHTS", "CausalLM"]
 
 # What `CausalLM(weights=...)` stores: None, float weights in the model's dtype; "int8" (`kvattn.math.quant`);
-# "bfloat16", float weights in bfloat16 (the model still computes in its dtype).
-WEIGHTS = (None, "int8", "bfloat16")
+# "bfloat16", float weights in bfloat16 (the model still computes in its dtype); "int4" (`kvattn.math.int4`).
+WEIGHTS = (None, "int8", "bfloat16", "int4")
 
 
 class Attention(MultiHeadAttention):
@@ -128,6 +128,8 @@ class CausalLM(nnx.Module):
         projection (and a tied embedding table) in int8 with per-output
         float32 scales, its dots int8 by int8 (`kvattn.math.quant`), an
         untied embedding table, only ever gathered, staying float;
+        `"int4"`: the same with 4-bit values and a bfloat16 scale per
+        group of 32 inputs (`kvattn.math.int4`);
         `"bfloat16"`: every weight matrix (and the embedding table) stored
         in bfloat16 while the model computes in `dtype`, each dot widening
         the weights exactly (a bfloat16 checkpoint's values, at half the

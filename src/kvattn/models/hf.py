@@ -281,7 +281,8 @@ def from_pretrained(path: str | os.PathLike, *, max_len: int, batch_size: int = 
       dtype: computation and weight dtype; defaults to float32.
       weights: None for float weights in `dtype`; `"int8"` for compact
         weights, every projection int8 with per-output scales, its dots int8
-        by int8 (`CausalLM`, `kvattn.math.quant`); `"bfloat16"`, bfloat16
+        by int8 (`CausalLM`, `kvattn.math.quant`); `"int4"`, 4-bit values with
+        a scale per group of 32 inputs (`kvattn.math.int4`); `"bfloat16"`, bfloat16
         weights: on a CPU where kvattn's bfloat16 dot runs (AVX2 and FMA), stored
         in bfloat16 and computed in float32, each weight widened exactly (a
         bfloat16 checkpoint's values at half float32's bytes); on a GPU or

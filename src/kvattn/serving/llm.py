@@ -106,8 +106,8 @@ class LLM:
       checkpoint: a Hugging Face checkpoint directory (`config.json`,
         `model.safetensors`; `tokenizer.json` for text, `generation_config.json`
         for the end-of-sequence ids).
-      weights: None for float weights, `"int8"` for int8 weights,
-        `"bfloat16"` for bfloat16 ones (see `kvattn.models.from_pretrained`).
+      weights: None for float weights, `"int8"` or `"int4"` for int8 or
+        4-bit weights, `"bfloat16"` for bfloat16 ones (see `kvattn.models.from_pretrained`).
       dtype: computation dtype (default float32).
       max_len: tokens per sequence, prompt and completion (default: the
         model's trained context, `max_position_embeddings`).

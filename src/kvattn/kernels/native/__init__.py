@@ -3,6 +3,10 @@
 - `int8_dot` (`int8_dot.cc`): the int8 dot of `kvattn.kernels.dots`, int8
   rows by int8 weights laid out once in AVX512-VNNI's tile order
   (`kvattn.math.quant.tile`), into exact int32.
+- `int4_dot` (`int4_dot.cc`): the 4-bit dot of `kvattn.kernels.dots`, int8
+  rows by 4-bit weights with a bfloat16 scale per group of inputs
+  (`kvattn.math.int4`), each group's sum exact in int32, scaled and summed
+  in float32 (AVX2).
 - `f32_dot` (`f32_dot.cc`): the float32 dot of panel kernels, rows by
   weights laid out once as contiguous panels of 16 outputs
   (`kvattn.math.quant.panel`); on AVX-512, else on AVX2 and FMA (the
@@ -51,14 +55,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int8, Int32, Shaped, UInt8
+from jaxtyping import Array, BFloat16, Float, Int8, Int32, Shaped, UInt8
 
-from kvattn.math import ops, quant
+from kvattn.math import int4, ops, quant
 
 __all__ = [
     "BF16_DOT",
     "DECODE_ATTENTION",
     "F32_DOT",
+    "INT4_DOT",
     "INT8_DOT",
     "KERNELS",
     "PAGED_DECODE_ATTENTION",
@@ -73,6 +78,8 @@ __all__ = [
     "decode_attention_on_xla",
     "f32_dot",
     "f32_dot_on_xla",
+    "int4_dot",
+    "int4_dot_on_xla",
     "int8_dot",
     "int8_dot_on_xla",
     "kernel",
@@ -89,6 +96,7 @@ __all__ = [
 
 # The FFI targets' names ("kvattn_" and the kernel's name), registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
+INT4_DOT = "kvattn_int4_dot"
 F32_DOT = "kvattn_f32_dot"
 BF16_DOT = "kvattn_bf16_dot"
 DECODE_ATTENTION = "kvattn_decode_attention"
@@ -245,6 +253,38 @@ def int8_dot(
             "int8_dot", "rows (M, D) and tiles (N / 16, D / 4, 16, 4)", rows, tiles)
     _ready(INT8_DOT, "int8_dot")
     return _call(INT8_DOT)(rows, tiles)
+
+
+def int4_dot(
+    rows: Int8[Array, "M D"] | Int8[np.ndarray, "M D"],
+    packed: UInt8[Array, "N Dh"] | UInt8[np.ndarray, "N Dh"],
+    scale: BFloat16[Array, "N G"] | BFloat16[np.ndarray, "N G"],
+) -> Float[Array, "M N"]:
+    """`sum_g scale[n, g] * (rows[m, g] @ values[n, g])` in float32, for the 4-bit `values (N, D)` `packed` holds.
+
+    The int8 rows by the weights of `kvattn.math.int4.Int4Weights` (packed
+    and scales `(N, D / group)`): each group's products summed exactly in
+    int32, scaled, and summed over the groups in order in float32, so a
+    row's result does not depend on the other rows. CPU only, when
+    `available(INT4_DOT)`; under `vmap` it runs once per batch element.
+
+    Raises:
+      TypeError: rows not int8, packed not uint8 or scales not bfloat16.
+      ValueError: shapes other than rows `(M, D)`, packed `(N, D / 2)` and
+        scales `(N, D / group)` with a group a multiple of 32 dividing `D`.
+      RuntimeError: the kernel cannot run here.
+    """
+    _expect_dtype("int4_dot", jnp.int8, rows=rows)
+    _expect_dtype("int4_dot", jnp.uint8, packed=packed)
+    _expect_dtype("int4_dot", jnp.bfloat16, scale=scale)
+    inputs, groups = 2 * packed.shape[-1], scale.shape[-1] if scale.ndim else 0
+    _expect(rows.ndim == 2 and packed.ndim == 2 and scale.ndim == 2 and rows.shape[1] == inputs > 0
+            and scale.shape[0] == packed.shape[0] and groups > 0 and inputs % groups == 0
+            and (inputs // groups) % 32 == 0, "int4_dot",
+            "rows (M, D), packed (N, D / 2) and scales (N, D / group), the group a multiple of 32 dividing D",
+            rows, packed, scale)
+    _ready(INT4_DOT, "int4_dot")
+    return _call(INT4_DOT)(rows, packed, scale)
 
 
 def f32_dot(
@@ -458,6 +498,17 @@ def int8_dot_on_xla(rows: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"])
     return jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
+def int4_dot_on_xla(rows: Int8[Array, "M D"], packed: UInt8[Array, "N Dh"],
+                    scale: BFloat16[Array, "N G"]) -> Float[Array, "M N"]:
+    """What `int4_dot` computes, as XLA's int32 dots of each group of the unpacked values, on any backend."""
+    groups = scale.shape[-1]
+    group = 2 * packed.shape[-1] // groups
+    values = int4.unpack(packed).reshape(packed.shape[0], groups, group)
+    products = jax.lax.dot_general(rows.reshape(rows.shape[0], groups, group), values, (((2,), (2,)), ((1,), (1,))),
+                                   preferred_element_type=jnp.int32)  # (groups, M, N)
+    return jnp.einsum("gmn,ng->mn", products.astype(jnp.float32), scale.astype(jnp.float32))
+
+
 def f32_dot_on_xla(rows: Float[Array, "M D"], panels: Float[Array, "Np D 16"]) -> Float[Array, "M N"]:
     """What `f32_dot` computes, as XLA's dot of the kernel the panels lay out, on any backend."""
     return rows @ jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
@@ -530,6 +581,12 @@ def _int8_example(rng):
     return rows, quant.tile(quant.Int8Weights(values, None)).tiles
 
 
+def _int4_example(rng):
+    rows = rng.integers(-128, 128, (3, 64), dtype=np.int8)
+    weights = int4.quantize_groups(rng.standard_normal((64, 12)).astype(np.float32))
+    return rows, weights.packed, weights.scale
+
+
 def _f32_example(rng):
     rows, weights = rng.standard_normal((3, 8)).astype(np.float32), rng.standard_normal((8, 16)).astype(np.float32)
     return rows, weights.reshape(8, 1, 16).transpose(1, 0, 2)
@@ -573,6 +630,7 @@ KERNELS = (
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx512f", "avx512bw", "avx512vnni"), _int8_example,
            differentiable=False, tolerance=0.0),
     # The panel dots and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s `Avx512`).
+    Kernel("int4_dot", int4_dot, int4_dot_on_xla, ("avx2",), _int4_example, differentiable=False),
     Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx2", "fma"), _f32_example),
     Kernel("bf16_dot", bf16_dot, bf16_dot_on_xla, ("avx2", "fma"), _bf16_example),
     Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx512f",), _decode_example),

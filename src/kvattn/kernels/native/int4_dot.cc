@@ -1,0 +1,136 @@
+// kvattn's 4-bit dot for XLA:CPU: out[m, n] = sum_g d[n, g] * (sum_{k in g} a[m, k] * q[n, k]), int8 rows by
+// 4-bit weights with a bfloat16 scale per group of inputs (`kvattn.math.int4`).
+//
+// Weights: uint8 `(N, K / 2)`, each block of 32 inputs 16 bytes, byte i holding q + 8 of input i in its low
+// nibble and of input i + 16 in its high one (llama.cpp's Q4_0 order); scales: bfloat16 `(N, K / group)`.
+// Rows: int8 `(..., K)`, the rows `kvattn.kernels.dots` quantized.
+//
+// Eight outputs are worked on together. Each block of theirs is unpacked once into 32 bytes an output
+// (a mask and a shift: u = q + 8 in 0..15) and then read for every row: `vpmaddubsw` multiplies u by the
+// row's int8 values (pairs summed in int16; at most 2 * 15 * 128, no saturation) and `vpmaddwd` sums
+// those into eight int32 lanes; three rounds of horizontal adds fold the eight outputs' lanes into one
+// vector of their eight totals, and 8 * the block's sum of the row (the bias of u) is taken back. Each
+// group's sum is exact in int32; it is then converted, multiplied by its scale and added to the output's
+// float32 sum, group after group in order, so a row's result does not depend on the rows beside it, and
+// a non-finite scale gives what the twin's product gives (0 * inf is NaN).
+//
+// AVX2 only (with 16 registers there is no second body to hold): it runs on every x86 CPU kvattn's other
+// dots run on. Work is split over XLA's intra-op thread pool by blocks of eight outputs; the handler
+// returns a future completed by the last part.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "kvattn/kernels/native/native.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using kvattn::Failed;
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // inputs per packed block of 16 bytes
+constexpr int64_t kOutputs = 8;  // outputs worked on together: the int32 lanes of a 256-bit vector
+
+#ifdef KVATTN_X86
+
+// The eight totals of eight vectors' lanes: out lane j = the sum of p[j]'s eight lanes.
+KVATTN_AVX2 inline __m256i Totals(const __m256i p[kOutputs]) {
+  const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+  const __m256i low = _mm256_hadd_epi32(h01, h23), high = _mm256_hadd_epi32(h45, h67);
+  // low's 128-bit halves hold outputs 0..3's sums over lanes 0..3 and 4..7; high's outputs 4..7's.
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// Outputs [n, n + count) (count <= 8) for every row: `sums[m * blocks + b]` is 8 * row m's sum over block b.
+KVATTN_AVX2 void Outputs(const int8_t* a, int64_t M, int64_t K, const uint8_t* packed, const uint16_t* scale,
+                         int64_t group, const int32_t* sums, float* out, int64_t N, int64_t n, int64_t count,
+                         uint8_t* unpacked, float* acc, int32_t* exact) {
+  const int64_t groups = K / group, blocks = K / kBlock, per_group = group / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  std::memset(acc, 0, sizeof(float) * M * kOutputs);
+  std::memset(unpacked, 0, kOutputs * kBlock);  // outputs past `count` stay zero
+  for (int64_t g = 0; g < groups; ++g) {
+    alignas(32) float d[kOutputs] = {};
+    for (int64_t j = 0; j < count; ++j) {
+      const uint32_t bits = static_cast<uint32_t>(scale[(n + j) * groups + g]) << 16;
+      std::memcpy(&d[j], &bits, sizeof(float));
+    }
+    std::memset(exact, 0, sizeof(int32_t) * M * kOutputs);
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      for (int64_t j = 0; j < count; ++j) {
+        const uint8_t* at = packed + (n + j) * (K / 2) + b * 16;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+        const __m256i u =
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + j * kBlock), u);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * K + b * kBlock));
+        __m256i p[kOutputs];
+        for (int j = 0; j < kOutputs; ++j) {
+          const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked + j * kBlock));
+          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+        }
+        const __m256i exact_m = _mm256_sub_epi32(Totals(p), _mm256_set1_epi32(sums[m * blocks + b]));
+        int32_t* at = exact + m * kOutputs;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(at),
+                            _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), exact_m));
+      }
+    }
+    const __m256 scales = _mm256_load_ps(d);
+    for (int64_t m = 0; m < M; ++m) {
+      const __m256i sum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(exact + m * kOutputs));
+      const __m256 term = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scales);
+      _mm256_storeu_ps(acc + m * kOutputs, _mm256_add_ps(_mm256_loadu_ps(acc + m * kOutputs), term));
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + n, acc + m * kOutputs, sizeof(float) * count);
+}
+
+ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, ffi::Buffer<ffi::U8, 2> w, ffi::Buffer<ffi::BF16, 2> s,
+                ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t N = w.dimensions()[0], K = 2 * w.dimensions()[1], groups = s.dimensions()[1];
+  const int64_t group = groups ? K / groups : 0;
+  if (a.dimensions().size() == 0 || a.dimensions().back() != K || s.dimensions()[0] != N || K == 0 ||
+      group * groups != K || group % kBlock || out->element_count() != a.element_count() / K * N) {
+    return Failed("kvattn's int4 dot: rows (..., K), packed (N, K / 2) and scales (N, K / group), group a "
+                  "multiple of 32 dividing K, into (..., N) expected");
+  }
+  const int64_t M = a.element_count() / K, blocks = K / kBlock;
+  const int8_t* rows = a.typed_data();
+  // 8 * row m's sum over block b: what the weights' + 8 added to each block's products.
+  auto sums = std::shared_ptr<int32_t[]>(new int32_t[std::max<int64_t>(M * blocks, 1)]);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t total = 0;
+      for (int64_t k = 0; k < kBlock; ++k) total += rows[m * K + b * kBlock + k];
+      sums[m * blocks + b] = 8 * total;
+    }
+  }
+  const uint8_t* packed = w.typed_data();
+  const uint16_t* scale = reinterpret_cast<const uint16_t*>(s.typed_data());
+  float* result = out->typed_data();
+  const int64_t parts = (N + kOutputs - 1) / kOutputs;
+  return kvattn::Split(pool, parts, parts / 8, [=](int64_t first, int64_t last) {
+    alignas(32) uint8_t unpacked[kOutputs * kBlock];
+    std::vector<float> acc(std::max<int64_t>(M, 1) * kOutputs);
+    std::vector<int32_t> exact(std::max<int64_t>(M, 1) * kOutputs);
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t n = p * kOutputs;
+      Outputs(rows, M, K, packed, scale, group, sums.get(), result, N, n, std::min(kOutputs, N - n), unpacked,
+              acc.data(), exact.data());
+    }
+  });
+}
+
+KVATTN_KERNEL(int4_dot, Dot);
+
+#endif  // KVATTN_X86
+
+}  // namespace
