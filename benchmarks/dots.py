@@ -15,6 +15,11 @@ the median of `repeats`:
   int8, native (tiled)    `kvattn.kernels.dots.dense` of a `TiledInt8Weights`:
                           the same int8 values laid out for kvattn's native
                           dot (AVX512-VNNI, `kvattn.kernels.native`), where it runs
+  int4, native            `kvattn.kernels.dots.dense` of an `Int4Weights`
+                          (`kvattn.math.int4`: 4-bit values, a bfloat16
+                          scale per 32 inputs) on kvattn's native 4-bit dot
+  int4, XLA's twin        the same dot as XLA runs it where the native one
+                          cannot (its twin: a batched int8 dot per group)
   int8                    `kvattn.kernels.dots.dense` of an `Int8Weights`: W int8
                           `(F, D)` with per-output scales, x quantized per
                           row, XLA's int8 by int8 into int32 (one row padded
@@ -71,9 +76,8 @@ def _variants() -> dict[str, tuple[Any, Any]]:
     import jax.numpy as jnp
     from jax import lax
 
-    from kvattn.kernels import native
-    from kvattn.kernels import dots
-    from kvattn.math import quant
+    from kvattn.kernels import dots, native
+    from kvattn.math import int4, quant
 
     rng = np.random.default_rng(0)
     floats = [rng.standard_normal((D, F), np.float32) * 0.02 for _ in range(LAYERS)]
@@ -118,11 +122,18 @@ def _variants() -> dict[str, tuple[Any, Any]]:
     panels = [quant.panel(jnp.asarray(w)) for w in floats] if native.available(native.F32_DOT) else []
     bf16_panels = [quant.panel(jnp.asarray(w, jnp.bfloat16)) for w in floats] if native.available(
         native.BF16_DOT) else []
+    four = [int4.quantize_groups(w) for w in floats]
+
+    def four_on_xla(x, w):  # what an int4 model runs where the native dot does not
+        values, scale = quant.quantize_rows(x)
+        return native.int4_dot_on_xla(values, w.packed, w.scale) * scale
     return {
         "float32": (lambda x, w: x @ w, device(floats)),
         **({"float32, native (panels)": (dots.dense, panels)} if panels else {}),
         **({"bfloat16, native (panels)": (dots.dense, bf16_panels)} if bf16_panels else {}),
         **({"int8, native (tiled)": (dots.dense, device(tiled))} if tiled else {}),
+        **({"int4, native": (dots.dense, device(four))} if native.available(native.INT4_DOT) else {}),
+        "int4, XLA's twin": (four_on_xla, device(four)),
         "int8": (dots.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),
         "int8, (D, F)": (inputs_first_dot, device(inputs_first)),

@@ -89,15 +89,17 @@ def _int4_case(rng, rows, inputs, outputs, group, poison=None):
 
 
 def _int4_cases(rng):
-    # Groups of one and four blocks; outputs in whole eights and not (a last block of 5, 1 output); one row and
-    # several; no rows; 37 blocks of outputs: every thread of XLA's pool takes an uneven part.
+    # Groups of one and four blocks; outputs in whole eights and not (a last block of 5, 1 output); one or two
+    # rows (each its own pass) and more (blocked); no rows; 37 blocks of outputs: every thread of XLA's pool
+    # takes an uneven part.
     shapes = {"1x32x8-g32": (1, 32, 8, 32), "3x256x13-g128": (3, 256, 13, 128), "9x64x1-g32": (9, 64, 1, 32),
-              "0x64x16-g64": (0, 64, 16, 64), "2x96x296-g32": (2, 96, 296, 32)}
+              "0x64x16-g64": (0, 64, 16, 64), "2x96x296-g32": (2, 96, 296, 32), "1x256x16-g128": (1, 256, 16, 128)}
     return {name: _int4_case(rng, *shape) for name, shape in shapes.items()}
 
 
 def _int4_poisons(rng):
-    return {poison: _int4_case(rng, 3, 64, 12, 32, poison) for poison in ("a NaN scale", "inf scales")}
+    return {f"{poison}, {rows} rows": _int4_case(rng, rows, 64, 16, 32, poison)
+            for poison in ("a NaN scale", "inf scales") for rows in (1, 3)}
 
 
 # ------------------------------------------------------------------- f32_dot

@@ -34,6 +34,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;   // inputs per packed block of 16 bytes
 constexpr int64_t kOutputs = 8;  // outputs worked on together: the int32 lanes of a 256-bit vector
+constexpr int64_t kRowByRow = 2;  // up to this many rows, each is its own pass over the weights (`Row`)
 
 #ifdef KVATTN_X86
 
@@ -44,6 +45,46 @@ KVATTN_AVX2 inline __m256i Totals(const __m256i p[kOutputs]) {
   const __m256i low = _mm256_hadd_epi32(h01, h23), high = _mm256_hadd_epi32(h45, h67);
   // low's 128-bit halves hold outputs 0..3's sums over lanes 0..3 and 4..7; high's outputs 4..7's.
   return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
+// One row by eight outputs [n, n + 8), in registers: a step's dot (the blocked loop below re-reads the
+// unpacked weights from memory for each row, which a single row does not repay). Two outputs' blocks share a
+// vector, 16 bytes each; three rounds of horizontal adds leave the eight group sums in the order
+// 0, 2, 4, 6, 1, 3, 5, 7, which the store undoes. The same exact sums and the same float32 recurrence over
+// the groups as `Outputs`: the same bits.
+KVATTN_AVX2 void Row(const int8_t* a, int64_t K, const uint8_t* packed, const uint16_t* scale, int64_t group,
+                     const int32_t* sums, float* out, int64_t n) {
+  const int64_t groups = K / group, per_group = group / kBlock, half = K / 2;
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
+  const uint8_t* w[kOutputs];
+  for (int j = 0; j < kOutputs; ++j) w[j] = packed + (n + j) * half;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const __m128i* x = reinterpret_cast<const __m128i*>(a + b * kBlock);
+      const __m256i low = _mm256_broadcastsi128_si256(_mm_loadu_si128(x));
+      const __m256i high = _mm256_broadcastsi128_si256(_mm_loadu_si128(x + 1));
+      __m256i p[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bytes = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[2 * j] + b * 16))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[2 * j + 1] + b * 16)), 1);
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), low),
+                                               _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), high));
+        p[j] = _mm256_madd_epi16(pairs, ones);
+      }
+      const __m256i both = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      total = _mm256_add_epi32(total, _mm256_sub_epi32(both, _mm256_set1_epi32(sums[b])));
+    }
+    const __m256i bits = _mm256_setr_epi32(scale[n * groups + g], scale[(n + 2) * groups + g],
+                                           scale[(n + 4) * groups + g], scale[(n + 6) * groups + g],
+                                           scale[(n + 1) * groups + g], scale[(n + 3) * groups + g],
+                                           scale[(n + 5) * groups + g], scale[(n + 7) * groups + g]);
+    const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(total), d));
+  }
+  _mm256_storeu_ps(out + n, _mm256_permutevar8x32_ps(acc, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
 // Outputs [n, n + count) (count <= 8) for every row: `sums[m * blocks + b]` is 8 * row m's sum over block b.
@@ -123,8 +164,14 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, ffi::Buffer<ffi::U
     std::vector<int32_t> exact(std::max<int64_t>(M, 1) * kOutputs);
     for (int64_t p = first; p < last; ++p) {
       const int64_t n = p * kOutputs;
-      Outputs(rows, M, K, packed, scale, group, sums.get(), result, N, n, std::min(kOutputs, N - n), unpacked,
-              acc.data(), exact.data());
+      if (M <= kRowByRow && n + kOutputs <= N) {
+        for (int64_t m = 0; m < M; ++m) {
+          Row(rows + m * K, K, packed, scale, group, sums.get() + m * blocks, result + m * N, n);
+        }
+      } else {
+        Outputs(rows, M, K, packed, scale, group, sums.get(), result, N, n, std::min(kOutputs, N - n), unpacked,
+                acc.data(), exact.data());
+      }
     }
   });
 }
