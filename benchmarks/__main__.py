@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         help="instead of the contenders, measure the paged cache against the contiguous one: memory, concurrency, "
         "forks, prefix-cache hits, decode steps at B=8 and host bookkeeping (writes paged.json, paged.md)",
     )
-    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "int8"),
-                        help="--model only; int8: int8 weights, float32 computation")
+    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16", "int8", "int4"),
+                        help="--model only; int8, int4: int8 or 4-bit weights, float32 computation")
     parser.add_argument("--prompt-len", type=int, help="--model only")
     parser.add_argument("--new-tokens", type=int, help="--model only")
     parser.add_argument("--num-layers", type=int, help="--model only: fewer layers than 12")

@@ -26,7 +26,7 @@ from pathlib import Path
 __all__ = ["GGUF_TYPES", "LlamaServer"]
 
 # The GGUF each benchmark dtype is compared against.
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0"}
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 
 
 def _free_port() -> int:

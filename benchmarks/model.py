@@ -47,7 +47,11 @@ scales, per-row activation scales) against transformers' float32 model under
 same scheme in FBGEMM; its embedding stays float32), and the bytes of int8
 weights, their scales and the float32 K/V as its limit. Greedy agreement of
 an int8 contender is counted against kvattn's float32 tokens when they were
-measured (the quantization's own drift), else against kvattn int8's.
+measured (the quantization's own drift), else against kvattn int8's. The
+dtype `"int4"` is `weights="int4"` (`kvattn.math.int4`: 4-bit values, a
+bfloat16 scale per 32 inputs, kvattn's native 4-bit dot), against
+llama.cpp's Q4_0 (the same group size and rounding) with `--llama-cpp`;
+transformers has no CPU int4 contender.
 
 `XLA_FLAGS` as the run found it is recorded with the results: the library
 sets no XLA flag, and neither does this benchmark.
@@ -85,7 +89,10 @@ from benchmarks.baselines import Calibration
 from benchmarks.provenance import load_average, machine_info, source_revision, versions
 from benchmarks.report import finished_rows, model_markdown, target, write
 
-__all__ = ["LLAMA_125M", "greedy_agreement", "run_model", "write_llama_checkpoint"]
+__all__ = ["COMPACT", "LLAMA_125M", "greedy_agreement", "run_model", "write_llama_checkpoint"]
+
+# The dtypes that are compact weights under float32 computation (`from_pretrained(weights=...)`).
+COMPACT = ("int8", "int4")
 
 # About 125M parameters, Llama-shaped with grouped queries.
 LLAMA_125M = {
@@ -203,6 +210,8 @@ class _Kvattn:
 def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str, bf16_weights: bool = False) -> int:
     """Bytes a decode step reads: every weight but the embedding table, and the K/V filled on average.
 
+    `"int4"`: half a byte per weight of the projections and the head, two
+    per 32 weights (their scales), float32 norms and K/V.
     `"int8"`: one byte per weight of the projections and the head, four per
     output channel (their scales) and per norm weight, float32 K/V.
     `bf16_weights`: two bytes per weight of the projections and the head,
@@ -218,6 +227,8 @@ def _step_bytes(config, batch: int, prompt_len: int, new_tokens: int, dtype: str
     kv = 2 * config.num_layers * batch * filled * kv_heads * head_dim
     if dtype == "int8":
         return int(projections + 4 * (outputs + norms + kv))
+    if dtype == "int4":  # half a byte a weight, a bfloat16 scale per 32
+        return int(projections / 2 + projections / 16 + 4 * (norms + kv))
     if bf16_weights:
         return int(2 * projections + 4 * (norms + kv))
     itemsize = np.dtype(dtype).itemsize
@@ -269,21 +280,23 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
     rows, notes, float_tokens = [], [], {}
     caches = dict(transformers_contender.CACHES, **(transformers_contender.COMPILED if torch_compile else {}))
     rng = np.random.default_rng(seed)
-    # float32 first, so the int8 contenders' agreement is counted against its tokens.
-    for dtype in sorted(dtypes, key=lambda d: d == "int8"):
+    # float32 first, so the int8 and int4 contenders' agreement is counted against its tokens.
+    for dtype in sorted(dtypes, key=lambda d: d in COMPACT):
         for batch in batch_sizes:
-            compact = dtype == "int8"
+            compact = dtype in COMPACT
             # bfloat16 on a CPU where kvattn's bfloat16 dot runs: bfloat16 weights, float32 computation.
             bf16_weights = dtype == "bfloat16" and route.bfloat16_weights()
-            weights = "int8" if compact else "bfloat16" if bf16_weights else None
+            weights = dtype if compact else "bfloat16" if bf16_weights else None
             model = models.from_pretrained(checkpoint, max_len=prompt_len + new_tokens, batch_size=batch,
                                            dtype="float32" if weights else dtype, weights=weights)
             prompts = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
             step_bytes = _step_bytes(model.config, batch, prompt_len, new_tokens, dtype, bf16_weights)
             calibration = Calibration(step_bytes)
             base = {"dtype": dtype, "batch_size": batch}
-            wanted = {name: how for name, how in caches.items() if not (compact and how[1])}
-            theirs = transformers_contender.Transformers(torch_python, checkpoint, prompts, dtype, new_tokens, torch_threads, wanted)
+            # transformers has no 4-bit weights on the CPU: int4 meets llama.cpp's Q4_0 only.
+            wanted = {} if dtype == "int4" else {name: how for name, how in caches.items() if not (compact and how[1])}
+            theirs = transformers_contender.Transformers(torch_python, checkpoint, prompts, dtype, new_tokens,
+                                                         torch_threads, wanted) if wanted else None
             ours = _Kvattn(model, prompts)
             ours.once(1), ours.once(new_tokens)  # compile both programs, untimed
             compiled = ours.compiled_programs()
@@ -291,7 +304,8 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             if batch == 1:  # stream takes one sequence
                 ours.streamed(2)  # compile its prefill and step, untimed
                 contenders["kvattn.generation.stream"] = ours.streamed
-            contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
+            if theirs is not None:
+                contenders.update({name: functools.partial(theirs.once, name) for name in theirs.variants})
             server = None
             if llama_cpp is not None:
                 bin_dir, ggufs = llama_cpp
@@ -301,7 +315,8 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             try:
                 timed, limit = _interleaved(contenders, new_tokens, repeats, calibration)
             finally:
-                theirs.close()
+                if theirs is not None:
+                    theirs.close()
                 if server is not None:
                     server.close()
             rows.append(dict(base, contender="limit", decode_ms_per_token=1e3 * step_bytes / limit,
@@ -318,7 +333,7 @@ def measure_model(*, checkpoint: Path, batch_sizes, dtypes, prompt_len: int, new
             for name in wanted:
                 if name in theirs.unavailable:
                     rows.append(dict(base, contender=name, unavailable=theirs.unavailable[name]))
-            if theirs.versions:
+            if theirs is not None and theirs.versions:
                 notes.append(theirs.versions)
             if progress:
                 progress(rows)
@@ -359,12 +374,15 @@ def _targets(rows) -> list[dict[str, Any]]:
         theirs = figure(dtype, batch, theirs_names)
         llama = figure(dtype, batch, ("llama.cpp",))
         if llama is not None:  # #36 at B=1: float32 against F32 >= 1.1x, int8 against Q8_0 >= 1.3x; #35 bfloat16
-            wanted = {"float32": 1.1, "int8": 1.3, "bfloat16": 1.1}[dtype] if batch == 1 else None
+            wanted = {"float32": 1.1, "int8": 1.3, "bfloat16": 1.1, "int4": 1.0}[dtype] if batch == 1 else None
             targets.append(target("speedup over llama.cpp", ratio(llama, ours), ">=", wanted, **context))
             targets.append(target("first token: llama.cpp / kvattn",
                                   ratio(figure(dtype, batch, ("llama.cpp",), "first_token_ms"),
                                         figure(dtype, batch, ours_name, "first_token_ms")), ">=", None, **context))
-        if dtype == "int8":
+        if dtype == "int4":
+            targets.append(target("speedup over kvattn int8", ratio(figure("int8", batch, ours_name), ours),
+                                  ">=", None, **context))
+        elif dtype == "int8":
             targets.append(target("speedup over kvattn float32", ratio(figure("float32", batch, ours_name), ours),
                                   ">=", 1.0 if batch == 1 else None, **context))
             if batch > 1:

@@ -3,7 +3,8 @@
 For every tiny checkpoint in `tests/fixtures/hf` (made by transformers with
 deliberately high-gain weights, so that rounding shows: transformers' own
 bfloat16 run is off its float32 run by up to half the largest logit), and
-for kvattn's `weights="int8"` and `dtype=bfloat16` against kvattn's float32:
+for kvattn's `weights="int8"`, `weights="int4"` and `dtype=bfloat16` against
+kvattn's float32:
 
   logit error   the largest |logit - float32 logit| over every position of
                 the fixture's prompts, as a share of the largest float32
@@ -66,7 +67,8 @@ def _kvattn(family: str) -> dict[str, Any]:
     prompts, lengths = want["prompts"], want["lengths"]
     forward = nnx.jit(lambda model, tokens: model(tokens))
     out, reference = {}, None
-    for name, options in (("float32", {}), ("int8", {"weights": "int8"}), ("bfloat16", {"dtype": jnp.bfloat16})):
+    for name, options in (("float32", {}), ("int8", {"weights": "int8"}), ("int4", {"weights": "int4"}),
+                          ("bfloat16", {"dtype": jnp.bfloat16})):
         model = models.from_pretrained(FIXTURES / family, max_len=prompts.shape[1] + count, batch_size=len(lengths),
                                        **options)
         logits = np.asarray(forward(model, jnp.asarray(prompts)), np.float32)
@@ -138,7 +140,7 @@ def markdown(results: dict[str, Any]) -> str:
     rows = []
     for family, found in results["families"].items():
         ours, theirs = found["kvattn"], found["transformers"]
-        for kind in ("int8", "bfloat16"):
+        for kind in ("int8", "int4", "bfloat16"):
             rows.append([family, kind, ours["new_tokens"], cell(ours[kind], "logit_error"),
                          cell(theirs.get(kind), "logit_error"), cell(ours[kind], "agreement"),
                          cell(theirs.get(kind), "agreement"), cell(ours[kind], "first_difference"),

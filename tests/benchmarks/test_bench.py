@@ -227,12 +227,17 @@ def test_model_bench_times_every_contender_and_reports_transformers_unavailable(
     # This interpreter has no torch: the transformers rows say so instead of failing the run.
     out_dir = tmp_path / "model"
     argv = ["--model", "--quick", "--batch-sizes", "1", "2", "--out-dir", str(out_dir),
-            "--torch-python", sys.executable, "--torch-compile"]
+            "--torch-python", sys.executable, "--torch-compile", "--dtypes", "float32", "int4"]
     assert main(argv) == 0
     capsys.readouterr()
     results = json.loads((out_dir / "model.json").read_text())
     assert (out_dir / "model.md").stat().st_size > 0 and (out_dir / "checkpoint" / "model.safetensors").exists()
-    rows = {(r["batch_size"], r["contender"]): r for r in results["rows"]}
+    # int4 weights: kvattn against its own float32 tokens and the limit; no transformers contender to ask.
+    four = {(r["batch_size"], r["contender"]): r for r in results["rows"] if r["dtype"] == "int4"}
+    assert set(four) == {(b, c) for b in (1, 2) for c in ("limit", "kvattn.generation.generate")} | {
+        (1, "kvattn.generation.stream")}
+    assert all(0 <= four[b, "kvattn.generation.generate"]["agrees_with_kvattn"] <= 1 for b in (1, 2))
+    rows = {(r["batch_size"], r["contender"]): r for r in results["rows"] if r["dtype"] == "float32"}
     transformers = ("transformers_dynamic", "transformers_static", "transformers_static_compiled")
     contenders = ("limit", "kvattn.generation.generate", "plain_cache", *transformers)
     assert set(rows) == {(b, c) for b in (1, 2) for c in contenders} | {(1, "kvattn.generation.stream")}
