@@ -33,6 +33,23 @@ def expected(family: str) -> dict:
     return dict(np.load(FIXTURES / family / "expected.npz"))
 
 
+def assert_decodes_as_its_forward(model, want: dict, forward) -> None:
+    """Three greedy tokens after each of the fixture's prompts (`want`, `expected`'s), each the argmax of
+    `forward(model, tokens)` over the prompt and the tokens before it; the caches hold them all, then reset."""
+    from kvattn import generation
+
+    model.reset()
+    lengths, rows = want["lengths"], np.arange(len(want["lengths"]))
+    generated = np.asarray(generation.generate(model, want["prompts"], 3, lengths=lengths).tokens)
+    assert np.asarray(model.pos).tolist() == (lengths + 3).tolist()
+    tokens = np.zeros((len(rows), want["prompts"].shape[1] + 2), np.int32)
+    tokens[:, : want["prompts"].shape[1]] = want["prompts"]
+    tokens[rows[:, None], lengths[:, None] + np.arange(2)] = generated[:, :2]
+    logits = np.asarray(forward(model, jnp.asarray(tokens)))
+    np.testing.assert_array_equal(generated, logits[rows[:, None], lengths[:, None] - 1 + np.arange(3)].argmax(-1))
+    model.reset()
+
+
 def stream(shape, seed: int = 1, in_features: int = 8) -> jax.Array:
     """Standard-normal tokens `(*shape, in_features)`, the same for the same seed."""
     return jax.random.normal(jax.random.key(seed), (*shape, in_features))

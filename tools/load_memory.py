@@ -1,11 +1,11 @@
 """Peak resident memory while `from_pretrained` loads a checkpoint, against the loaded model's bytes.
 
-One fresh process per weight form (float32, bfloat16, int8), each reading
+One fresh process per weight form (float32, bfloat16, int8, int4), each reading
 its own high-water mark (`getrusage`'s `ru_maxrss`) before and after the
 load: the JAX runtime's baseline, the peak, and the bytes of every
 parameter the model holds (`nnx.state(model, nnx.Param)`), and their ratio.
 
-    python -m tools.load_memory CHECKPOINT_DIR [--weights float32 bfloat16 int8]   # from the repository root
+    python -m tools.load_memory CHECKPOINT_DIR [--weights float32 bfloat16 int8 int4]   # from the repository root
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ print(json.dumps({"baseline": base, "peak": peak, "params": params}))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
-    parser.add_argument("--weights", nargs="+", default=["float32", "bfloat16", "int8"])
+    parser.add_argument("--weights", nargs="+", default=["float32", "bfloat16", "int8", "int4"])
     args = parser.parse_args()
     print("| weights | model GB | baseline GB | peak GB | peak - baseline over model |")
     print("|---|---:|---:|---:|---:|")

@@ -20,13 +20,13 @@ import pytest
 from flax import nnx
 from hypothesis import given
 
-from kvattn import generation, models
+from kvattn import models
 from kvattn.config import RoPE
 from kvattn.kernels import dots, native
 from kvattn.math import int4, quant
 from kvattn.models import ModelConfig, layers
 from kvattn.models.layers import Linear
-from tests.helpers import FIXTURES, expected
+from tests.helpers import FIXTURES, assert_decodes_as_its_forward, expected
 
 
 def _kernel(inputs=64, features=(3, 16), seed=0):
@@ -213,15 +213,7 @@ def test_an_int4_checkpoint_holds_4_bit_kernels_and_decodes_through_its_caches_a
     # 4 bits a weight and a bfloat16 scale per 32 inputs: 4.5 bits, against float32's 32.
     packed = sum(params[1][name].nbytes + params[1][f"{name}_scale"].nbytes for name in kernels)
     assert packed * 64 == sum(params[0][name].nbytes for name in kernels) * 9
-    model.reset()
-    lengths, rows = want["lengths"], np.arange(3)
-    generated = np.asarray(generation.generate(model, want["prompts"], 3, lengths=lengths).tokens)
-    tokens = np.zeros((3, want["prompts"].shape[1] + 2), np.int32)
-    tokens[:, : want["prompts"].shape[1]] = want["prompts"]
-    tokens[rows[:, None], lengths[:, None] + np.arange(2)] = generated[:, :2]
-    logits = np.asarray(full_forward(model, jnp.asarray(tokens)))
-    np.testing.assert_array_equal(generated, logits[rows[:, None], lengths[:, None] - 1 + np.arange(3)].argmax(-1))
-    model.reset()
+    assert_decodes_as_its_forward(model, want, full_forward)
 
 
 def test_the_dot_on_xla_computes_what_the_native_dot_does(monkeypatch):

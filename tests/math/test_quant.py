@@ -32,7 +32,7 @@ from kvattn.layer import forward
 from kvattn.math import norms, quant
 from kvattn.models import ModelConfig
 from kvattn.models.layers import Linear, RMSNorm
-from tests.helpers import FIXTURES, expected
+from tests.helpers import FIXTURES, assert_decodes_as_its_forward, expected
 
 # The largest logit error (a share of the largest float32 logit, over the fixture's prompts) of transformers
 # under torch.ao.quantization.quantize_dynamic(Linear, qint8), torch 2.13, against its own float32 run;
@@ -352,17 +352,7 @@ def test_int8_models_hold_int8_kernels_a_quarter_of_the_float_bytes(family):
 def test_an_int8_model_decodes_through_its_caches_as_its_full_forward_computes():
     """qwen2: a tied head (the embedding table is its int8 kernel) and the fused bias."""
     want, _, model = twins("qwen2")
-    model.reset()
-    lengths, rows = want["lengths"], np.arange(3)
-    generated = np.asarray(generation.generate(model, want["prompts"], 3, lengths=lengths).tokens)
-    assert np.asarray(model.pos).tolist() == (lengths + 3).tolist()
-    # Each new token is the argmax of the full forward over the prompt and the tokens before it.
-    tokens = np.zeros((3, want["prompts"].shape[1] + 2), np.int32)
-    tokens[:, : want["prompts"].shape[1]] = want["prompts"]
-    tokens[rows[:, None], lengths[:, None] + np.arange(2)] = generated[:, :2]
-    logits = np.asarray(full_forward(model, jnp.asarray(tokens)))
-    np.testing.assert_array_equal(generated, logits[rows[:, None], lengths[:, None] - 1 + np.arange(3)].argmax(-1))
-    model.reset()
+    assert_decodes_as_its_forward(model, want, full_forward)
 
 
 @needs_native
@@ -480,8 +470,8 @@ def test_weights_that_would_run_slower_or_do_not_exist_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"weights='bfloat16' needs fast bfloat16 dots, which the cpu backend lacks "
                                          r"here \(no AVX-512 \(a stand-in\)\)"):
         models.from_pretrained(FIXTURES / "llama", max_len=8, weights="bfloat16")
-    with pytest.raises(ValueError, match=r"weights must be one of \[None, 'int8', 'bfloat16'\], got 'int4'"):
-        models.from_pretrained(FIXTURES / "llama", max_len=8, weights="int4")
+    with pytest.raises(ValueError, match=r"weights must be one of \[None, 'int8', 'bfloat16', 'int4'\], got 'int2'"):
+        models.from_pretrained(FIXTURES / "llama", max_len=8, weights="int2")
     with pytest.raises(ValueError, match=r"dtype=float16 cannot be the caches' storage.*among \['bfloat16', 'float32', "):
         models.from_pretrained(FIXTURES / "llama", max_len=8, dtype=jnp.float16)
 
