@@ -7,16 +7,17 @@ beartype), and implicit rank promotion raises instead of broadcasting.
 import os
 
 # The suite's programs are tiny, so compiling them is most of its time: XLA:CPU's LLVM backend runs
-# without optimisation here (about a third less CPU for the suite), and fusions are emitted by XLA's
+# without optimisation here (about a third less CPU for the suite), fusions are emitted by XLA's
 # elemental emitter rather than its MLIR fusion emitters (on a 2-core AMD EPYC, the suite's tests ran in
-# 6:58 instead of 12:38). The HLO passes, which fusions form
-# and the YNNPACK calls stay XLA's defaults; subprocesses (servers, the mesh and multi-host checks) inherit
-# the setting. A user's own XLA_FLAGS naming any of these flags leaves them all out:
+# 6:58 instead of 12:38), and each program's LLVM module is compiled whole rather than split for threads
+# that two busy test workers leave no core for (two engine-heavy files side by side: 14-29% less time).
+# The HLO passes, which fusions form and the YNNPACK calls stay XLA's defaults; subprocesses (servers, the
+# mesh and multi-host checks) inherit the setting. A user's own XLA_FLAGS naming any of these flags leaves them all out:
 # XLA_FLAGS=--xla_backend_optimization_level=2 make test runs the suite as compiled by default. The flags
 # found are kept for the one check that needs XLA's defaults in a process of its own
 # (tests.helpers.default_compile_env).
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                "--xla_cpu_use_fusion_emitters=false")
+                "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 _found = os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("KVATTN_TESTS_XLA_FLAGS_FOUND", _found)
 if not any(flag.split("=")[0] in _found for flag in FAST_COMPILE):
