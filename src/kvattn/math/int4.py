@@ -136,11 +136,19 @@ def quantize_groups(kernel, group: int = GROUP) -> Int4Weights:
     _check(kernel.shape[0], group)
     xp = _xp(kernel)
     features, inputs = kernel.shape[1:], kernel.shape[0]
-    grouped = xp.moveaxis(kernel.astype(xp.float32), 0, -1).reshape(*features, inputs // group, group)
+    if xp is np:  # one float32 copy, rounded in place: loading converts a slice at a time, within its bytes
+        grouped = np.ascontiguousarray(np.moveaxis(kernel, 0, -1), np.float32).reshape(*features, -1, group)
+    else:
+        grouped = jnp.moveaxis(kernel.astype(jnp.float32), 0, -1).reshape(*features, inputs // group, group)
     largest = xp.take_along_axis(grouped, xp.argmax(xp.abs(grouped), axis=-1)[..., None], axis=-1)
     scale = (largest / -8).astype(jnp.bfloat16)
     wide = scale.astype(xp.float32)
     finite = xp.isfinite(wide) & (wide != 0)
-    ratio = xp.where(finite, grouped / xp.where(finite, wide, 1), 0)
-    values = xp.clip(xp.round(ratio), -8, 7).astype(xp.int8).reshape(*features, inputs)
-    return Int4Weights(pack(values), scale[..., 0])
+    if xp is np:
+        np.divide(grouped, np.where(finite, wide, 1), out=grouped)
+        np.copyto(grouped, 0, where=~finite)
+        values = np.clip(np.rint(grouped, out=grouped), -8, 7, out=grouped).astype(np.int8)
+    else:
+        ratio = jnp.where(finite, grouped / jnp.where(finite, wide, 1), 0)
+        values = jnp.clip(jnp.round(ratio), -8, 7).astype(jnp.int8)
+    return Int4Weights(pack(values.reshape(*features, inputs)), scale[..., 0])
