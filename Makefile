@@ -27,14 +27,14 @@ $(STAMP): pyproject.toml constraints.txt setup.py $(wildcard src/kvattn/kernels/
 demo: $(STAMP)
 	$(BIN)/kvattn demo
 
-# The plain install beside the suite (`-j2`: its pip runs wait on the disk, and
-# the suite's last files leave a core idle, so the two overlap well); the
-# docs site last (its examples already ran as doctests in the suite). The suite
-# runs a test file per core (pytest-xdist), so a file's compiled programs stay
-# shared between its tests.
+# The plain install and the docs site beside the suite (`-j2`: the plain
+# install first, then the site; their pip runs wait on the disk, and the
+# suite's last files leave a core idle, so they overlap well). The site runs
+# no example: they are doctests in the suite. The suite runs a test file per
+# core (pytest-xdist), so a file's compiled programs stay shared between its
+# tests.
 test: $(STAMP)
-	$(MAKE) -j2 plain-install suite
-	$(MAKE) docs
+	$(MAKE) -j2 plain-install suite docs
 
 suite: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
