@@ -93,12 +93,13 @@ def _int4_cases(rng):
     # rows (each its own pass) and more (blocked); no rows; 37 blocks of outputs: every thread of XLA's pool
     # takes an uneven part.
     shapes = {"1x32x8-g32": (1, 32, 8, 32), "3x256x13-g128": (3, 256, 13, 128), "9x64x1-g32": (9, 64, 1, 32),
-              "0x64x16-g64": (0, 64, 16, 64), "2x96x296-g32": (2, 96, 296, 32), "1x256x16-g128": (1, 256, 16, 128)}
+              "0x64x16-g64": (0, 64, 16, 64), "2x96x296-g32": (2, 96, 296, 32), "1x256x16-g128": (1, 256, 16, 128),
+              "2x512x24-g32": (2, 512, 24, 32)}  # whole eights of groups: scales read eight groups at a time
     return {name: _int4_case(rng, *shape) for name, shape in shapes.items()}
 
 
 def _int4_poisons(rng):
-    return {f"{poison}, {rows} rows": _int4_case(rng, rows, 64, 16, 32, poison)
+    return {f"{poison}, {rows} rows": _int4_case(rng, rows, 256, 16, 32, poison)
             for poison in ("a NaN scale", "inf scales") for rows in (1, 3)}
 
 
@@ -532,7 +533,7 @@ def test_a_dot_gives_each_row_the_same_bits_alone(target):
     entry = native.kernel(target)
     _needs(entry)
     rng = np.random.default_rng(4)
-    (x, *weights), _ = _f32_case(rng, 21, 70, 8) if target == native.F32_DOT else _int4_case(rng, 21, 96, 37, 32)
+    (x, *weights), _ = _f32_case(rng, 21, 70, 8) if target == native.F32_DOT else _int4_case(rng, 21, 256, 37, 32)
     got = np.asarray(entry.wrapper(x, *weights))
     for row in (0, 8, 20):
         np.testing.assert_array_equal(np.asarray(entry.wrapper(x[row:row + 1], *weights))[0], got[row])

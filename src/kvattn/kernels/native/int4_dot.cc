@@ -52,6 +52,31 @@ KVATTN_AVX2 inline __m256i Totals(const __m256i p[kOutputs]) {
 // vector, 16 bytes each; three rounds of horizontal adds leave the eight group sums in the order
 // 0, 2, 4, 6, 1, 3, 5, 7, which the store undoes. The same exact sums and the same float32 recurrence over
 // the groups as `Outputs`: the same bits.
+// `eight[k]` = the scales of group k of the eight outputs whose rows of scales start at `scale`, `stride`
+// apart, in `Row`'s lane order (outputs 0, 2, 4, 6, 1, 3, 5, 7): an 8 x 8 transpose of 16-bit values.
+KVATTN_AVX2 inline void Transpose(const uint16_t* scale, int64_t stride, uint16_t eight[kOutputs][kOutputs]) {
+  __m128i r[kOutputs];
+  constexpr int kOrder[kOutputs] = {0, 2, 4, 6, 1, 3, 5, 7};
+  for (int j = 0; j < kOutputs; ++j) {
+    r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + kOrder[j] * stride));
+  }
+  __m128i t[kOutputs], u[kOutputs];
+  for (int j = 0; j < kOutputs; j += 2) {
+    t[j] = _mm_unpacklo_epi16(r[j], r[j + 1]);
+    t[j + 1] = _mm_unpackhi_epi16(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < kOutputs; j += 4) {
+    u[j] = _mm_unpacklo_epi32(t[j], t[j + 2]);
+    u[j + 1] = _mm_unpackhi_epi32(t[j], t[j + 2]);
+    u[j + 2] = _mm_unpacklo_epi32(t[j + 1], t[j + 3]);
+    u[j + 3] = _mm_unpackhi_epi32(t[j + 1], t[j + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    _mm_store_si128(reinterpret_cast<__m128i*>(eight[2 * k]), _mm_unpacklo_epi64(u[k], u[k + 4]));
+    _mm_store_si128(reinterpret_cast<__m128i*>(eight[2 * k + 1]), _mm_unpackhi_epi64(u[k], u[k + 4]));
+  }
+}
+
 KVATTN_AVX2 void Row(const int8_t* a, int64_t K, const uint8_t* packed, const uint16_t* scale, int64_t group,
                      const int32_t* sums, float* out, int64_t n) {
   const int64_t groups = K / group, per_group = group / kBlock, half = K / 2;
@@ -59,6 +84,10 @@ KVATTN_AVX2 void Row(const int8_t* a, int64_t K, const uint8_t* packed, const ui
   const uint8_t* w[kOutputs];
   for (int j = 0; j < kOutputs; ++j) w[j] = packed + (n + j) * half;
   __m256 acc = _mm256_setzero_ps();
+  // With whole eights of groups, eight outputs' scales of eight groups are read as eight rows and transposed
+  // once (`Transpose`), rather than gathered a group at a time.
+  const bool transposed = groups % kOutputs == 0;
+  alignas(16) uint16_t eight[kOutputs][kOutputs];
   for (int64_t g = 0; g < groups; ++g) {
     __m256i total = _mm256_setzero_si256();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
@@ -70,17 +99,23 @@ KVATTN_AVX2 void Row(const int8_t* a, int64_t K, const uint8_t* packed, const ui
         const __m256i bytes = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[2 * j] + b * 16))),
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[2 * j + 1] + b * 16)), 1);
+        const __m256i upper = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(bytes, nibble), low),
-                                               _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble), high));
+                                               _mm256_maddubs_epi16(upper, high));
         p[j] = _mm256_madd_epi16(pairs, ones);
       }
       const __m256i both = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
       total = _mm256_add_epi32(total, _mm256_sub_epi32(both, _mm256_set1_epi32(sums[b])));
     }
-    const __m256i bits = _mm256_setr_epi32(scale[n * groups + g], scale[(n + 2) * groups + g],
-                                           scale[(n + 4) * groups + g], scale[(n + 6) * groups + g],
-                                           scale[(n + 1) * groups + g], scale[(n + 3) * groups + g],
-                                           scale[(n + 5) * groups + g], scale[(n + 7) * groups + g]);
+    __m256i bits;
+    if (transposed) {
+      if (g % kOutputs == 0) Transpose(scale + n * groups + g, groups, eight);
+      bits = _mm256_cvtepu16_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(eight[g % kOutputs])));
+    } else {
+      bits = _mm256_setr_epi32(scale[n * groups + g], scale[(n + 2) * groups + g], scale[(n + 4) * groups + g],
+                               scale[(n + 6) * groups + g], scale[(n + 1) * groups + g], scale[(n + 3) * groups + g],
+                               scale[(n + 5) * groups + g], scale[(n + 7) * groups + g]);
+    }
     const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
     acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(total), d));
   }
