@@ -22,6 +22,7 @@ by their `d` and summed in float32.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -77,18 +78,19 @@ class Int4Weights(quant.Form):
         return unpack(self.packed)
 
     def to_float(self):
-        values = self.values().astype(jnp.float32)
-        grouped = values.reshape(*values.shape[:-1], -1, self.group)
-        scaled = grouped * jnp.asarray(self.scale).astype(jnp.float32)[..., None]
-        return jnp.moveaxis(scaled.reshape(values.shape), -1, 0)
+        return jnp.moveaxis(_dequantized(self.packed, self.scale), -1, 0)
 
     def rows(self, ids, dtype):
         """Rows `(*B, D)` of outputs `ids`: their values times their groups' scales, in `dtype`."""
-        packed = jnp.take(jnp.asarray(self.packed), ids, axis=0)
-        scale = jnp.take(jnp.asarray(self.scale), ids, axis=0).astype(jnp.float32)
-        values = unpack(packed).astype(jnp.float32)
-        grouped = values.reshape(*values.shape[:-1], -1, self.group) * scale[..., None]
-        return grouped.reshape(values.shape).astype(dtype)
+        take = functools.partial(jnp.take, indices=ids, axis=0)
+        return _dequantized(take(jnp.asarray(self.packed)), take(jnp.asarray(self.scale))).astype(dtype)
+
+
+def _dequantized(packed, scale) -> jnp.ndarray:
+    """The float32 weights `(*F, D)` of packed values `(*F, D / 2)` and their groups' scales `(*F, G)`."""
+    values = unpack(packed).astype(jnp.float32)
+    grouped = values.reshape(*values.shape[:-1], scale.shape[-1], -1) * jnp.asarray(scale, jnp.float32)[..., None]
+    return grouped.reshape(values.shape)
 
 
 def _check(inputs: int, group: int) -> None:
