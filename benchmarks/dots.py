@@ -14,7 +14,7 @@ the median of `repeats`:
                           float32 models run there)
   int8, native (tiled)    `kvattn.kernels.dots.dense` of a `TiledInt8Weights`:
                           the same int8 values laid out for kvattn's native
-                          dot (AVX512-VNNI, `kvattn.kernels.native`), where it runs
+                          dot (AVX512-VNNI or AVX2, `kvattn.kernels.native`), where it runs
   int4, native            `kvattn.kernels.dots.dense` of an `Int4Weights`
                           (`kvattn.math.int4`: 4-bit values, a bfloat16
                           scale per 32 inputs) on kvattn's native 4-bit dot

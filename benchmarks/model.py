@@ -493,7 +493,7 @@ def run_model(*, batch_sizes=(1, 8), dtypes=("float32",), prompt_len: int = 128,
     results = {
         "xla_flags": os.environ.get("XLA_FLAGS"),
         # Which int8 dot kvattn's int8 rows ran: its native one on tiled kernels, or XLA's (kvattn.math.quant).
-        "int8_dot": "kvattn.kernels.native (AVX512-VNNI, tiled kernels)" if native.available() else "XLA (YNNPACK)",
+        "int8_dot": "kvattn.kernels.native (tiled kernels)" if native.available(native.INT8_DOT) else "XLA (YNNPACK)",
         "config": dict(sizes, batch_sizes=list(batch_sizes), dtypes=list(dtypes), prompt_len=prompt_len,
                        new_tokens=new_tokens, repeats=repeats, torch_threads=torch_threads,
                        torch_compile=torch_compile, llama_cpp=None if llama_cpp is None else str(llama_cpp)),

@@ -8,7 +8,7 @@ them. jax issue 39103 (YNNPACK returning wrong rows past 32768 for a dot
 followed by a reduction in one fusion, jaxlib 0.10.2) is pinned on the
 paths kvattn compiles: projection then norm, in float32 and int8.
 
-Where kvattn's native int8 dot runs (AVX512-VNNI), kernels are stored tiled
+Where kvattn's native int8 dot runs (AVX2 or AVX512-VNNI), kernels are stored tiled
 for it: a tiled model must compute what the untiled one does, bit for bit
 (the dot itself is held to XLA's exact int32 products in the native
 kernels' harness, `tests/kernels/test_native.py`).
@@ -82,7 +82,10 @@ def test_an_int8_dot_is_the_exact_product_of_its_quantized_operands(lead, form):
 
 # ------------------------------------------------------------------ the native int8 dot and tiled kernels
 
-needs_native = pytest.mark.skipif(not native.available(), reason="the native int8 dot is not built or cannot run here")
+needs_native = pytest.mark.skipif(not native.available(native.INT8_DOT),
+                                  reason="the native int8 dot is not built or cannot run here")
+# The native dots the forms are chosen for: the int8 dot (tiles) and the float32 and bfloat16 ones (panels).
+NATIVE_DOTS = all(native.available(target) for target in (native.INT8_DOT, native.F32_DOT, native.BF16_DOT))
 
 
 def test_tiles_hold_the_values_and_give_them_back():
@@ -214,7 +217,7 @@ def test_rows_of_a_form_are_its_float_kernel_s_columns(form):
 def test_linear_and_the_embedding_hold_one_form_each_the_one_the_dots_here_say(weights, native_runs, monkeypatch):
     if not native_runs:
         monkeypatch.setattr(native, "available", lambda kernel=None: False)
-    elif not native.available():
+    elif not NATIVE_DOTS:
         pytest.skip("the native dots are not built or cannot run here")
     compact = weights == "int8"
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -269,7 +272,7 @@ def test_a_projection_then_a_norm_is_right_past_32768_rows(form, monkeypatch):
     compact = form.startswith("int8")
     if form in ("float32", "int8"):  # XLA's dots, as where the native ones cannot run
         monkeypatch.setattr(native, "available", lambda kernel=None: False)
-    elif not native.available():
+    elif not NATIVE_DOTS:
         pytest.skip("the native dots are not built or cannot run here")
     linear = Linear((64,), (96,), bias=False, dtype=jnp.float32, weights="int8" if compact else None,
                     rngs=nnx.Rngs(0))
@@ -345,7 +348,7 @@ def test_int8_models_hold_int8_kernels_a_quarter_of_the_float_bytes(family):
     dtypes = {name: params[1][name].dtype for name in kernels}
     assert kernels and set(dtypes.values()) <= {jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)}
     # Tiled (uint8, values + 128) where the native dot runs and the shape fits (not llama's 97-token head).
-    assert (jnp.uint8 in dtypes.values()) == native.available()
+    assert (jnp.uint8 in dtypes.values()) == native.available(native.INT8_DOT)
     assert sum(params[1][name].nbytes for name in kernels) * 4 == sum(params[0][name].nbytes for name in kernels)
 
 

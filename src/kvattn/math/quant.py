@@ -10,7 +10,7 @@ the dot reads it):
     YNNPACK packs faster) with one float32 scale per output (`quantize`);
     `dense` quantizes `x` per row on the fly and multiplies int8 by int8;
   - `TiledInt8Weights`: those values laid out once in the order
-    `kvattn.kernels.native`'s int8 dot (AVX512-VNNI) reads them (`tile`);
+    `kvattn.kernels.native`'s int8 dot reads them (`tile`);
   - `PanelWeights`: a float32 or bfloat16 kernel as contiguous panels of 16
     outputs (`panel`), which the native float32 and bfloat16 dots stream whole;
   - `kvattn.math.int4.Int4Weights`: 4-bit values with a scale per group of inputs.

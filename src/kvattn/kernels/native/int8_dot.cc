@@ -2,11 +2,20 @@
 //
 // XLA:CPU's own int8 dot (YNNPACK's, jaxlib 0.10) widens both operands to
 // int16 (vpmaddwd) and repacks the weights on every call. This one reads
-// weights laid out once in AVX512-VNNI's order and multiplies with vpdpbusd
-// (uint8 by int8, four products summed per 32-bit lane). The weights are
-// stored as uint8 w + 128, the rows stay int8, and each row's shift is taken
-// back once: sum_k (w + 128) a = sum_k w a + 128 sum_k a. Sums are exact in
-// int32, so the result equals XLA's dot bit for bit.
+// weights laid out once in AVX512-VNNI's order and multiplies them where
+// they lie. Sums are exact in int32, so the result equals XLA's dot bit for
+// bit, whichever body runs:
+//
+// - AVX512-VNNI: vpdpbusd (uint8 by int8, four products summed per 32-bit
+//   lane) on the stored uint8 w + 128, the rows kept int8, each row's shift
+//   taken back once: sum_k (w + 128) a = sum_k w a + 128 sum_k a.
+// - AVX2 (every other x86 CPU kvattn's dots run on): half a tile (eight
+//   outputs' four inputs) per 256-bit vector, w recovered in register
+//   (xor 128), then llama.cpp's sign trick for vpmaddubsw's uint8 by int8:
+//   |w| by a * sign(w), pairs summed in int16 (at most 2 * 128 * 127, no
+//   saturation) and by vpmaddwd into the output's int32 lane. A row holding
+//   -128 (whose sign cannot flip in int8; `kvattn.math.quant.quantize_rows`
+//   never gives one) is summed one product at a time instead.
 //
 // Weights: uint8 `(N / 16, K / 4, 16, 4)`, tile t holding outputs 16t..16t+15,
 // each 64-byte group their four consecutive k (`kvattn.math.quant.tile` lays them
@@ -99,6 +108,95 @@ void Part(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const int32_t
   }
 }
 
+// Whether the VNNI body runs: the CPU has AVX512-VNNI (and AVX512BW) and KVATTN_NATIVE_AVX2 is unset.
+inline bool Vnni() {
+  static const bool has = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni") &&
+                                                     __builtin_cpu_supports("avx512bw"));
+  return has && kvattn::Avx512();
+}
+
+// The AVX2 body's `Tiles`: rows [0, MR) (none holding -128) by tiles [t, t + NT), two vectors a tile.
+template <int MR, int NT>
+KVATTN_AVX2 void HalfTiles(const int8_t* a, int64_t lda, const uint8_t* w, int64_t K, int32_t* out, int64_t ldo,
+                           int64_t t) {
+  constexpr int kVectors = 2 * NT;
+  const int64_t groups = K / kGroup;
+  const int64_t tile_bytes = K * kTileOutputs;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const uint8_t* tiles[NT];
+  __m256i acc[MR][kVectors];
+  for (int j = 0; j < NT; ++j) tiles[j] = w + (t + j) * tile_bytes;
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_setzero_si256();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i x[MR];
+    for (int i = 0; i < MR; ++i) {
+      int32_t four;
+      std::memcpy(&four, a + i * lda + g * kGroup, sizeof(four));
+      x[i] = _mm256_set1_epi32(four);
+    }
+    for (int v = 0; v < kVectors; ++v) {
+      const __m256i stored = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tiles[v / 2] + g * 64 + v % 2 * 32));
+      const __m256i signed_w = _mm256_xor_si256(stored, bias), magnitude = _mm256_abs_epi8(signed_w);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[i], signed_w));
+        acc[i][v] = _mm256_add_epi32(acc[i][v], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < kVectors; ++v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ldo + t * kTileOutputs + v * 8), acc[i][v]);
+    }
+  }
+}
+
+template <int MR>
+void HalfRows(const int8_t* a, int64_t lda, const uint8_t* w, int64_t K, int32_t* out, int64_t ldo, int64_t t0,
+              int64_t t1) {
+  constexpr int kSideBySide = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // 16 registers: MR * 2NT accumulators, MR rows
+  int64_t t = t0;
+  for (; t + kSideBySide <= t1; t += kSideBySide) HalfTiles<MR, kSideBySide>(a, lda, w, K, out, ldo, t);
+  for (; t < t1; ++t) HalfTiles<MR, 1>(a, lda, w, K, out, ldo, t);
+}
+
+// One row by tiles [t0, t1), a product at a time: a row holding -128.
+void Exact(const int8_t* a, const uint8_t* w, int64_t K, int32_t* out, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t o = 0; o < kTileOutputs; ++o) {
+      int32_t total = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        total += a[k] * (static_cast<int32_t>(w[(t * (K / kGroup) + k / kGroup) * 64 + o * kGroup + k % kGroup]) - 128);
+      }
+      out[t * kTileOutputs + o] = total;
+    }
+  }
+}
+
+// The AVX2 body's `Part`: runs of up to four rows without -128 (`clean`) by tiles [t0, t1), the others alone.
+void HalfPart(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const bool* clean, int32_t* out, int64_t N,
+              int64_t t0, int64_t t1) {
+  for (int64_t m = 0; m < M;) {
+    if (!clean[m]) {
+      Exact(a + m * K, w, K, out + m * N, t0, t1);
+      ++m;
+      continue;
+    }
+    int64_t run = 1;
+    while (run < 4 && m + run < M && clean[m + run]) ++run;
+    const int8_t* rows = a + m * K;
+    int32_t* outs = out + m * N;
+    switch (run) {
+      case 1: HalfRows<1>(rows, K, w, K, outs, N, t0, t1); break;
+      case 2: HalfRows<2>(rows, K, w, K, outs, N, t0, t1); break;
+      case 3: HalfRows<3>(rows, K, w, K, outs, N, t0, t1); break;
+      default: HalfRows<4>(rows, K, w, K, outs, N, t0, t1); break;
+    }
+    m += run;
+  }
+}
+
 ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
   const auto dims = w.dimensions();
   const int64_t tiles = dims[0], K = dims[1] * kGroup, N = tiles * kTileOutputs;
@@ -108,6 +206,15 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
   }
   const int64_t M = K ? a.element_count() / K : 0;
   const int8_t* rows = a.typed_data();
+  const uint8_t* weights = w.typed_data();
+  int32_t* result = out->typed_data();
+  if (!Vnni()) {
+    auto clean = std::shared_ptr<bool[]>(new bool[std::max<int64_t>(M, 1)]);
+    for (int64_t m = 0; m < M; ++m) clean[m] = std::find(rows + m * K, rows + (m + 1) * K, -128) == rows + (m + 1) * K;
+    return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
+      HalfPart(rows, M, K, weights, clean.get(), result, N, first, last);
+    });
+  }
   // 128 * sum_k a[m, k] per row, which the weights' + 128 added to every product sum.
   auto shift = std::shared_ptr<int32_t[]>(new int32_t[std::max<int64_t>(M, 1)]);
   for (int64_t m = 0; m < M; ++m) {
@@ -115,8 +222,6 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
     for (int64_t k = 0; k < K; ++k) total += rows[m * K + k];
     shift[m] = 128 * total;
   }
-  const uint8_t* weights = w.typed_data();
-  int32_t* result = out->typed_data();
   return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
     Part(rows, M, K, weights, shift.get(), result, N, first, last);
   });
