@@ -10,7 +10,10 @@ attention read). Decode figures are per token: the difference of the two
 runs over the `new_tokens - 1` steps between them. Nested thunks (inside a
 `cond`) are counted in their group and in the `cond`'s.
 
-    python -m tools.step_profile [--batch 1] [--new-tokens 32] [--weights int8]   # from the repository root
+    python -m tools.step_profile [--batch 1] [--new-tokens 32] [--weights int8] [--checkpoint DIR]
+
+from the repository root; `--checkpoint` profiles a Llama-family checkpoint
+directory instead (`python -m tools.make_checkpoint llama-1b`).
 
 Times under the profiler run a few percent slower than untimed ones; the
 shares are what it is for.
@@ -38,6 +41,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks import model as bench  # noqa: E402
 from kvattn import generation, models  # noqa: E402
+from kvattn.models import decoder  # noqa: E402
 
 HLO_OP = re.compile(r"%(\S+) = (\S+) (\w+)\(")
 
@@ -74,15 +78,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--weights", choices=["float32", "int8"], default="float32")
+    parser.add_argument("--weights", choices=["float32", *(w for w in decoder.WEIGHTS if w)], default="float32")
+    parser.add_argument("--checkpoint", help="a checkpoint directory to profile instead of the random 125M Llama")
     parser.add_argument("--top", type=int, default=14)
     args = parser.parse_args()
     prompt_len = 128
+    weights = None if args.weights == "float32" else args.weights
     with tempfile.TemporaryDirectory() as directory:
-        checkpoint = bench.write_llama_checkpoint(directory, **bench.LLAMA_125M,
-                                                  max_position_embeddings=prompt_len + args.new_tokens)
+        checkpoint = args.checkpoint or bench.write_llama_checkpoint(
+            directory, **bench.LLAMA_125M, max_position_embeddings=prompt_len + args.new_tokens)
         model = models.from_pretrained(checkpoint, max_len=prompt_len + args.new_tokens, batch_size=args.batch,
-                                       weights=None if args.weights == "float32" else args.weights)
+                                       weights=weights)
     prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (args.batch, prompt_len))
 
     def generations(count):

@@ -20,7 +20,8 @@ from kvattn.kernels import native, route
 from kvattn.layer.forward import extend
 
 HEAD_DIM = 16
-needs_native = pytest.mark.skipif(not native.available(), reason="kvattn's native kernels are not built or cannot run")
+def needs_native(target):
+    return pytest.mark.skipif(not native.available(target), reason=f"{target} is not built or cannot run here")
 
 
 # ------------------------------------------------------------------ the rule
@@ -102,7 +103,7 @@ def test_auto_runs_no_pallas_kernel_off_a_gpu(monkeypatch, options):
     assert "pallas_call" not in attention_jaxpr(config(**options), write_first=True)
 
 
-@needs_native
+@needs_native(native.DECODE_ATTENTION)
 def test_auto_runs_the_native_kernel_on_a_cpu_for_a_decode_step_it_serves():
     """A contiguous float32 heads-major cache, read first or (a ring) written first; never prefill, never XLA's else."""
     runs = (({"cache_layout": "heads_major"}, False), ({"cache_layout": "heads_major", "window": 32}, True))
@@ -114,7 +115,7 @@ def test_auto_runs_the_native_kernel_on_a_cpu_for_a_decode_step_it_serves():
             assert native.DECODE_ATTENTION not in attention_jaxpr(config(**options), write_first=True), why
 
 
-@needs_native
+@needs_native(native.PAGED_DECODE_ATTENTION)
 def test_auto_runs_the_native_paged_kernel_on_a_cpu_for_a_decode_step_it_serves(monkeypatch):
     """A float32 heads-major pool without a window or soft-cap; never a chunk, never a pool it cannot read."""
     heads = dict(**PAGED, cache_layout="heads_major")
@@ -129,7 +130,7 @@ def test_auto_runs_the_native_paged_kernel_on_a_cpu_for_a_decode_step_it_serves(
     assert native.PAGED_DECODE_ATTENTION not in attention_jaxpr(config(**heads))
 
 
-@needs_native
+@needs_native(native.PREFILL_ATTENTION)
 def test_auto_runs_the_native_prefill_kernel_on_a_cpu_for_a_chunk_it_serves(monkeypatch):
     """A chunk read first over a contiguous float32 heads-major cache; never a step, never where XLA's path is kept."""
     assert native.PREFILL_ATTENTION in attention_jaxpr(config(cache_layout="heads_major"), num_new=3)

@@ -628,14 +628,14 @@ def _read_max_example(rng):
 
 # The kernels, once: what registers, self-tests and differentiates each, and what the harness runs.
 KERNELS = (
-    # The int8 dot, the panel dots and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s
+    # The dots, decode attention and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s
     # `Avx512`; the int8 dot's first needs AVX512-VNNI too, which it asks for itself).
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx2",), _int8_example, differentiable=False, tolerance=0.0),
     Kernel("int4_dot", int4_dot, int4_dot_on_xla, ("avx2",), _int4_example, differentiable=False),
     Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx2", "fma"), _f32_example),
     Kernel("bf16_dot", bf16_dot, bf16_dot_on_xla, ("avx2", "fma"), _bf16_example),
-    Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx512f",), _decode_example),
-    Kernel("paged_decode_attention", paged_decode_attention, paged_decode_attention_on_xla, ("avx512f",),
+    Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx2", "fma"), _decode_example),
+    Kernel("paged_decode_attention", paged_decode_attention, paged_decode_attention_on_xla, ("avx2", "fma"),
            _paged_decode_example),
     Kernel("paged_prefill_attention", paged_prefill_attention, paged_prefill_attention_on_xla, ("avx512f",),
            _paged_prefill_example),

@@ -26,6 +26,8 @@
 // one gathers its pages into views first), with a scores dot, a masked
 // softmax and a values dot as separate thunks; this reads the visible
 // slots once per (b, k), splitting the pairs over XLA's intra-op thread pool.
+//
+// AVX-512 (`Pair`), else AVX2 and FMA (`PairAvx2`, sixteen lanes as two halves: the same bits).
 
 #include <algorithm>
 #include <cmath>
@@ -122,6 +124,72 @@ KVATTN_AVX512 void Pair(const float* q, Slots keys, Slots values, int64_t visibl
 }
 
 
+// `Pair` on AVX2, sixteen lanes as two halves (`kvattn::F16`): the same operations lane for lane, the same bits.
+template <typename Slots>
+KVATTN_AVX2 void PairAvx2(const float* q, Slots keys, Slots values, int64_t visible, int64_t G, int64_t H, float* o,
+                          float* total, float* top, std::vector<float>& scores) {
+  using kvattn::F16;
+  const int64_t chunks = H / 16;
+  const int64_t padded = (visible + 15) / 16 * 16;
+  scores.assign(G * padded, -std::numeric_limits<float>::infinity());
+  for (int64_t first = 0; first < visible; first += keys.span) {
+    const float* run = keys.at(first);
+    const int64_t count = std::min(keys.span, visible - first);
+    for (int64_t s = 0; s < count; ++s) {
+      const float* key = run + s * H;
+      for (int64_t g = 0; g < G; ++g) {
+        F16 acc = kvattn::Splat16(0.0f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          acc = kvattn::Fmadd16(kvattn::Load16(q + g * H + 16 * c), kvattn::Load16(key + 16 * c), acc);
+        }
+        scores[g * padded + first + s] = kvattn::Sum16(acc);
+      }
+    }
+  }
+  const F16 every = kvattn::Lanes16(16);
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores.data() + g * padded;
+    F16 best = kvattn::Splat16(-std::numeric_limits<float>::infinity());
+    __m256 unordered = _mm256_setzero_ps();
+    for (int64_t s = 0; s < padded; s += 16) kvattn::Fold16(kvattn::Load16(row + s), every, best, unordered);
+    const float high = visible ? kvattn::Maximum16(best, unordered) : -std::numeric_limits<float>::infinity();
+    F16 sum = kvattn::Splat16(0.0f);
+    for (int64_t s = 0; s < padded; s += 16) {
+      const F16 w = kvattn::Keep16(kvattn::Lanes16(visible - s),
+                                   kvattn::Exp16(kvattn::Sub16(kvattn::Load16(row + s), kvattn::Splat16(high))));
+      kvattn::Store16(row + s, w);
+      sum = kvattn::Add16(sum, w);
+    }
+    top[g] = high;
+    total[g] = kvattn::Sum16(sum);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* weights = scores.data() + g * padded;
+      F16 acc = kvattn::Splat16(0.0f);
+      for (int64_t first = 0; first < visible; first += values.span) {
+        const float* run = values.at(first) + 16 * c;
+        const int64_t count = std::min(values.span, visible - first);
+        for (int64_t s = 0; s < count; ++s) {
+          acc = kvattn::Fmadd16(kvattn::Splat16(weights[first + s]), kvattn::Load16(run + s * H), acc);
+        }
+      }
+      kvattn::Store16(o + g * H + 16 * c, acc);
+    }
+  }
+}
+
+// One (b, k) pair on the CPU's body.
+template <typename Slots>
+void OnePair(bool wide, const float* q, Slots keys, Slots values, int64_t visible, int64_t G, int64_t H, float* o,
+            float* total, float* top, std::vector<float>& scores) {
+  if (wide) {
+    Pair(q, keys, values, visible, G, H, o, total, top, scores);
+  } else {
+    PairAvx2(q, keys, values, visible, G, H, o, total, top, scores);
+  }
+}
+
 using Rank4 = ffi::Buffer<ffi::F32, 4>;
 using Rank3 = ffi::Buffer<ffi::F32, 3>;
 using Lengths = ffi::Buffer<ffi::S32, 1>;
@@ -142,12 +210,13 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values, Leng
   float* op = o->typed_data();
   float* tp = total->typed_data();
   float* mp = top->typed_data();
+  const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t n = std::clamp<int64_t>(seen[pair / K], 0, S);
-      Pair(qp + pair * G * H, Contiguous{kp + pair * S * H, H, S}, Contiguous{vp + pair * S * H, H, S}, n, G, H,
-           op + pair * G * H, tp + pair * G, mp + pair * G, scores);
+      OnePair(wide, qp + pair * G * H, Contiguous{kp + pair * S * H, H, S}, Contiguous{vp + pair * S * H, H, S}, n,
+              G, H, op + pair * G * H, tp + pair * G, mp + pair * G, scores);
     }
   });
 }
@@ -173,13 +242,14 @@ ffi::Future AttendPages(ffi::ThreadPool pool, Rank4 q, Rank4 keys, Rank4 values,
   float* op = o->typed_data();
   float* sp = total->typed_data();
   float* mp = top->typed_data();
+  const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
     std::vector<float> scores;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t b = pair / K, k = pair % K;
       const int64_t n = std::clamp<int64_t>(seen[b], 0, M * page);
-      Pair(qp + pair * G * H, Pages{kp, tp + b * M, P, K, k, H, page}, Pages{vp, tp + b * M, P, K, k, H, page}, n,
-           G, H, op + pair * G * H, sp + pair * G, mp + pair * G, scores);
+      OnePair(wide, qp + pair * G * H, Pages{kp, tp + b * M, P, K, k, H, page},
+              Pages{vp, tp + b * M, P, K, k, H, page}, n, G, H, op + pair * G * H, sp + pair * G, mp + pair * G, scores);
     }
   });
 }

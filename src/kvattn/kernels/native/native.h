@@ -124,6 +124,97 @@ KVATTN_AVX512 inline float Maximum(__m512 top, __mmask16 unordered) {
   return unordered ? __builtin_nanf("") : _mm512_reduce_max_ps(top);
 }
 
+// ------------------------------------------------------------------ sixteen lanes on AVX2
+
+// Sixteen float lanes as two 256-bit halves: what a kernel's AVX2 body works in where its AVX-512 body works
+// in one __m512. Each operation below does what its AVX-512 counterpart does, lane for lane and in the same
+// order (the reductions as GCC's `_mm512_reduce_*_ps` do), so the two bodies give the same bits.
+struct F16 {
+  __m256 lo, hi;
+};
+
+KVATTN_AVX2 inline F16 Load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+
+KVATTN_AVX2 inline void Store16(float* p, F16 x) {
+  _mm256_storeu_ps(p, x.lo);
+  _mm256_storeu_ps(p + 8, x.hi);
+}
+
+KVATTN_AVX2 inline F16 Splat16(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+
+KVATTN_AVX2 inline F16 Add16(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+
+KVATTN_AVX2 inline F16 Sub16(F16 a, F16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+
+KVATTN_AVX2 inline F16 Mul16(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+
+KVATTN_AVX2 inline F16 Fmadd16(F16 a, F16 b, F16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+
+// All ones in the lanes below `count`, zero in the others (a __mmask16 of those lanes).
+KVATTN_AVX2 inline F16 Lanes16(int64_t count) {
+  const __m256i n = _mm256_set1_epi32(static_cast<int32_t>(std::clamp<int64_t>(count, 0, 16)));
+  const __m256i low = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return {_mm256_castsi256_ps(_mm256_cmpgt_epi32(n, low)),
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(n, _mm256_add_epi32(low, _mm256_set1_epi32(8))))};
+}
+
+// x in `lanes`, +0 elsewhere (`_mm512_maskz_mov_ps`).
+KVATTN_AVX2 inline F16 Keep16(F16 lanes, F16 x) {
+  return {_mm256_and_ps(lanes.lo, x.lo), _mm256_and_ps(lanes.hi, x.hi)};
+}
+
+// The sum of the sixteen lanes in `_mm512_reduce_add_ps`'s order: halves, quarters, pairs, then the last two.
+KVATTN_AVX2 inline float Sum16(F16 x) {
+  const __m256 t3 = _mm256_add_ps(x.hi, x.lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1))));
+}
+
+// `Exp` on AVX2: the same polynomial; p * 2^n (scalef's one rounding) as two exact scalings by powers of two,
+// 2^(n - n/2) and 2^(n/2), each a normal float for n >= -150 (x >= -104).
+KVATTN_AVX2 inline __m256 Exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-104.0f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i whole = _mm256_cvtps_epi32(n);  // NaN gives INT_MIN: the product stays p's NaN
+  const __m256i half = _mm256_srai_epi32(whole, 1), rest = _mm256_sub_epi32(whole, half);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+  const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+}
+
+KVATTN_AVX2 inline F16 Exp16(F16 x) { return {Exp8(x.lo), Exp8(x.hi)}; }
+
+// `Fold` on AVX2: the lanes of x in `lanes` folded into `top` (maxps, x second), NaN lanes into `unordered`.
+KVATTN_AVX2 inline void Fold16(F16 x, F16 lanes, F16& top, __m256& unordered) {
+  top.lo = _mm256_blendv_ps(top.lo, _mm256_max_ps(top.lo, x.lo), lanes.lo);
+  top.hi = _mm256_blendv_ps(top.hi, _mm256_max_ps(top.hi, x.hi), lanes.hi);
+  unordered = _mm256_or_ps(unordered, _mm256_and_ps(lanes.lo, _mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q)));
+  unordered = _mm256_or_ps(unordered, _mm256_and_ps(lanes.hi, _mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q)));
+}
+
+// `Maximum` on AVX2: NaN when any lane held one, else the largest lane in `_mm512_reduce_max_ps`'s order.
+KVATTN_AVX2 inline float Maximum16(F16 top, __m256 unordered) {
+  if (_mm256_movemask_ps(unordered)) return __builtin_nanf("");
+  const __m256 t3 = _mm256_max_ps(top.hi, top.lo);
+  const __m128 t6 = _mm_max_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_max_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_max_ps(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(0, 1, 0, 1))));
+}
+
 #endif  // KVATTN_X86
 
 }  // namespace kvattn
