@@ -18,6 +18,9 @@ the median of `repeats`:
   int4, native            `kvattn.kernels.dots.dense` of an `Int4Weights`
                           (`kvattn.math.int4`: 4-bit values, a bfloat16
                           scale per 32 inputs) on kvattn's native 4-bit dot
+  int4, native (tiled)    the same on a `TiledInt4Weights` (eight outputs'
+                          blocks side by side: what int4 models store where
+                          the native dot runs)
   int4, XLA's twin        the same dot as XLA runs it where the native one
                           cannot (its twin: a batched int8 dot per group)
   int8                    `kvattn.kernels.dots.dense` of an `Int8Weights`: W int8
@@ -132,7 +135,9 @@ def _variants() -> dict[str, tuple[Any, Any]]:
         **({"float32, native (panels)": (dots.dense, panels)} if panels else {}),
         **({"bfloat16, native (panels)": (dots.dense, bf16_panels)} if bf16_panels else {}),
         **({"int8, native (tiled)": (dots.dense, device(tiled))} if tiled else {}),
-        **({"int4, native": (dots.dense, device(four))} if native.available(native.INT4_DOT) else {}),
+        **({"int4, native": (dots.dense, device(four)),
+            "int4, native (tiled)": (dots.dense, device([int4.tile(w) for w in four]))}
+           if native.available(native.INT4_DOT) else {}),
         "int4, XLA's twin": (four_on_xla, device(four)),
         "int8": (dots.dense, device(int8)),
         "int8, one row unpadded": (unpadded, device(int8)),

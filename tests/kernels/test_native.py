@@ -75,7 +75,7 @@ def _int8_cases(rng):
 # ------------------------------------------------------------------ int4_dot
 
 
-def _int4_case(rng, rows, inputs, outputs, group, poison=None):
+def _int4_case(rng, rows, inputs, outputs, group, poison=None, tiled=False):
     a = rng.integers(-128, 128, (rows, inputs), dtype=np.int8)
     weights = int4.quantize_groups(rng.standard_normal((inputs, outputs)).astype(np.float32), group)
     scale = weights.scale.copy()
@@ -88,6 +88,9 @@ def _int4_case(rng, rows, inputs, outputs, group, poison=None):
     sums = np.einsum("mgk,ngk->mng", a.astype(np.int64).reshape(rows, inputs // group, group), values)
     with np.errstate(invalid="ignore"):
         want = (sums * scale.astype(np.float64)[None]).sum(-1)
+    if tiled:  # the same weights, eight outputs' blocks side by side
+        tiles = int4.tile(int4.Int4Weights(weights.packed, scale))
+        return (a, tiles.tiles, tiles.scale), want
     return (a, weights.packed, scale), want
 
 
@@ -98,12 +101,16 @@ def _int4_cases(rng):
     shapes = {"1x32x8-g32": (1, 32, 8, 32), "3x256x13-g128": (3, 256, 13, 128), "9x64x1-g32": (9, 64, 1, 32),
               "0x64x16-g64": (0, 64, 16, 64), "2x96x296-g32": (2, 96, 296, 32), "1x256x16-g128": (1, 256, 16, 128),
               "2x512x24-g32": (2, 512, 24, 32)}  # whole eights of groups: scales read eight groups at a time
-    return {name: _int4_case(rng, *shape) for name, shape in shapes.items()}
+    # Tiled: one row and two (each its own pass), more (blocked), and 37 tiles.
+    tiled = {"tiled-1x256x16-g32": (1, 256, 16, 32), "tiled-2x96x296-g32": (2, 96, 296, 32),
+             "tiled-5x256x24-g128": (5, 256, 24, 128), "tiled-0x64x8-g64": (0, 64, 8, 64)}
+    return {**{name: _int4_case(rng, *shape) for name, shape in shapes.items()},
+            **{name: _int4_case(rng, *shape, tiled=True) for name, shape in tiled.items()}}
 
 
 def _int4_poisons(rng):
-    return {f"{poison}, {rows} rows": _int4_case(rng, rows, 256, 16, 32, poison)
-            for poison in ("a NaN scale", "inf scales") for rows in (1, 3)}
+    return {f"{poison}, {rows} rows{', tiled' if tiled else ''}": _int4_case(rng, rows, 256, 16, 32, poison, tiled)
+            for poison in ("a NaN scale", "inf scales") for rows in (1, 3) for tiled in (False, True)}
 
 
 # ------------------------------------------------------------------- f32_dot
@@ -349,6 +356,9 @@ HARNESS = {
         ([(3, 64), (8, 32), (8, 4)], [np.int8, np.uint8, jnp.bfloat16], ValueError,
          r"the group a multiple of 32 dividing D; got int8\(3, 64\), uint8\(8, 32\), bfloat16\(8, 4\)"),
         ([(3, 48), (8, 32), (8, 2)], [np.int8, np.uint8, jnp.bfloat16], ValueError, r"rows \(M, D\), packed"),
+        ([(3, 64), (2, 2, 8, 16), (2, 2)], [np.int8, np.uint8, jnp.bfloat16], ValueError,
+         r"packed \(N / 8, D / 32, 8, 16\) .*; got int8\(3, 64\), uint8\(2, 2, 8, 16\), bfloat16\(2, 2\)"),
+        ([(3, 64), (2, 2, 4, 16), (2, 2, 4)], [np.int8, np.uint8, jnp.bfloat16], ValueError, r"scales \(N / 8"),
     )),
     native.F32_DOT: Harness(_f32_cases, _f32_poisons, misuses=(
         ([(3, 8), (2, 8, 16)], [np.float64, F32], TypeError, "rows must be float32, got float64"),
@@ -554,6 +564,18 @@ def test_a_dot_gives_each_row_the_same_bits_alone(target):
     got = np.asarray(entry.wrapper(x, *weights))
     for row in (0, 8, 20):
         np.testing.assert_array_equal(np.asarray(entry.wrapper(x[row:row + 1], *weights))[0], got[row])
+
+
+def test_the_4_bit_dot_gives_rows_and_tiles_the_same_bits():
+    """Tiling moves the blocks, not the sums: one row, two, and a blocked batch."""
+    entry = native.kernel(native.INT4_DOT)
+    _needs(entry)
+    rng = np.random.default_rng(8)
+    for rows in (1, 2, 9):
+        (x, packed, scale), _ = _int4_case(rng, rows, 512, 40, 32)
+        tiles = int4.tile(int4.Int4Weights(packed, scale))
+        np.testing.assert_array_equal(np.asarray(native.int4_dot(x, tiles.tiles, tiles.scale)),
+                                      np.asarray(native.int4_dot(x, packed, scale)))
 
 
 # The kernels with an AVX-512 body and an AVX2 one (`native.h`'s `Avx512`; KVATTN_NATIVE_AVX2 picks the second).

@@ -22,7 +22,7 @@ from hypothesis import given
 
 from kvattn import models
 from kvattn.config import RoPE
-from kvattn.kernels import dots, native
+from kvattn.kernels import dots, native, route
 from kvattn.math import int4, quant
 from kvattn.models import ModelConfig, layers
 from kvattn.models.layers import Linear
@@ -77,26 +77,49 @@ def test_packing_holds_every_value_in_q4_0_order(outputs, blocks, seed):
     np.testing.assert_array_equal(packed[:, :16] >> 4, values[:, 16:32] + 8)
 
 
-def test_the_form_gives_back_its_kernel_its_stored_arrays_and_its_rows():
+FORMS = [int4.Int4Weights, int4.TiledInt4Weights]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_form_gives_back_its_kernel_its_stored_arrays_and_its_rows(form):
     kernel = _kernel(64, (2, 16))
-    weights = int4.Int4Weights.from_float(kernel, (2, 16), np.float32)
+    weights = form.from_float(kernel, (2, 16), np.float32)
     back = np.asarray(weights.to_float())
     assert back.shape == (64, 2, 16) and np.abs(back - kernel).max() <= np.abs(kernel).max() / 8
+    np.testing.assert_array_equal(back, np.asarray(int4.quantize_groups(kernel).to_float()))  # the layout only
     main, scale = weights.stored()
-    again = int4.Int4Weights.from_stored(jnp.asarray(main), jnp.asarray(scale), (2, 16))
+    again = form.from_stored(jnp.asarray(main), jnp.asarray(scale), (2, 16))
     np.testing.assert_array_equal(np.asarray(again.to_float()), back)
-    table = int4.Int4Weights.from_float(_kernel(64, (40,)), (40,), np.float32)
+    table = form.from_float(_kernel(64, (40,)), (40,), np.float32)
     ids = jnp.asarray([[0, 39], [17, 17]])
     got = np.asarray(jax.jit(table.rows, static_argnums=1)(ids, jnp.float32))
     np.testing.assert_array_equal(got, np.asarray(table.to_float()).T[np.asarray(ids)])
-    blank = int4.Int4Weights.blank((64,), (2, 16), np.float32)
-    assert blank.packed.shape == weights.packed.shape and not np.asarray(blank.to_float()).any()
+    blank = form.blank((64,), (2, 16), np.float32)
+    assert [a.shape for a in blank.stored()] == [a.shape for a in weights.stored()]
+    assert not np.asarray(blank.to_float()).any()
 
 
+def test_tiles_hold_eight_outputs_blocks_side_by_side_and_untile_back():
+    weights = int4.quantize_groups(_kernel(64, (3, 8)))
+    tiled = int4.tile(weights)
+    assert tiled.tiles.shape == (3, 2, 8, 16) and tiled.scale.shape == (3, 2, 8) and tiled.features == (3, 8)
+    packed = weights.packed.reshape(24, 2, 16)
+    np.testing.assert_array_equal(tiled.tiles[1, 1, 5], packed[13, 1])  # output 8 + 5, block 1
+    scales = weights.scale.reshape(24, 2).view(np.uint16)
+    np.testing.assert_array_equal(tiled.scale[2, 0].view(np.uint16), scales[16:, 0])
+    for back in (int4.untile(tiled), int4.untile(int4.tile(jax.tree.map(jnp.asarray, weights)))):
+        np.testing.assert_array_equal(np.asarray(back.packed), weights.packed)
+        np.testing.assert_array_equal(np.asarray(back.scale).view(np.uint16), weights.scale.view(np.uint16))
+    with pytest.raises(ValueError, match="outputs in whole tiles of 8, got 12"):
+        int4.tile(int4.quantize_groups(_kernel(64, (12,))))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("lead", [(1,), (5,), (2, 3)])
-def test_the_dot_is_the_float64_product_of_what_it_holds(lead, group):
+def test_the_dot_is_the_float64_product_of_what_it_holds(lead, group, tiled):
     weights = int4.quantize_groups(_kernel(256, (3, 16), seed=4), group)
+    weights = int4.tile(weights) if tiled else weights
     x = jax.random.normal(jax.random.key(5), (*lead, 256))
     got = np.asarray(jax.jit(dots.dense)(x, weights), np.float64)
     assert got.shape == (*lead, 3, 16)
@@ -136,17 +159,22 @@ def test_what_4_bit_groups_cannot_hold_is_refused():
 def test_stored_a_slice_at_a_time_the_form_is_the_whole_form_bit_for_bit(inputs, inner, first, slice_bytes, seed,
                                                                          joined):
     """As `tests/models/test_layers.py` checks the other forms: from slices of outputs (of a fused kernel's parts
-    too, a `Joined`), the form of the whole kernel."""
+    too, a `Joined`), the form of the whole kernel, rows and tiles."""
+    for form in FORMS:
+        _stored_a_slice_at_a_time(form, inputs, inner, first, slice_bytes, seed, joined)
+
+
+def _stored_a_slice_at_a_time(form, inputs, inner, first, slice_bytes, seed, joined):
     features = (first * 16, *inner)
     kernel = np.random.default_rng(seed).standard_normal((*inputs, *features)).astype(np.float32)
-    want = int4.Int4Weights.from_float(kernel, features, np.float32)
+    want = form.from_float(kernel, features, np.float32)
     source = kernel
     if joined and len(inputs) == 1:
         cut = sorted({0, features[0] // 3, features[0]})
         source = layers.tensors.Joined([kernel[:, a:b] for a, b in zip(cut, cut[1:]) if a < b], 1)
     saved, layers.tensors.SLICE_BYTES = layers.tensors.SLICE_BYTES, slice_bytes
     try:
-        got = layers.stored_form(int4.Int4Weights, source, features, np.float32)
+        got = layers.stored_form(form, source, features, np.float32)
     finally:
         layers.tensors.SLICE_BYTES = saved
     for a, b in zip(got.stored(), want.stored(), strict=True):
@@ -190,7 +218,8 @@ def test_an_int4_model_computes_what_its_dequantized_kernels_do_but_for_its_rows
     dequantized kernels by the activations' int8 rounding only (what int8 weights also pay, ~1% here), and off
     float32 by the 4-bit rounding (~11% of the largest logit here; int8 ~1%)."""
     compact, full = _initialised("int4"), _initialised(None)
-    assert compact.embed_form is int4.Int4Weights
+    tiled = route.use_int4_tiles(CONFIG.vocab_size)
+    assert compact.embed_form is (int4.TiledInt4Weights if tiled else int4.Int4Weights)
     tokens = jax.random.randint(jax.random.key(1), (3, 12), 0, CONFIG.vocab_size)
     got, want = np.asarray(full_forward(compact, tokens)), np.asarray(full_forward(_dequantized(compact), tokens))
     assert _error(got, want) < 0.03
@@ -216,9 +245,11 @@ def test_an_int4_checkpoint_holds_4_bit_kernels_and_decodes_through_its_caches_a
     assert_decodes_as_its_forward(model, want, full_forward)
 
 
-def test_the_dot_on_xla_computes_what_the_native_dot_does(monkeypatch):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_dot_on_xla_computes_what_the_native_dot_does(monkeypatch, tiled):
     """Where the native 4-bit dot cannot run (another backend, a CPU without AVX2), XLA's twin runs instead."""
     weights = int4.quantize_groups(_kernel(128, (40,), seed=8))
+    weights = int4.tile(weights) if tiled else weights
     x = jax.random.normal(jax.random.key(9), (5, 128))
     here = np.asarray(jax.jit(lambda x, w: dots.dense(x, w))(x, weights))
     monkeypatch.setattr(native, "available", lambda target=None: False)

@@ -64,11 +64,14 @@ def _int8_dense(x, kernel: quant.Int8Weights | quant.TiledInt8Weights):
     return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
 
 
-def _int4_dense(x, kernel: int4.Int4Weights):
+def _int4_dense(x, kernel: int4.Int4Weights | int4.TiledInt4Weights):
     """Per row int8 `x` by the 4-bit values, one exact int32 sum per group, scaled per group and summed in float32."""
     flat = x.reshape(-1, x.shape[-1])
     values, row_scale = quant.quantize_rows(flat)
-    packed, scale = kernel.packed.reshape(-1, kernel.inputs // 2), kernel.scale.reshape(-1, kernel.scale.shape[-1])
+    if isinstance(kernel, int4.TiledInt4Weights):
+        packed, scale = kernel.tiles, kernel.scale
+    else:
+        packed, scale = kernel.packed.reshape(-1, kernel.inputs // 2), kernel.scale.reshape(-1, kernel.scale.shape[-1])
     y = route.int4_dot(values, packed, scale) * row_scale
     return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
 
@@ -77,4 +80,5 @@ def _int4_dense(x, kernel: int4.Int4Weights):
 _DOTS = {
     quant.FloatWeights: _float_dense, quant.TableWeights: _table_dense, quant.PanelWeights: _panel_dense,
     quant.Int8Weights: _int8_dense, quant.TiledInt8Weights: _int8_dense, int4.Int4Weights: _int4_dense,
+    int4.TiledInt4Weights: _int4_dense,
 }

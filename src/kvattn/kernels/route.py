@@ -19,7 +19,7 @@ as `cache_kernel` passes it on) and from what the call asks:
   forced mode (`"pallas"`, `"interpret"`) leaves chunks on XLA rather than
   refusing them; a paged chunk takes the native paged prefill kernel under
   the same rule (`native_paged_limits`).
-- **a weight dot** (`use_panels`, `use_tiles`: which form a model stores;
+- **a weight dot** (`use_panels`, `use_tiles`, `use_int4_tiles`: which form a model stores;
   `panel_dot`, `tiled_dot`, `int4_dot`: what `kvattn.kernels.dots.dense` runs): the
   native dots where they are available on the CPU backend, XLA's dot of the
   same values everywhere else (chosen per platform at lowering).
@@ -46,7 +46,7 @@ from kvattn.math import quant
 __all__ = [
     "bfloat16_weights", "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "int4_dot",
     "native_limits", "native_paged_limits", "on_gpu", "paged_limits", "paged_path", "panel_dot", "step_path",
-    "tiled_dot", "use_panels", "use_tiles",
+    "tiled_dot", "use_int4_tiles", "use_panels", "use_tiles",
 ]
 
 
@@ -342,6 +342,11 @@ def bfloat16_weights() -> bool:
     return use_panels(quant.PANEL_OUTPUTS, jnp.bfloat16)
 
 
+def use_int4_tiles(outputs: int) -> bool:
+    """Whether a 4-bit kernel of `outputs` is best stored tiled here: whole tiles of 8, and the native dot runs."""
+    return outputs % 8 == 0 and jax.default_backend() == "cpu" and native.available(native.INT4_DOT)
+
+
 def use_tiles(outputs: int, inputs: int) -> bool:
     """Whether an int8 kernel of this shape is best stored tiled here: it fits, and the native dot runs here."""
     return quant.can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available(native.INT8_DOT)
@@ -356,9 +361,9 @@ def panel_dot(rows: Float[Array, "M D"], panels: Shaped[Array, "Np D 16"]) -> Fl
     return lax.platform_dependent(rows, panels, cpu=dot, default=twin)
 
 
-def int4_dot(values: Int8[Array, "M D"], packed: UInt8[Array, "N Dh"], scale) -> Float[Array, "M N"]:
-    """The group-scaled float32 sums of int8 `values` by 4-bit weights: the native dot on the CPU, XLA's twin
-    elsewhere."""
+def int4_dot(values: Int8[Array, "M D"], packed: UInt8[Array, "..."], scale) -> Float[Array, "M N"]:
+    """The group-scaled float32 sums of int8 `values` by 4-bit weights (either layout of
+    `kvattn.kernels.native.int4_dot`): the native dot on the CPU, XLA's twin elsewhere."""
     if not native.available(native.INT4_DOT):
         return native.int4_dot_on_xla(values, packed, scale)
     return lax.platform_dependent(values, packed, scale, cpu=native.int4_dot, default=native.int4_dot_on_xla)

@@ -14,6 +14,9 @@ inputs (Q4_0's order): byte `i` of a block holds input `i` in its low
 nibble and input `i + 16` in its high one, so unpacking 16 bytes with a
 mask and a shift gives 32 consecutive inputs.
 
+`TiledInt4Weights` holds the same blocks with eight outputs' blocks side by
+side (`tile`), the layout kvattn's native 4-bit dot reads as one stream.
+
 `kvattn.kernels.dots.dense` multiplies such a kernel as the int8 one:
 `x` quantized per row to int8 (`kvattn.math.quant.quantize_rows`), each
 group's int8 products summed exactly in int32, and the group sums scaled
@@ -31,10 +34,13 @@ from jaxtyping import Array, BFloat16, Int8, UInt8
 
 from kvattn.math import quant
 
-__all__ = ["BLOCK", "GROUP", "Int4Weights", "pack", "quantize_groups", "unpack"]
+__all__ = ["BLOCK", "GROUP", "TILE_OUTPUTS", "Int4Weights", "TiledInt4Weights", "pack", "quantize_groups", "tile",
+           "unpack", "untile"]
 
 # Inputs per packed block (16 bytes), and the default inputs per scale.
 BLOCK, GROUP = 32, 32
+# Outputs whose blocks a `TiledInt4Weights` tile holds side by side (int32 lanes of a 256-bit vector).
+TILE_OUTPUTS = 8
 
 
 @quant.register_form(("packed", "scale"))
@@ -84,6 +90,77 @@ class Int4Weights(quant.Form):
         """Rows `(*B, D)` of outputs `ids`: their values times their groups' scales, in `dtype`."""
         take = functools.partial(jnp.take, indices=ids, axis=0)
         return _dequantized(take(jnp.asarray(self.packed)), take(jnp.asarray(self.scale))).astype(dtype)
+
+
+@quant.register_form(("tiles", "scale"), ("features",))
+class TiledInt4Weights(quant.Form):
+    """`Int4Weights` laid out for kvattn's native 4-bit dot: `tiles` uint8 `(N / 8, D / 32, 8, 16)` and a bfloat16
+    `scale` `(N / 8, D / group, 8)`.
+
+    `N` is the product of the output axes `features`, a multiple of 8. Tile
+    `t` holds outputs `8t..8t+7`: block `b` of each, 16 bytes in `pack`'s
+    order, side by side, then block `b + 1`; their scales the same way, so a
+    pass over eight outputs reads one stream. `tile` makes one from an
+    `Int4Weights`, `untile` gives it back.
+    """
+
+    tiles: UInt8[Array, "Nt Db 8 16"] | UInt8[np.ndarray, "Nt Db 8 16"]
+    scale: BFloat16[Array, "Nt G 8"] | BFloat16[np.ndarray, "Nt G 8"]
+    features: tuple[int, ...]
+
+    @property
+    def inputs(self) -> int:
+        return BLOCK * self.tiles.shape[1]
+
+    @property
+    def group(self) -> int:
+        return self.inputs // self.scale.shape[1]
+
+    @classmethod
+    def from_float(cls, kernel, features, dtype) -> TiledInt4Weights:
+        return tile(Int4Weights.from_float(kernel, features, dtype))
+
+    @classmethod
+    def blank(cls, inputs, features, dtype) -> TiledInt4Weights:
+        return tile(Int4Weights.blank(inputs, features, dtype))
+
+    def to_float(self):
+        return untile(self).to_float()
+
+    def rows(self, ids, dtype):
+        """Rows `(*B, D)` of outputs `ids`: their values times their groups' scales, in `dtype`."""
+        ids = jnp.asarray(ids)
+        tiles, scale = jnp.asarray(self.tiles), jnp.asarray(self.scale)
+        packed = tiles[ids // TILE_OUTPUTS, :, ids % TILE_OUTPUTS].reshape(*ids.shape, self.inputs // 2)
+        return _dequantized(packed, scale[ids // TILE_OUTPUTS, :, ids % TILE_OUTPUTS]).astype(dtype)
+
+
+def tile(weights: Int4Weights) -> TiledInt4Weights:
+    """`weights` as a `TiledInt4Weights` (NumPy for NumPy).
+
+    Raises:
+      ValueError: outputs that are not a multiple of 8.
+    """
+    outputs = math.prod(weights.features)
+    if outputs % TILE_OUTPUTS:
+        raise ValueError(f"tiled int4 weights need outputs in whole tiles of {TILE_OUTPUTS}, got {outputs}")
+    xp = _xp(weights.packed)
+    blocks, groups = weights.inputs // BLOCK, weights.scale.shape[-1]
+    tiles = xp.transpose(weights.packed.reshape(-1, TILE_OUTPUTS, blocks, BLOCK // 2), (0, 2, 1, 3))
+    scale = xp.transpose(weights.scale.reshape(-1, TILE_OUTPUTS, groups), (0, 2, 1))
+    if xp is np:
+        tiles, scale = np.ascontiguousarray(tiles), np.ascontiguousarray(scale)
+    return TiledInt4Weights(tiles, scale, weights.features)
+
+
+def untile(weights: Int4Weights | TiledInt4Weights) -> Int4Weights:
+    """The `Int4Weights` that `tile` laid out (an `Int4Weights` as it is)."""
+    if isinstance(weights, Int4Weights):
+        return weights
+    xp = _xp(weights.tiles)
+    packed = xp.transpose(weights.tiles, (0, 2, 1, 3)).reshape(*weights.features, weights.inputs // 2)
+    scale = xp.transpose(weights.scale, (0, 2, 1)).reshape(*weights.features, weights.scale.shape[1])
+    return Int4Weights(packed, scale)
 
 
 def _dequantized(packed, scale) -> jnp.ndarray:

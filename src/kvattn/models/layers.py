@@ -41,14 +41,15 @@ def storage_dtype(dtype, weights: str | None):
 
 def weight_form(outputs: int, inputs: int, dtype, *, weights: str | None) -> type[quant.Form]:
     """The form a projection of `outputs` by `inputs` stores here: int8 (tiled where the native int8 dot runs)
-    under `weights="int8"`; 4-bit groups under `weights="int4"` (`kvattn.math.int4`); panels where the native
+    under `weights="int8"`; 4-bit groups under `weights="int4"` (`kvattn.math.int4`, tiled where the native 4-bit dot
+    runs); panels where the native
     dot runs, in float32 for a float32 model and in bfloat16 under `weights="bfloat16"` (whose dot sums in
     float32: a model computing in bfloat16 keeps XLA's dot); else the float kernel in the storage dtype
     (`storage_dtype`)."""
     if weights == "int8":
         return quant.TiledInt8Weights if route.use_tiles(outputs, inputs) else quant.Int8Weights
     if weights == "int4":
-        return int4.Int4Weights
+        return int4.TiledInt4Weights if route.use_int4_tiles(outputs) else int4.Int4Weights
     stored = storage_dtype(dtype, weights)
     paneled = (weights == "bfloat16" or stored == jnp.float32) and route.use_panels(outputs, stored)
     return quant.PanelWeights if paneled else quant.FloatWeights

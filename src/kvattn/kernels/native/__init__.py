@@ -6,8 +6,9 @@
   AVX2 (the same bits).
 - `int4_dot` (`int4_dot.cc`): the 4-bit dot of `kvattn.kernels.dots`, int8
   rows by 4-bit weights with a bfloat16 scale per group of inputs
-  (`kvattn.math.int4`), each group's sum exact in int32, scaled and summed
-  in float32 (AVX2).
+  (`kvattn.math.int4`, as an output's blocks one after another or tiled
+  eight outputs side by side), each group's sum exact in int32, scaled and
+  summed in float32 (AVX2).
 - `f32_dot` (`f32_dot.cc`): the float32 dot of panel kernels, rows by
   weights laid out once as contiguous panels of 16 outputs
   (`kvattn.math.quant.panel`); on AVX-512, else on AVX2 and FMA (the
@@ -258,32 +259,37 @@ def int8_dot(
 
 def int4_dot(
     rows: Int8[Array, "M D"] | Int8[np.ndarray, "M D"],
-    packed: UInt8[Array, "N Dh"] | UInt8[np.ndarray, "N Dh"],
-    scale: BFloat16[Array, "N G"] | BFloat16[np.ndarray, "N G"],
+    packed: UInt8[Array, "N Dh"] | UInt8[Array, "Nt Db 8 16"] | UInt8[np.ndarray, "..."],
+    scale: BFloat16[Array, "N G"] | BFloat16[Array, "Nt G 8"] | BFloat16[np.ndarray, "..."],
 ) -> Float[Array, "M N"]:
     """`sum_g scale[n, g] * (rows[m, g] @ values[n, g])` in float32, for the 4-bit `values (N, D)` `packed` holds.
 
     The int8 rows by the weights of `kvattn.math.int4.Int4Weights` (packed
-    and scales `(N, D / group)`): each group's products summed exactly in
-    int32, scaled, and summed over the groups in order in float32, so a
-    row's result does not depend on the other rows. CPU only, when
-    `available(INT4_DOT)`; under `vmap` it runs once per batch element.
+    `(N, D / 2)` and scales `(N, D / group)`) or of a `TiledInt4Weights`
+    (tiles `(N / 8, D / 32, 8, 16)` and scales `(N / 8, D / group, 8)`):
+    each group's products summed exactly in int32, scaled, and summed over
+    the groups in order in float32, so a row's result does not depend on the
+    other rows or the layout. CPU only, when `available(INT4_DOT)`; under
+    `vmap` it runs once per batch element.
 
     Raises:
       TypeError: rows not int8, packed not uint8 or scales not bfloat16.
-      ValueError: shapes other than rows `(M, D)`, packed `(N, D / 2)` and
-        scales `(N, D / group)` with a group a multiple of 32 dividing `D`.
+      ValueError: shapes other than those, with rows `(M, D)` and a group a
+        multiple of 32 dividing `D`.
       RuntimeError: the kernel cannot run here.
     """
     _expect_dtype("int4_dot", jnp.int8, rows=rows)
     _expect_dtype("int4_dot", jnp.uint8, packed=packed)
     _expect_dtype("int4_dot", jnp.bfloat16, scale=scale)
-    inputs, groups = 2 * packed.shape[-1], scale.shape[-1] if scale.ndim else 0
-    _expect(rows.ndim == 2 and packed.ndim == 2 and scale.ndim == 2 and rows.shape[1] == inputs > 0
-            and scale.shape[0] == packed.shape[0] and groups > 0 and inputs % groups == 0
-            and (inputs // groups) % 32 == 0, "int4_dot",
-            "rows (M, D), packed (N, D / 2) and scales (N, D / group), the group a multiple of 32 dividing D",
-            rows, packed, scale)
+    tiled = packed.ndim == 4
+    inputs = packed.shape[1] * int4.BLOCK if tiled else 2 * packed.shape[-1] if packed.ndim else 0
+    groups = scale.shape[1] if scale.ndim > 1 else 0
+    layout = (scale.ndim == 3 and packed.shape[2:] == (8, 16) and scale.shape[2] == 8 if tiled
+              else packed.ndim == 2 and scale.ndim == 2)
+    _expect(layout and rows.ndim == 2 and scale.shape[0] == packed.shape[0] and rows.shape[1] == inputs > 0
+            and groups > 0 and inputs % groups == 0 and (inputs // groups) % 32 == 0, "int4_dot",
+            "rows (M, D), packed (N, D / 2) and scales (N, D / group) or packed (N / 8, D / 32, 8, 16) and scales "
+            "(N / 8, D / group, 8), the group a multiple of 32 dividing D", rows, packed, scale)
     _ready(INT4_DOT, "int4_dot")
     return _call(INT4_DOT)(rows, packed, scale)
 
@@ -499,9 +505,12 @@ def int8_dot_on_xla(rows: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"])
     return jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
-def int4_dot_on_xla(rows: Int8[Array, "M D"], packed: UInt8[Array, "N Dh"],
-                    scale: BFloat16[Array, "N G"]) -> Float[Array, "M N"]:
+def int4_dot_on_xla(rows: Int8[Array, "M D"], packed: UInt8[Array, "..."], scale: BFloat16[Array, "..."]
+                    ) -> Float[Array, "M N"]:
     """What `int4_dot` computes, as XLA's int32 dots of each group of the unpacked values, on any backend."""
+    if packed.ndim == 4:  # tiles: the outputs' blocks back one after another
+        weights = int4.untile(int4.TiledInt4Weights(packed, scale, (packed.shape[0] * int4.TILE_OUTPUTS,)))
+        packed, scale = weights.packed, weights.scale
     groups = scale.shape[-1]
     group = 2 * packed.shape[-1] // groups
     values = int4.unpack(packed).reshape(packed.shape[0], groups, group)
