@@ -95,15 +95,16 @@ class TextStream:
     comes in one token or across several, and text that could still become
     one is held back until the next token shows whether it does.
 
-    >>> import tokenizers
-    >>> vocab = {"<unk>": 0, "▁have": 1, "▁w": 2, "121": 3, "▁but": 4}
-    >>> pieces = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>"))
-    >>> pieces.decoder = tokenizers.decoders.Metaspace()
-    >>> stream = TextStream(Tokenizer(pieces), stop=[" but"])
-    >>> [stream.push(token_id).text for token_id in (1, 2, 3)]
-    ['have', ' w', '121']
-    >>> stream.push(4), stream.finish()
-    (TextDelta(text='', stopped=True), TextDelta(text='', stopped=True))
+    Examples:
+      >>> import tokenizers
+      >>> vocab = {"<unk>": 0, "▁have": 1, "▁w": 2, "121": 3, "▁but": 4}
+      >>> pieces = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>"))
+      >>> pieces.decoder = tokenizers.decoders.Metaspace()
+      >>> stream = TextStream(Tokenizer(pieces), stop=[" but"])
+      >>> [stream.push(token_id).text for token_id in (1, 2, 3)]
+      ['have', ' w', '121']
+      >>> stream.push(4), stream.finish()
+      (TextDelta(text='', stopped=True), TextDelta(text='', stopped=True))
 
     Args:
       tokenizer: the `Tokenizer`.
