@@ -8,12 +8,12 @@
 // over eight outputs reads as one stream (`kvattn.math.int4.tile`; about 1.6x faster than eight streams).
 // Rows: int8 `(..., K)`, the rows `kvattn.kernels.dots` quantized.
 //
-// Eight outputs are worked on together. Each block of theirs is unpacked once into 32 bytes an output
-// (a mask and a shift: u = q + 8 in 0..15) and then read for every row: `vpmaddubsw` multiplies u by the
-// row's int8 values (pairs summed in int16; at most 2 * 15 * 128, no saturation) and `vpmaddwd` sums
-// those into eight int32 lanes; three rounds of horizontal adds fold the eight outputs' lanes into one
-// vector of their eight totals, and 8 * the block's sum of the row (the bias of u) is taken back. Each
-// group's sum is exact in int32; it is then converted, multiplied by its scale and added to the output's
+// Eight outputs are worked on together. Their blocks are unpacked in register (a mask and a shift: u = q + 8
+// in 0..15) and multiplied by a row's int8 values with `vpmaddubsw` (pairs summed in int16; at most
+// 2 * 15 * 128, no saturation), `vpmaddwd` summing those into int32 lanes; 8 * the block's sum of the row
+// (the bias of u) is taken back. One or two rows (a step) take `Row`, more rows (a prompt) `Outputs`, which
+// unpacks each block once for all of them, lanes transposed to one output each. Each group's sum is exact
+// in int32; it is then converted, multiplied by its scale and added to the output's
 // float32 sum, group after group in order, so a row's result does not depend on the rows beside it, and
 // a non-finite scale gives what the twin's product gives (0 * inf is NaN).
 //
@@ -41,13 +41,24 @@ constexpr int64_t kRowByRow = 2;  // up to this many rows, each is its own pass 
 
 #ifdef KVATTN_X86
 
-// The eight totals of eight vectors' lanes: out lane j = the sum of p[j]'s eight lanes.
-KVATTN_AVX2 inline __m256i Totals(const __m256i p[kOutputs]) {
-  const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
-  const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
-  const __m256i low = _mm256_hadd_epi32(h01, h23), high = _mm256_hadd_epi32(h45, h67);
-  // low's 128-bit halves hold outputs 0..3's sums over lanes 0..3 and 4..7; high's outputs 4..7's.
-  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+// Eight rows of eight 32-bit words transposed in place: r[j] held output j's words 0..7 (inputs 4q..4q+3 as
+// word q), r[q] then holds word q of outputs 0..7.
+KVATTN_AVX2 inline void Transpose8x8(__m256i r[kOutputs]) {
+  __m256i t[kOutputs], u[kOutputs];
+  for (int j = 0; j < kOutputs; j += 2) {
+    t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+    t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < kOutputs; j += 4) {
+    u[j] = _mm256_unpacklo_epi64(t[j], t[j + 2]);
+    u[j + 1] = _mm256_unpackhi_epi64(t[j], t[j + 2]);
+    u[j + 2] = _mm256_unpacklo_epi64(t[j + 1], t[j + 3]);
+    u[j + 3] = _mm256_unpackhi_epi64(t[j + 1], t[j + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2x128_si256(u[q], u[q + 4], 0x20);
+    r[q + 4] = _mm256_permute2x128_si256(u[q], u[q + 4], 0x31);
+  }
 }
 
 // `eight[k]` = the scales of group k of the eight outputs whose rows of scales start at `scale`, `stride`
@@ -160,15 +171,16 @@ KVATTN_AVX2 void Row(const int8_t* a, int64_t K, const Layout& w, int64_t group,
 }
 
 // Outputs [n, n + count) (count <= 8) for every row: `sums[m * blocks + b]` is 8 * row m's sum over block b.
+// Each block of the eight outputs is unpacked once and transposed (`Transpose8x8`) so that vector q holds
+// their inputs 4q..4q+3, lane j output j: for each row, eight `vpmaddubsw` by its four inputs broadcast and
+// `vpmaddwd` leave each output's exact block sum in its own lane, with no horizontal adds.
 template <typename Layout>
 KVATTN_AVX2 void Outputs(const int8_t* a, int64_t M, int64_t K, const Layout& w, int64_t group, const int32_t* sums,
-                         float* out, int64_t N, int64_t n, int64_t count, uint8_t* unpacked, float* acc,
-                         int32_t* exact) {
+                         float* out, int64_t N, int64_t n, int64_t count, float* acc, int32_t* exact) {
   const int64_t groups = K / group, blocks = K / kBlock, per_group = group / kBlock;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i nibble = _mm_set1_epi8(0x0F);
   std::memset(acc, 0, sizeof(float) * M * kOutputs);
-  std::memset(unpacked, 0, kOutputs * kBlock);  // outputs past `count` stay zero
   for (int64_t g = 0; g < groups; ++g) {
     alignas(32) float d[kOutputs] = {};
     for (int64_t j = 0; j < count; ++j) {
@@ -177,23 +189,29 @@ KVATTN_AVX2 void Outputs(const int8_t* a, int64_t M, int64_t K, const Layout& w,
     }
     std::memset(exact, 0, sizeof(int32_t) * M * kOutputs);
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      for (int64_t j = 0; j < count; ++j) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block(n + j, b)));
-        const __m256i u =
-            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(unpacked + j * kBlock), u);
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * K + b * kBlock));
-        __m256i p[kOutputs];
-        for (int j = 0; j < kOutputs; ++j) {
-          const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(unpacked + j * kBlock));
-          p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones);
+      __m256i u[kOutputs];
+      for (int64_t j = 0; j < kOutputs; ++j) {  // outputs past `count` stay zero
+        if (j >= count) {
+          u[j] = _mm256_setzero_si256();
+          continue;
         }
-        const __m256i exact_m = _mm256_sub_epi32(Totals(p), _mm256_set1_epi32(sums[m * blocks + b]));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.block(n + j, b)));
+        u[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+      }
+      Transpose8x8(u);
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* x = a + m * K + b * kBlock;
+        __m256i total = _mm256_setzero_si256();
+        for (int q = 0; q < kOutputs; ++q) {
+          int32_t four;
+          std::memcpy(&four, x + 4 * q, sizeof(four));
+          const __m256i products = _mm256_maddubs_epi16(u[q], _mm256_set1_epi32(four));
+          total = _mm256_add_epi32(total, _mm256_madd_epi16(products, ones));
+        }
         int32_t* at = exact + m * kOutputs;
+        const __m256i block_sum = _mm256_sub_epi32(total, _mm256_set1_epi32(sums[m * blocks + b]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(at),
-                            _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), exact_m));
+                            _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)), block_sum));
       }
     }
     const __m256 scales = _mm256_load_ps(d);
@@ -211,7 +229,6 @@ template <typename Layout>
 void Part(const int8_t* rows, int64_t M, int64_t K, const Layout& w, int64_t group, const int32_t* sums,
           float* result, int64_t N, int64_t first, int64_t last) {
   const int64_t blocks = K / kBlock;
-  alignas(32) uint8_t unpacked[kOutputs * kBlock];
   std::vector<float> acc(std::max<int64_t>(M, 1) * kOutputs);
   std::vector<int32_t> exact(std::max<int64_t>(M, 1) * kOutputs);
   for (int64_t p = first; p < last; ++p) {
@@ -219,8 +236,7 @@ void Part(const int8_t* rows, int64_t M, int64_t K, const Layout& w, int64_t gro
     if (M <= kRowByRow && n + kOutputs <= N) {
       for (int64_t m = 0; m < M; ++m) Row(rows + m * K, K, w, group, sums + m * blocks, result + m * N, n);
     } else {
-      Outputs(rows, M, K, w, group, sums, result, N, n, std::min(kOutputs, N - n), unpacked, acc.data(),
-              exact.data());
+      Outputs(rows, M, K, w, group, sums, result, N, n, std::min(kOutputs, N - n), acc.data(), exact.data());
     }
   }
 }
