@@ -44,12 +44,15 @@ class Harness:
       poisons: `rng -> {id: (arguments, float64 outputs)}`, NaN and inf in the inputs.
       misuses: `(shapes, dtypes, error, match)` the wrapper refuses before the FFI.
       twin_leaks: poisons the XLA twin does not yet follow float64 on (a known gap, #33).
+      twin_growth: `float64 outputs -> factor` by which the entry's kernel-twin tolerance grows on those
+        inputs (1 where their conditioning does not depend on the values).
     """
 
     cases: Callable[[np.random.Generator], dict]
     poisons: Callable[[np.random.Generator], dict] = lambda rng: {}
     misuses: tuple = ()
     twin_leaks: frozenset = frozenset()
+    twin_growth: Callable[[tuple], float] = lambda wants: 1.0
 
 
 # ------------------------------------------------------------------ int8_dot
@@ -344,6 +347,13 @@ def _read_max_poisons(rng):
 
 # ------------------------------------------------------------------ the harness
 
+def _score_growth(wants) -> float:
+    """Decode attention's conditioning: its largest score (float64's `top`, its third output) past 16. A score
+    s reaches the weights exp(s - top) with its float32 rounding, about |s| * 2**-24, whichever order sums it."""
+    top = np.abs(np.asarray(wants[2], np.float64))
+    return max(1.0, top[np.isfinite(top)].max(initial=0.0) / 16)
+
+
 HARNESS = {
     native.INT8_DOT: Harness(_int8_cases, misuses=(
         ([(3, 32), (2, 7, 16, 4)], [np.int8, np.uint8], ValueError,
@@ -369,14 +379,14 @@ HARNESS = {
         ([(3, 8), (2, 8, 16)], [jnp.bfloat16, jnp.bfloat16], TypeError, "rows must be float32, got bfloat16"),
         ([(3, 8), (2, 9, 16)], [F32, jnp.bfloat16], ValueError, r"got float32\(3, 8\), bfloat16\(2, 9, 16\)"),
     )),
-    native.DECODE_ATTENTION: Harness(_decode_cases, _decode_poisons, misuses=(
+    native.DECODE_ATTENTION: Harness(_decode_cases, _decode_poisons, twin_growth=_score_growth, misuses=(
         ([(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (2,)], [F32, F32, F32, I32], ValueError,
          r"visible \(B,\); got .*int32\(2,\)"),
         ([(1, 2, 1, 12), (1, 2, 5, 12), (1, 2, 5, 12), (1,)], [F32, F32, F32, I32], ValueError, "H a multiple of 16"),
         ([(1, 2, 1, 16), (1, 2, 5, 16), (1, 2, 5, 16), (1,)], [F32, F32, F32, np.int64], TypeError,
          "visible must be int32, got int64"),
     )),
-    native.PAGED_DECODE_ATTENTION: Harness(_paged_cases, _paged_poisons, misuses=(
+    native.PAGED_DECODE_ATTENTION: Harness(_paged_cases, _paged_poisons, twin_growth=_score_growth, misuses=(
         ([(1, 2, 1, 16), (3, 2, 4, 16), (3, 2, 4, 16), (2, 2), (1,)], [F32, F32, F32, I32, I32], ValueError,
          r"table \(B, M\), filled \(B,\); got .*int32\(2, 2\)"),
         ([(1, 2, 1, 16), (3, 2, 4, 16), (3, 1, 4, 16), (1, 2), (1,)], [F32, F32, F32, I32, I32], ValueError,
@@ -433,20 +443,9 @@ def _check(entry, arguments, want, *, twin: bool = True):
         atol = tolerance * max(1, arguments[0].shape[-1]) if entry.name in ("f32_dot", "bf16_dot") else tolerance
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=tolerance, atol=atol, err_msg=f"output {index}")
     if twin:
-        tolerance = _twin_tolerance(entry, wants)
+        tolerance = entry.tolerance * HARNESS[entry.target].twin_growth(wants)
         for g, t in zip(got, jax.tree.leaves(xla(*arguments)), strict=True):
             np.testing.assert_allclose(g, t, rtol=tolerance, atol=tolerance)
-
-
-def _twin_tolerance(entry, wants) -> float:
-    """How far the kernel may stray from its twin on these inputs: the entry's tolerance, grown for decode
-    attention with its largest score (float64's `top`, its third output) past 16: a score s reaches the
-    weights exp(s - top) with its float32 rounding, about |s| * 2**-24, whichever order sums it."""
-    if entry.target not in (native.DECODE_ATTENTION, native.PAGED_DECODE_ATTENTION):
-        return entry.tolerance
-    top = np.abs(np.asarray(wants[2], np.float64))
-    largest = top[np.isfinite(top)].max(initial=0.0)
-    return entry.tolerance * max(1.0, largest / 16)
 
 
 @pytest.mark.parametrize("entry", KERNELS)
@@ -579,7 +578,8 @@ def test_the_4_bit_dot_gives_rows_and_tiles_the_same_bits():
 
 
 # The kernels with an AVX-512 body and an AVX2 one (`native.h`'s `Avx512`; KVATTN_NATIVE_AVX2 picks the second).
-TWO_BODIES = [native.INT8_DOT, native.DECODE_ATTENTION, native.PAGED_DECODE_ATTENTION, native.F32_DOT, native.BF16_DOT, native.READ_MAX]
+TWO_BODIES = [native.INT8_DOT, native.DECODE_ATTENTION, native.PAGED_DECODE_ATTENTION, native.F32_DOT,
+              native.BF16_DOT, native.READ_MAX]
 
 
 @pytest.mark.parametrize("target", TWO_BODIES)

@@ -13,8 +13,7 @@ the dot reads it):
     `kvattn.kernels.native`'s int8 dot reads them (`tile`);
   - `PanelWeights`: a float32 or bfloat16 kernel as contiguous panels of 16
     outputs (`panel`), which the native float32 and bfloat16 dots stream whole;
-  - `kvattn.math.int4.Int4Weights`: 4-bit values with a scale per group of inputs, and
-    `TiledInt4Weights`, the same laid out for the native 4-bit dot.
+  - `kvattn.math.int4`'s 4-bit forms, a scale per group of inputs (plain and tiled).
 `kvattn.kernels.route.use_tiles` and `use_panels` say where the laid-out
 forms run; `benchmarks/dots.py` measures each against XLA's dots.
 
