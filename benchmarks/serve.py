@@ -7,8 +7,20 @@ SIGKILL after a timeout):
 
   kvattn            `kvattn serve` on the paged engine, prefix caching on
   kvattn-no-prefix  the same with `--no-prefix-caching`
+  kvattn-int8       `kvattn serve --weights int8`, prefix caching on
   transformers      `transformers serve --continuous-batching --device cpu
                     --dtype float32`, its KV pool as many tokens as kvattn's
+  llama-server      llama.cpp's `llama-server` on the checkpoint as an F32
+                    GGUF, `--parallel` the batch, each slot `max_len` tokens,
+                    the machine's cores as threads, its prompt cache on
+  llama-server-q8_0 the same on the Q8_0 GGUF (against kvattn-int8)
+
+The llama.cpp contenders need `--llama-server BIN_DIR` (`python -m
+tools.llama_cpp build` prints it); the GGUF files are converted once and
+cached (`tools.llama_cpp.convert`, with `--gguf-python`, an interpreter with
+torch and transformers). Send them `--endpoint completions-ids`: each prompt
+as the checkpoint tokenizer's ids of the text, so every server decodes from
+the same ids whatever its own tokenizer would make of the text.
 
 All serve the checkpoint of `benchmarks.serve_checkpoint`: `benchmarks.model`'s
 random 125M Llama and a tokenizer of its vocabulary.
@@ -20,7 +32,8 @@ text) cut to the drawn token count. A share of the requests (half by
 default), chosen at random, start with one shared system prompt, so prefix
 caching has something to hit. Each rate draws fresh requests (only the system
 prompt repeats), so no cache can hit a whole prompt sent at an earlier rate.
-Decoding is greedy. `max_tokens` is the length asked: a server may stop
+Decoding is greedy. The request bodies (and for `completions-ids` the
+prompts' ids) are made before a rate's first send. `max_tokens` is the length asked: a server may stop
 earlier at the eos token (one id of 32000, rare for a random model), so the
 output tokens counted are those the server reports in `usage`, or else the
 streamed chunks that carry text.
@@ -77,7 +90,13 @@ __all__ = [
     "percentile", "plot_serve", "request_body", "run_serve", "serve_markdown", "summarize", "targets", "text_window",
 ]
 
-CONTENDERS = ("kvattn", "kvattn-no-prefix", "transformers")
+CONTENDERS = ("kvattn", "kvattn-no-prefix", "kvattn-int8", "transformers", "llama-server", "llama-server-q8_0")
+DEFAULT_CONTENDERS = ("kvattn", "kvattn-no-prefix", "transformers")
+# The GGUF type each llama.cpp contender serves.
+LLAMA_SERVER_TYPES = {"llama-server": "f32", "llama-server-q8_0": "q8_0"}
+# The issue's throughput targets at saturation: (kvattn's contender, the peer, the least ratio).
+THROUGHPUT_TARGETS = (("kvattn", "transformers", 2.0), ("kvattn", "llama-server", 1.5),
+                      ("kvattn-int8", "llama-server-q8_0", 1.5))
 # This machine's transformers environment (torch and `transformers[serving]`); `--transformers` names another.
 DEFAULT_TRANSFORMERS = "/work/venv-hf/bin/transformers"
 QUICK_MODEL = {"vocab_size": 32000, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -178,14 +197,21 @@ def make_workload(stream: Sequence[int], encode: Callable[[str], list[int]], dec
     return requests
 
 
-def request_body(request: Request, system: str, *, endpoint: str, model: str) -> dict[str, Any]:
-    """The streaming, greedy OpenAI request: chat messages, or for `completions` the system text and user text joined."""
+def request_body(request: Request, system: str, *, endpoint: str, model: str,
+                 encode: Callable[[str], list[int]] | None = None) -> dict[str, Any]:
+    """The streaming, greedy OpenAI request: chat messages; for `completions` the system text and user text joined,
+    and for `completions-ids` that text as `encode` gives its ids."""
     body = {"model": model, "max_tokens": request.max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if endpoint == "chat":
         messages = [{"role": "system", "content": system}] if request.system else []
         return {**body, "messages": [*messages, {"role": "user", "content": request.user}]}
-    return {**body, "prompt": (system if request.system else "") + request.user}
+    text = (system if request.system else "") + request.user
+    if endpoint == "completions-ids":
+        if encode is None:
+            raise ValueError("the completions-ids endpoint needs the tokenizer's encode")
+        return {**body, "prompt": encode(text)}
+    return {**body, "prompt": text}
 
 
 # ---- The client -------------------------------------------------------------------------------------------------
@@ -275,25 +301,26 @@ async def send(client, url: str, body: dict[str, Any], outcome: Outcome, timeout
 
 
 async def drive(base_url: str, model: str, requests: list[Request], system: str, send_at: np.ndarray, *,
-                endpoint: str, request_timeout_s: float, deadline_s: float) -> tuple[list[Outcome], float]:
+                endpoint: str, request_timeout_s: float, deadline_s: float,
+                encode: Callable[[str], list[int]] | None = None) -> tuple[list[Outcome], float]:
     """Sends each request at its time in `send_at`; returns the outcomes and the wall time (first send to last end).
 
     Requests still running at `deadline_s` are cancelled and failed.
     """
     http = _http()
     url = base_url + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
+    bodies = [request_body(r, system, endpoint=endpoint, model=model, encode=encode) for r in requests]
     outcomes = [Outcome(r.index, r.system, r.user_tokens, r.max_tokens) for r in requests]
     limits = http.Limits(max_connections=None, max_keepalive_connections=None)
     async with http.AsyncClient(timeout=http.Timeout(request_timeout_s), limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(request: Request, outcome: Outcome, at_s: float) -> None:
+        async def one(body: dict[str, Any], outcome: Outcome, at_s: float) -> None:
             await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
             outcome.sent_s = time.perf_counter() - start
-            await send(client, url, request_body(request, system, endpoint=endpoint, model=model), outcome,
-                       request_timeout_s)
+            await send(client, url, body, outcome, request_timeout_s)
 
-        tasks = [asyncio.create_task(one(r, o, float(at))) for r, o, at in zip(requests, outcomes, send_at)]
+        tasks = [asyncio.create_task(one(b, o, float(at))) for b, o, at in zip(bodies, outcomes, send_at)]
         _, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
             task.cancel()
@@ -320,21 +347,37 @@ def free_port() -> int:
 
 
 def server_command(name: str, *, port: int, checkpoint: Path, pool: Pool, kvattn: str, transformers: str,
-                   extra_args: dict[str, list[str]]) -> list[str]:
-    """The command line that serves `checkpoint` as contender `name` on 127.0.0.1:`port`."""
+                   extra_args: dict[str, list[str]], llama_server: Path | None = None,
+                   ggufs: dict[str, Path] | None = None, threads: int | None = None) -> list[str]:
+    """The command line that serves `checkpoint` as contender `name` on 127.0.0.1:`port`.
+
+    The llama.cpp contenders take the folder of llama.cpp's binaries (`llama_server`), the GGUF file of each
+    type (`ggufs`, keys of `LLAMA_SERVER_TYPES`' values) and the threads to run on (default: every core).
+    """
     where = ["--host", "127.0.0.1", "--port", str(port)]
-    if name in ("kvattn", "kvattn-no-prefix"):
+    if name in ("kvattn", "kvattn-no-prefix", "kvattn-int8"):
         command = [*shlex.split(kvattn), "serve", str(checkpoint), *where, "--num-pages", str(pool.num_pages),
                    "--page-size", str(pool.page_size), "--max-batch", str(pool.max_batch),
                    "--max-len", str(pool.max_len)]
         if name == "kvattn-no-prefix":
             command.append("--no-prefix-caching")
+        if name == "kvattn-int8":
+            command += ["--weights", "int8"]
         return [*command, *extra_args.get("kvattn", [])]
     if name == "transformers":
         # The positional model pins the server to the directory; float32 as kvattn computes.
         return [*shlex.split(transformers), "serve", str(checkpoint), "--continuous-batching", "--device", "cpu",
                 "--dtype", "float32", *where, "--cb-block-size", str(pool.transformers_page_size),
                 "--cb-num-blocks", str(pool.transformers_blocks), *extra_args.get("transformers", [])]
+    if name in LLAMA_SERVER_TYPES:
+        if llama_server is None or ggufs is None or LLAMA_SERVER_TYPES[name] not in ggufs:
+            raise ValueError(f"{name} needs the folder of llama.cpp's binaries and its {LLAMA_SERVER_TYPES[name]} "
+                             "GGUF file (--llama-server)")
+        threads = str(threads or os.cpu_count() or 1)
+        # Each of the --parallel slots gets an equal share of the context: max_len tokens, as a kvattn sequence.
+        return [str(Path(llama_server) / "llama-server"), "-m", str(ggufs[LLAMA_SERVER_TYPES[name]]), *where,
+                "--parallel", str(pool.max_batch), "-c", str(pool.max_batch * pool.max_len), "-t", threads,
+                "-tb", threads, "--no-webui", *extra_args.get("llama-server", [])]
     raise ValueError(f"unknown contender {name!r}; the contenders are {', '.join(CONTENDERS)}")
 
 
@@ -504,7 +547,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets: kvattn's throughput and p99 TPOT against transformers', prefix caching's TTFT, no loss.
+    """The issues' targets: throughput and p99 TPOT against transformers' and llama.cpp's servers (float32 against
+    F32, int8 against Q8_0, where both ran), prefix caching's TTFT, no loss.
 
     Saturation is the highest rate; the TTFT target holds at the lowest rate,
     where queueing adds least to the prompt's processing (other rates are
@@ -512,13 +556,18 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """
     rates = results["config"]["rates"]
     rows = []
-    tokens_per_s = [_figure(results, name, rates[-1], lambda s: s["output_tokens_per_s"]) for name in
-                    ("kvattn", "transformers")]
-    rows.append(target("output tokens/s at saturation, kvattn / transformers", _ratio(*tokens_per_s), ">=", 2.0,
-                       rate=rates[-1]))
-    for rate in rates:
-        tpot = [_figure(results, name, rate, lambda s: s["tpot_ms"]["p99"]) for name in ("kvattn", "transformers")]
-        rows.append(target("p99 TPOT, kvattn / transformers", _ratio(*tpot), "<=", 1.0, rate=rate))
+    ran = {row["contender"] for row in results["contenders"] if "rates" in row}
+    # The transformers pair is always reported (unmeasured where it did not run); a llama.cpp pair where both ran.
+    pairs = [(ours, peer, least) for ours, peer, least in THROUGHPUT_TARGETS
+             if peer == "transformers" or {ours, peer} <= ran]
+    for ours, peer, least in pairs:
+        tokens_per_s = [_figure(results, name, rates[-1], lambda s: s["output_tokens_per_s"]) for name in (ours, peer)]
+        rows.append(target(f"output tokens/s at saturation, {ours} / {peer}", _ratio(*tokens_per_s), ">=", least,
+                           rate=rates[-1]))
+    for ours, peer, _ in pairs:
+        for rate in rates:
+            tpot = [_figure(results, name, rate, lambda s: s["tpot_ms"]["p99"]) for name in (ours, peer)]
+            rows.append(target(f"p99 TPOT, {ours} / {peer}", _ratio(*tpot), "<=", 1.0, rate=rate))
     for rate in rates:
         ttft = [_figure(results, name, rate, lambda s: s["ttft_system_p50_ms"])
                 for name in ("kvattn-no-prefix", "kvattn")]
@@ -581,7 +630,8 @@ def serve_markdown(results: dict[str, Any]) -> str:
          f"{config['system_share']:.0%} of requests start with a shared {config['system_tokens']}-token system "
          f"prompt. KV pool {config['pool']['tokens']} tokens (kvattn: {config['pool']['num_pages']} pages of "
          f"{config['pool']['page_size']}, batch {config['pool']['max_batch']}; transformers: "
-         f"{config['pool']['transformers_blocks']} blocks of {config['pool']['transformers_page_size']})."),
+         f"{config['pool']['transformers_blocks']} blocks of {config['pool']['transformers_page_size']}; "
+         f"llama-server: {config['pool']['max_batch']} slots of {config['pool']['max_len']} tokens)."),
         "",
         *table(header, body),
         "",
@@ -640,7 +690,7 @@ def _transformers_versions(transformers: str) -> dict[str, str] | str:
 
 def measure_contender(name: str, command: list[str], *, checkpoint: Path, config: LoadConfig,
                       workloads: list[list[Request]], warmup: list[Request], system: str, log_path: Path,
-                      ready_timeout_s: float) -> dict[str, Any]:
+                      ready_timeout_s: float, encode: Callable[[str], list[int]] | None = None) -> dict[str, Any]:
     """Starts one contender, warms it up, drives every rate and stops it; its row of the results."""
     port = int(command[command.index("--port") + 1])
     base_url = f"http://127.0.0.1:{port}"
@@ -657,7 +707,7 @@ def measure_contender(name: str, command: list[str], *, checkpoint: Path, config
             progress(f"ready after {row['ready_s']:.0f} s; warming up with {len(warmup)} requests")
             outcomes, wall_s = asyncio.run(drive(
                 base_url, row["model"], warmup, system, np.zeros(len(warmup)), endpoint=config.endpoint,
-                request_timeout_s=config.request_timeout_s, deadline_s=config.rate_deadline_s))
+                request_timeout_s=config.request_timeout_s, deadline_s=config.rate_deadline_s, encode=encode))
             row["warmup"] = summarize([dataclasses.asdict(o) for o in outcomes], wall_s)
             row["rates"] = []
             for rate_index, (rate, requests) in enumerate(zip(config.rates, workloads)):
@@ -665,7 +715,7 @@ def measure_contender(name: str, command: list[str], *, checkpoint: Path, config
                 before = scrape_metrics(base_url)
                 outcomes, wall_s = asyncio.run(drive(
                     base_url, row["model"], requests, system, send_at, endpoint=config.endpoint,
-                    request_timeout_s=config.request_timeout_s, deadline_s=config.rate_deadline_s))
+                    request_timeout_s=config.request_timeout_s, deadline_s=config.rate_deadline_s, encode=encode))
                 outcomes = [dataclasses.asdict(o) for o in outcomes]
                 summary = summarize(outcomes, wall_s)
                 summary["prompt_tokens_cached_share"] = cached_share(before, scrape_metrics(base_url))
@@ -690,6 +740,7 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
               checkpoint: str | os.PathLike | None = None, sizes: dict[str, int] | None = None,
               kvattn: str | None = None, transformers: str | None = None,
               extra_args: dict[str, list[str]] | None = None, ready_timeout_s: float = 900.0,
+              llama_server: str | os.PathLike | None = None, gguf_python: str | None = None,
               out_dir: str | os.PathLike = "bench-results/serve",
               cache_dir: str | os.PathLike = "bench-results/serve-cache") -> dict[str, Any]:
     """Measures every contender under the same workload; writes `serve.json`, `serve.md` and `serve.png`.
@@ -701,8 +752,10 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
       checkpoint: a directory to serve as it is; default: `write_serve_checkpoint` under `cache_dir`.
       sizes: the written checkpoint's sizes (default `LLAMA_125M`).
       kvattn, transformers: the commands that run `kvattn` and `transformers` (split like a shell).
-      extra_args: more arguments per server command, keyed "kvattn" or "transformers".
+      extra_args: more arguments per server command, keyed "kvattn", "transformers" or "llama-server".
       ready_timeout_s: how long a server may take to answer `/health`.
+      llama_server: the folder of llama.cpp's binaries, for the llama.cpp contenders.
+      gguf_python: the interpreter that converts the checkpoint to GGUF (torch, transformers; default this one).
       out_dir: where the results go.
       cache_dir: where the checkpoint and the servers' logs go.
 
@@ -738,20 +791,32 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
     warmup = make_workload(stream, encode, decode, rng=np.random.default_rng([config.seed, 3]),
                            **{**lengths, "num_requests": config.warmup_requests})
 
+    ggufs = None
+    wanted = sorted({LLAMA_SERVER_TYPES[name] for name in contenders if name in LLAMA_SERVER_TYPES})
+    if wanted:
+        if llama_server is None:
+            raise ValueError("the llama.cpp contenders need llama_server, the folder of llama.cpp's binaries")
+        from tools import llama_cpp
+
+        # The benchmark's tokenizer is its own BPE, which the converter does not know by name.
+        ggufs = llama_cpp.convert(checkpoint, wanted, python=gguf_python or sys.executable, pre_tokenizer="default")
+
     load = load_average()
     started = time.perf_counter()
     rows = []
     for name in contenders:
         command = server_command(name, port=free_port(), checkpoint=checkpoint, pool=pool, kvattn=kvattn,
-                                 transformers=transformers, extra_args=extra_args or {})
+                                 transformers=transformers, extra_args=extra_args or {}, llama_server=llama_server,
+                                 ggufs=ggufs)
         rows.append(measure_contender(name, command, checkpoint=checkpoint, config=config, workloads=workloads,
                                       warmup=warmup, system=system, log_path=cache / "logs" / f"{name}.log",
-                                      ready_timeout_s=ready_timeout_s))
+                                      ready_timeout_s=ready_timeout_s, encode=encode))
     results = {
         "config": {**dataclasses.asdict(config), "rates": list(config.rates), "system_tokens_measured": system_tokens,
                    "pool": {**dataclasses.asdict(pool), "tokens": pool.tokens,
                             "transformers_blocks": pool.transformers_blocks},
-                   "checkpoint": str(checkpoint), "checkpoint_record": recorded},
+                   "checkpoint": str(checkpoint), "checkpoint_record": recorded,
+                   "ggufs": {kind: str(path) for kind, path in (ggufs or {}).items()}},
         "machine": machine_info(),
         "versions": {**versions(), **({"transformers_serve": _transformers_versions(transformers)}
                                       if "transformers" in contenders else {})},
@@ -798,7 +863,7 @@ def _parser() -> argparse.ArgumentParser:
     defaults, pool = LoadConfig(), Pool()
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--contenders", type=lambda t: tuple(t.split(",")), default=CONTENDERS,
+    parser.add_argument("--contenders", type=lambda t: tuple(t.split(",")), default=DEFAULT_CONTENDERS,
                         help=f"comma-separated, from {','.join(CONTENDERS)}")
     parser.add_argument("--rates", type=_rates, default=defaults.rates,
                         help="request rates (req/s), comma-separated; inf: all at once")
@@ -811,7 +876,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="share of requests with the system prompt")
     parser.add_argument("--warmup-requests", type=int, default=defaults.warmup_requests,
                         help="untimed requests, all at once, before the rates")
-    parser.add_argument("--endpoint", choices=("chat", "completions"), default=defaults.endpoint)
+    parser.add_argument("--endpoint", choices=("chat", "completions", "completions-ids"), default=defaults.endpoint,
+                        help="completions-ids: prompts as the tokenizer's ids (for the llama.cpp contenders)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds")
     parser.add_argument("--rate-deadline", type=float, default=defaults.rate_deadline_s,
@@ -828,9 +894,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kvattn", help="the command that runs kvattn (default: kvattn beside this Python)")
     parser.add_argument("--transformers",
                         help=f"the command that runs transformers (default: on PATH, else {DEFAULT_TRANSFORMERS})")
+    parser.add_argument("--llama-server", help="the folder of llama.cpp's binaries (python -m tools.llama_cpp build), "
+                        "for the llama-server contenders")
+    parser.add_argument("--gguf-python", help="an interpreter with torch and transformers, which converts the "
+                        "checkpoint to GGUF (default: this one)")
     parser.add_argument("--kvattn-args", type=shlex.split, default=[], help="more arguments to kvattn serve")
     parser.add_argument("--transformers-args", type=shlex.split, default=[],
                         help="more arguments to transformers serve")
+    parser.add_argument("--llama-server-args", type=shlex.split, default=[],
+                        help="more arguments to llama-server")
     parser.add_argument("--out-dir", default="bench-results/serve")
     parser.add_argument("--cache-dir", default="bench-results/serve-cache",
                         help="the checkpoint and the servers' logs")
@@ -845,6 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
         parser.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+    if set(args.contenders) & set(LLAMA_SERVER_TYPES) and args.llama_server is None:
+        parser.error("the llama-server contenders need --llama-server, the folder of llama.cpp's binaries")
     from benchmarks.model import LLAMA_125M
 
     sizes = dict(LLAMA_125M)
@@ -862,8 +936,10 @@ def main(argv: list[str] | None = None) -> int:
                 transformers_page_size=args.transformers_page_size)
     run_serve(contenders=args.contenders, config=config, pool=pool, checkpoint=args.checkpoint, sizes=sizes,
               kvattn=args.kvattn, transformers=args.transformers,
-              extra_args={"kvattn": args.kvattn_args, "transformers": args.transformers_args},
-              ready_timeout_s=args.ready_timeout, out_dir=args.out_dir, cache_dir=args.cache_dir)
+              extra_args={"kvattn": args.kvattn_args, "transformers": args.transformers_args,
+                          "llama-server": args.llama_server_args},
+              ready_timeout_s=args.ready_timeout, llama_server=args.llama_server, gguf_python=args.gguf_python,
+              out_dir=args.out_dir, cache_dir=args.cache_dir)
     return 0
 
 

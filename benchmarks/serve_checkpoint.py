@@ -8,14 +8,16 @@ Both servers load the same directory, so it holds what each needs:
   tokenizer.json                  a byte-level BPE trained with `tokenizers`
                                   on the repository's own text, filled up to
                                   the model's vocabulary with added tokens
-                                  `<|extra_N|>`, so every id the model can
+                                  `[extra_N]`, so every id the model can
                                   emit decodes to text
   tokenizer_config.json           bos/eos tokens and a small chat template
 
 The repository's text alone yields about 10k merges, fewer than the
 32000-token vocabulary; the added tokens fill the rest. A random model emits
 about uniform ids, so most of its output is those added tokens: harmless for
-timing, and they are never special, so no server skips them when it streams.
+timing, and they are never special, so no server skips them when it streams
+(nor named `<|...|>`, which llama.cpp's GGUF converter takes for control
+tokens, which llama-server does not print).
 The eos token is one id of 32000, so a random model rarely stops early;
 the harness reports the output token counts it got.
 
@@ -56,7 +58,7 @@ def corpus(root: str | os.PathLike = REPO) -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE of exactly `vocab_size` ids, trained on `texts`; added tokens `<|extra_N|>` fill the rest.
+    """A byte-level BPE of exactly `vocab_size` ids, trained on `texts`; added tokens `[extra_N]` fill the rest.
 
     Ids 0..4 are `SPECIAL_TOKENS`, in order.
     """
@@ -70,7 +72,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tokenizer.train_from_iterator(texts, trainer)
     trained = tokenizer.get_vocab_size()
     if trained < vocab_size:
-        tokenizer.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - trained)])
+        tokenizer.add_tokens([f"[extra_{i}]" for i in range(vocab_size - trained)])
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} ids, the model {vocab_size}")
     return tokenizer

@@ -24,6 +24,7 @@ from benchmarks.serve import (
     plot_serve,
     request_body,
     serve_markdown,
+    server_command,
     summarize,
     targets,
     text_window,
@@ -98,6 +99,32 @@ def test_request_bodies_for_chat_and_completions():
     assert (chat["max_tokens"], chat["temperature"], chat["stream"], chat["model"]) == (3, 0.0, True, "m")
     completion = request_body(request, "SYS ", endpoint="completions", model="m")
     assert completion["prompt"] == "SYS " + request.user and "messages" not in completion
+    # The same text as ids, so servers with different tokenizers decode from the same tokens.
+    ids = request_body(request, "w7 ", endpoint="completions-ids", model="m", encode=encode)
+    assert ids["prompt"] == [7, *encode(request.user)] and ids["max_tokens"] == 3
+    with pytest.raises(ValueError, match="encode"):
+        request_body(request, "w7 ", endpoint="completions-ids", model="m")
+
+
+def test_server_commands_for_kvattn_int8_and_llama_server(tmp_path):
+    pool = Pool(num_pages=64, page_size=16, max_batch=8, max_len=512)
+    common = dict(port=8123, checkpoint=tmp_path, pool=pool, kvattn="kvattn", transformers="transformers",
+                  extra_args={"llama-server": ["--flash-attn", "on"]})
+    int8 = server_command("kvattn-int8", **common)
+    assert int8[:3] == ["kvattn", "serve", str(tmp_path)] and int8[-2:] == ["--weights", "int8"]
+    assert "--no-prefix-caching" not in int8
+    ggufs = {"f32": tmp_path / "m-f32.gguf", "q8_0": tmp_path / "m-q8_0.gguf"}
+    for name, kind in (("llama-server", "f32"), ("llama-server-q8_0", "q8_0")):
+        command = server_command(name, **common, llama_server=tmp_path / "bin", ggufs=ggufs, threads=2)
+        flags = dict(zip(command[1:-2:2], command[2:-2:2]))
+        assert command[0] == str(tmp_path / "bin" / "llama-server") and flags["-m"] == str(ggufs[kind])
+        # As many slots as kvattn's batch, each max_len tokens; the port asked for; the extra arguments last.
+        assert (flags["--parallel"], flags["-c"], flags["-t"], flags["--port"]) == ("8", "4096", "2", "8123")
+        assert command[-2:] == ["--flash-attn", "on"]
+    with pytest.raises(ValueError, match="q8_0 GGUF"):
+        server_command("llama-server-q8_0", **common, llama_server=tmp_path, ggufs={"f32": ggufs["f32"]})
+    with pytest.raises(ValueError, match="unknown contender"):
+        server_command("vllm", **common)
 
 
 def test_outcome_reads_chat_and_completion_chunks():
@@ -208,6 +235,23 @@ def test_targets_against_transformers_and_without_prefix_caching():
     assert (rows[(ttft, 1.0)]["value"], rows[(ttft, 1.0)]["met"]) == (10.0, True)
     assert rows[(ttft, math.inf)]["met"] is None  # reported only: queueing dominates at saturation
     assert rows[("lost or duplicated requests, transformers", "all")]["value"] == 0
+
+
+def test_targets_against_llama_server_where_both_ran():
+    results = _results()
+    for row in results["contenders"]:  # kvattn at 40 tokens/s against 25, and its p99 TPOT of 50 ms against 40
+        if row["contender"] == "transformers":
+            copy = json.loads(json.dumps(row))
+            for measured in copy["rates"]:
+                measured["summary"].update(output_tokens_per_s=25.0, tpot_ms={"p50": 20.0, "p99": 40.0, "count": 1})
+            results["contenders"].append({**copy, "contender": "llama-server"})
+    rows = {(t["name"], t["rate"]): t for t in targets(results)}
+    throughput = rows[("output tokens/s at saturation, kvattn / llama-server", math.inf)]
+    assert (throughput["value"], throughput["threshold"], throughput["met"]) == (1.6, 1.5, True)
+    tpot = rows[("p99 TPOT, kvattn / llama-server", 1.0)]
+    assert (tpot["value"], tpot["met"]) == (1.25, False)
+    # The int8 pair did not run: no row, where the transformers pair is always reported.
+    assert not any("llama-server-q8_0" in name for name, _ in rows)
 
 
 def test_targets_not_measured_without_transformers():
