@@ -119,6 +119,32 @@ def test_a_failed_device_call_loses_no_request(monkeypatch):
     server.manager.check()
 
 
+def test_donated_pools_are_taken_without_a_copy_and_by_default_the_model_is_left_alone():
+    """`donate_pools` hands the model's pools over (no second copy; the model's caches are gone after a step);
+    without it the model's pools stay as they were. Both serve the same tokens."""
+    import jax
+    from flax import nnx
+
+    want = expected("llama")
+    prompt = want["prompts"][0, : want["lengths"][0]]
+    tokens = {}
+    for donate in (False, True):
+        model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
+        pools = jax.tree.leaves(nnx.state(model, nnx.Cache))
+        server = serving.Server(model, chunk=8, donate_pools=donate)
+        taken = jax.tree.leaves(server.runner._pools)
+        assert all((a is b) == donate for a, b in zip(pools, taken, strict=True))
+        server.submit(prompt, SamplingParams(max_tokens=6))
+        [completion] = server.run()
+        tokens[donate] = completion.tokens
+        if donate:
+            assert all(array.is_deleted() for array in pools)
+        else:
+            assert not any(array.is_deleted() for array in pools)
+            assert all(not np.asarray(array).any() for array in pools)  # still the zeros the model was built with
+    np.testing.assert_array_equal(tokens[True], tokens[False])
+
+
 def test_serving_compiles_once_over_many_admissions():
     """`warm_up` compiles every program: a decode call per bucket of rows (1, 2, 3 here) and the prefill chunk."""
     _, _, server = fixture_run("llama")

@@ -165,7 +165,7 @@ class LLM:
         self.config = model.config
         """The model's `ModelConfig`."""
         self.engine = Server(model, chunk=chunk, prefix_caching=prefix_caching, speculative=speculative,
-                             rng=None if seed is None else jax.random.key(seed))
+                             rng=None if seed is None else jax.random.key(seed), donate_pools=True)  # ours alone
         """The `kvattn.serving.Server` every call runs on."""
         self._grammars = None  # structured outputs' compiler, made at the first request that has them
 

@@ -8,7 +8,9 @@ over the same buckets. Each samples with `kvattn.generation.sampling` and
 verifies with `kvattn.generation.speculation`, as the fixed-batch loops do.
 
 The runner works on its own copy of the model's pools, donated from call to
-call; the model itself is never changed. A call that fails leaves pools
+call; the model itself is never changed, unless the caller hands the pools
+over (`donate_pools`): then they are the runner's without a copy, and the
+model's caches are deleted by the first call. A call that fails leaves pools
 that were donated to it replaced by zeros (the scheduler recomputes what
 they held).
 """
@@ -36,12 +38,15 @@ class Runner:
 
     Args:
       model: a paged `CausalLM`; its weights are shared, its pools copied.
+      donate_pools: take the model's pools as they are instead of a copy (half the pools' memory); the model's
+        caches are then deleted by the first call, so only a caller that will not use the model again passes it.
     """
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, *, donate_pools: bool = False):
         graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
         self._graphdef = _Static(graphdef)
-        self._pools = jax.tree.map(jnp.copy, pools)  # ours alone, so each call may donate it
+        # Ours alone, so each call may donate them.
+        self._pools = pools if donate_pools else jax.tree.map(jnp.copy, pools)
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
 
     def prefill(self, tokens, length, batch: PageBatch, seq: int, rows: RowSampling, adjustments: Adjustments):

@@ -72,6 +72,11 @@ class Server:
         keep enough drafts to pay for the longer call, and tries again
         after a while (its `policy`); a step without drafts is a plain
         decode step.
+      donate_pools: hand the model's page pools to the server instead of
+        letting it copy them: no second copy of the pools (a large share of
+        a server's memory), but the first step deletes the model's caches,
+        so pass it only for a model nothing else will use (`kvattn serve`
+        and `kvattn.LLM` build theirs for the server alone).
 
     Example:
       >>> import jax.numpy as jnp
@@ -92,7 +97,8 @@ class Server:
     """
 
     def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, rng=None,
-                 prefills_per_step: int | None = None, speculative: PromptLookup | None = None):
+                 prefills_per_step: int | None = None, speculative: PromptLookup | None = None,
+                 donate_pools: bool = False):
         config = model.blocks[0].attention.config
         if not config.cache.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
@@ -117,7 +123,7 @@ class Server:
         self.scheduler = Scheduler(config, chunk=int(chunk), prefix_caching=prefix_caching and window is None,
                                    prefills_per_step=prefills, window=window)
         """The host half: queue, sequences, pages."""
-        self.runner = Runner(model)
+        self.runner = Runner(model, donate_pools=bool(donate_pools))
         """The device half: weights, pools, programs."""
         seed = None if rng is None else np.asarray(jax.random.key_data(rng)).ravel().tolist()
         self._seeds = np.random.default_rng(seed)  # without rng: fresh entropy

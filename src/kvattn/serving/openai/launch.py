@@ -144,7 +144,7 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                              f"{model.config.vocab_size}")
         server = Server(model, chunk=chunk, prefix_caching=prefix_caching, prefills_per_step=prefills_per_step,
-                        speculative=speculative)
+                        speculative=speculative, donate_pools=True)  # the model is the server's alone
         say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
         start = time.perf_counter()
         server.warm_up(on_program=lambda done, total: say(
