@@ -18,8 +18,8 @@ own BPE) needs `--pre-tokenizer default`.
     python -m tools.llama_cpp build [--version 0.3.36] [--jobs 2]
     python -m tools.llama_cpp convert CHECKPOINT_DIR [--types f32 q8_0] [--pre-tokenizer default] [--python PY]
 
-The benchmarks take the binaries' paths (`python -m benchmarks --model
---llama-bench PATH`, `python -m benchmarks.serve --llama-server PATH`) and
+The benchmarks take the binaries' folder (`python -m benchmarks --model
+--llama-cpp PATH`, `python -m benchmarks.serve --llama-server PATH`) and
 check that llama.cpp's greedy tokens equal kvattn's before timing.
 """
 
