@@ -165,6 +165,64 @@ def test_native_paged_chunks_and_steps_equal_the_reference_and_xla():
             assert_close(got[b], model.append(b, x[b]))
 
 
+@pytest.mark.parametrize("groups", [((2, 1), (1, CHUNK)), ((1, CHUNK), (1, 1), (1, CHUNK)), ((3, 1),)])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_ragged_calls_equal_the_reference(groups, data):
+    """Decode rows and prefill chunks in one call (`MultiHeadAttention.ragged`), rows in any order over the
+    sequences, two calls in a row: every real token's output equals float64, padding gives zeros, free pages
+    hold NaN."""
+    paged_layer, _ = layers(4, num_pages=16)
+    manager = manager_for(paged_layer)
+    for _ in range(BATCH):
+        manager.add()
+    model = ReferenceCache(weights_of(paged_layer), BATCH)
+    rng = np.random.default_rng(data.draw(st.integers(0, 99)))
+    widths = np.repeat([w for _, w in groups], [r for r, _ in groups])
+    for _ in range(2):
+        order = np.asarray(data.draw(st.permutations(range(BATCH))))  # row r of the call is sequence order[r]
+        lengths = np.array([data.draw(st.integers(0, w)) for w in widths], np.int32)
+        counts = np.zeros(BATCH, np.int32)
+        counts[order] = lengths
+        poison_free_pages(paged_layer, manager)
+        batch = manager.reserve(counts)
+        xs = tokens(rng, int(widths.sum()))
+        got = paged_layer.ragged(xs, lengths, groups, pages=batch._replace(table=batch.table[order],
+                                                                            pos=batch.pos[order]))
+        first = 0
+        for row, width in enumerate(widths):
+            for t in range(width):
+                if t < lengths[row]:
+                    assert_close(got[first + t], model.append(int(order[row]), xs[first + t]))
+                else:
+                    np.testing.assert_array_equal(got[first + t], 0)
+            first += width
+    manager.check()
+
+
+def test_ragged_calls_refuse_bad_groups_and_lengths_before_any_change():
+    paged_layer, contiguous = layers(4, num_pages=16)
+    manager = manager_for(paged_layer)
+    manager.add()
+    manager.add()
+    batch = manager.reserve(np.array([1, 0, 0], np.int32))
+    pages = batch._replace(table=batch.table[:2], pos=batch.pos[:2])
+    before = jax.tree.map(np.asarray, nnx.state(paged_layer, nnx.Cache))
+    xs = tokens(np.random.default_rng(0), 1 + CHUNK)
+    with pytest.raises(ValueError, match="groups must be"):
+        paged_layer.ragged(xs, np.array([1, 0]), [(1, 1), (1, 0)], pages=pages)
+    with pytest.raises(ValueError, match=r"xs must hold the 4 tokens"):
+        paged_layer.ragged(xs[:2], np.array([1, 0]), ((1, 1), (1, CHUNK)), pages=pages)
+    with pytest.raises(ValueError, match=r"at most each row's group width \[1, 3\]"):
+        paged_layer.ragged(xs, np.array([2, 2]), ((1, 1), (1, CHUNK)), pages=pages)
+    with pytest.raises(ValueError, match="sequence 1 writes positions 0..2"):
+        paged_layer.ragged(xs, np.array([1, 3]), ((1, 1), (1, CHUNK)), pages=pages)
+    with pytest.raises(ValueError, match="a paged layer's"):
+        contiguous.ragged(xs, np.array([1, 0]), ((1, 1), (1, CHUNK)), pages=pages)
+    after = jax.tree.map(np.asarray, nnx.state(paged_layer, nnx.Cache))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
 def test_windowed_paged_layer_equals_the_ring_and_frees_pages():
     window, page_size = 5, 2
     paged_layer, ring = layers(page_size, window=window, num_pages=12)

@@ -16,6 +16,7 @@ from flax import nnx
 
 from kvattn import generation, models
 from kvattn.kernels import native
+from kvattn.paging import PageManager
 from tests.helpers import FAMILIES, FIXTURES, expected
 
 # float32 against transformers' float32: |kvattn - transformers| <= RTOL * max|logits| per position.
@@ -62,6 +63,44 @@ def test_greedy_generation_equals_transformers_token_for_token(loaded):
     for path in (FIXTURES / family / "made_with.json",):
         assert min(json.loads(path.read_text())["distinct_greedy_tokens"]) >= 8  # the paths vary
     model.reset()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "phi3", "gemma3_text"])  # positions, fused, sliding + norms
+def test_a_mixed_call_equals_a_step_and_a_prefill_apart(family):
+    """`CausalLM.mixed`: one sequence decodes while two prefill, in one call, on a paged model; each output
+    equals the separate step's and prefill's, and the chunks' last logits equal transformers'."""
+    want = expected(family)
+    model = models.from_pretrained(FIXTURES / family, max_len=32, batch_size=3, num_pages=16, page_size=4)
+    manager = PageManager(16, 4, 3, 8)
+    for _ in range(3):
+        manager.add()
+    lengths, prompts = want["lengths"], want["prompts"]
+    first = manager.reserve(np.array([lengths[0], 0, 0], np.int32))
+    model.prefill(prompts[:1, : lengths[0]], pages=rows_of(first, [0]))
+    token = np.int32([want["greedy"][0, 0]])
+    chunks = np.stack([prompts[1], prompts[2]])
+    batch = manager.reserve(np.array([1, lengths[1], lengths[2]], np.int32))
+    pools = jax.tree.map(jnp.copy, nnx.state(model, nnx.Cache))
+    stepped, prefilled = model.mixed(token, np.array([True]), chunks, lengths[1:], pages=batch)
+    mixed_pools = jax.tree.map(np.asarray, nnx.state(model, nnx.Cache))
+    nnx.update(model, pools)
+    alone = model.step(token, pages=rows_of(batch, [0]))
+    apart = model.prefill(chunks, lengths[1:], pages=rows_of(batch, [1, 2]), last_only=True)
+    np.testing.assert_allclose(stepped, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    np.testing.assert_allclose(prefilled, apart, rtol=1e-5, atol=1e-5 * np.abs(apart).max())
+    for row in (1, 2):
+        reference = want["logits"][row, lengths[row] - 1]
+        np.testing.assert_allclose(prefilled[row - 1], reference, atol=RTOL * np.abs(reference).max(), rtol=0)
+    # The same keys and values were written (the pages the three sequences hold; the null page untouched).
+    held = np.unique(batch.table[batch.table > 0])
+    for got, was in zip(jax.tree.leaves(mixed_pools), jax.tree.leaves(nnx.state(model, nnx.Cache)), strict=True):
+        np.testing.assert_allclose(got[held], np.asarray(was)[held], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[0], 0)
+
+
+def rows_of(batch, rows):
+    """The `PageBatch` of a call over these sequences of `batch`."""
+    return batch._replace(table=batch.table[rows], pos=batch.pos[rows])
 
 
 def test_a_step_without_its_head_appends_what_a_step_with_it_appends(loaded):

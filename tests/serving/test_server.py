@@ -93,20 +93,21 @@ def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
     server.manager.check()
 
 
-def test_a_failed_device_call_loses_no_request(monkeypatch):
-    """The decode program consumes the pools, then fails: every request is recomputed and ends as if nothing failed."""
+@pytest.mark.parametrize(("program", "fails_at"), [("_decode_program", 3), ("_mixed_program", 1)])
+def test_a_failed_device_call_loses_no_request(monkeypatch, program, fails_at):
+    """A program consumes the pools, then fails: every request is recomputed and ends as if nothing failed."""
     generated, _, server = fixture_run("llama")
     want = expected("llama")
-    decode, calls = serving_programs._decode_program, []
+    run, calls = getattr(serving_programs, program), []
 
     def failing(*args, **kwargs):
         calls.append(1)
-        result = decode(*args, **kwargs)
-        if len(calls) == 3:
+        result = run(*args, **kwargs)
+        if len(calls) == fails_at:
             raise RuntimeError("device lost")
         return result
 
-    monkeypatch.setattr(serving_programs, "_decode_program", failing)
+    monkeypatch.setattr(serving_programs, program, failing)
     for row, length in enumerate(want["lengths"]):
         server.submit(want["prompts"][row, :length], SamplingParams(max_tokens=12))
     with pytest.raises(RuntimeError, match="device lost"):
@@ -146,17 +147,44 @@ def test_donated_pools_are_taken_without_a_copy_and_by_default_the_model_is_left
 
 
 def test_serving_compiles_once_over_many_admissions():
-    """`warm_up` compiles every program: a decode call per bucket of rows (1, 2, 3 here) and the prefill chunk."""
+    """`warm_up` compiles every program: a decode call and a mixed one per bucket of rows (1, 2, 3 here), and the
+    prefill chunk."""
     _, _, server = fixture_run("llama")
     server.warm_up()
-    before = (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size())
+    programs = (serving_programs._prefill_program, serving_programs._decode_program, serving_programs._mixed_program)
+    before = tuple(program._cache_size() for program in programs)
     rng = np.random.default_rng(0)
     for _ in range(8):
         server.submit(rng.integers(0, 64, rng.integers(1, 20)),
                       SamplingParams(max_tokens=int(rng.integers(1, 6))))
     assert len(server.run()) == 8
     server.manager.check()
-    assert (serving_programs._prefill_program._cache_size(), serving_programs._decode_program._cache_size()) == before
+    assert tuple(program._cache_size() for program in programs) == before
+
+
+def test_a_chunk_beside_running_requests_shares_their_decode_call(monkeypatch):
+    """While one request decodes, another's two prompt chunks each ride in its decode call (one device call a
+    step, `Runner.mixed`); both streams equal `generate`'s."""
+    generated, _, server = fixture_run("llama")
+    want = expected("llama")
+    calls = []
+    for name in ("prefill", "decode", "mixed", "verify"):
+        method = getattr(server.runner, name)
+        monkeypatch.setattr(server.runner, name, lambda *a, name=name, method=method: calls.append(name) or method(*a))
+    first = server.submit(want["prompts"][0, : want["lengths"][0]], SamplingParams(max_tokens=12))
+    server.step()
+    assert calls == ["prefill", "decode"]  # nothing else running: its chunk alone, then its first decode step
+    assert want["lengths"][1] > server.chunk  # two chunks
+    server.submit(want["prompts"][1, : want["lengths"][1]], SamplingParams(max_tokens=12))
+    for _ in range(2):
+        calls.clear()
+        server.step()
+        assert calls == ["mixed"]
+    completions = server.run()
+    assert [c.request for c in completions] == [first, first + 1]
+    for row, completion in enumerate(completions):
+        np.testing.assert_array_equal(completion.tokens, generated[row])
+    server.manager.check()
 
 
 def test_server_refuses_what_can_never_fit():
@@ -200,8 +228,8 @@ def test_abort_frees_pages_at_once_and_streams_every_token(monkeypatch):
     running = server.submit(list(range(1, 12)), SamplingParams(max_tokens=12),
                             on_token=lambda i, token: seen.append((i, token.id)))
     queued = [server.submit([1, 2, 3], SamplingParams(max_tokens=12)) for _ in range(4)]  # three sequences: the last two wait
-    server.step()
-    server.step()
+    for _ in range(3):  # its two chunks (the second beside the others' decode rows, one call), then a decode step
+        server.step()
     assert server.stats.running == 3 and server.stats.waiting == 2 and len(seen) == 2
     aborted = server.abort(running)
     assert aborted.finish_reason == "abort" and aborted.tokens == [t for _, t in seen]

@@ -144,28 +144,45 @@ class PagedKVCache:
         A pool is written first whatever `write_first` allows (the
         caller's buffers or not): the read goes through the pool.
         """
+        cache = self.write(k, v, written, width=q.shape[1])
+        return cache.read(q, k, v, written, self.pos), cache
+
+    def _path(self, width: int) -> str:
+        """Which attention reads a call of `width` tokens per sequence (`kvattn.kernels.paged_path`)."""
+        return kernels.paged_path(self.kernel, width, self.k.values, self.layout, window=self.window,
+                                  logit_softcap=self.logit_softcap)
+
+    def write(self, k, v, written, *, width: int) -> PagedKVCache:
+        """`attend`'s first half: appends the first `written[b]` keys and values `(B, T, K, H)` of each sequence
+        (`append`), and zeroes the page tails where the kernel reading a call of `width` tokens reads whole pages.
+
+        A call that writes several groups of rows (`kvattn.layer.forward.extend_ragged`) makes every write
+        before any read, so no read of the pool is ever followed by a write (which would cost XLA a copy of it).
+        """
+        cache = append(self, k, v, written)
+        if self._path(width) not in ("xla", "native"):
+            cache = zero_page_tails(cache, cache.pos, written)
+        return cache
+
+    def read(self, q, k, v, written, old_pos):
+        """`attend`'s second half, on the pool after `write`: queries `q` `(B, T, N, H)` of the sequences that held
+        `old_pos` tokens before it and wrote `written` more (`k`, `v` the new ones) over their pages."""
         options = dict(layout=self.layout, window=self.window, block_diagonal=self.block_diagonal,
                        logit_softcap=self.logit_softcap)
-        old_pos = self.pos
-        cache = append(self, k, v, written)
         filled = old_pos + written
-        path = kernels.paged_path(self.kernel, q.shape[1], self.k.values, self.layout, window=self.window,
-                                  logit_softcap=self.logit_softcap)
+        path = self._path(q.shape[1])
         if path == "native" and q.shape[1] > 1:  # the chunk from k, v; what came before from the pages
-            return kernels.cpu.paged_chunk(q, k, v, written, cache.k.values, cache.v.values, cache.table,
-                                           old_pos), cache
+            return kernels.cpu.paged_chunk(q, k, v, written, self.k.values, self.v.values, self.table, old_pos)
         if path == "native":  # reads no slot past `filled`: the page tails need no zeroing
-            return kernels.cpu.paged_step(q, written, cache.k.values, cache.v.values, cache.table, filled), cache
+            return kernels.cpu.paged_step(q, written, self.k.values, self.v.values, self.table, filled)
         if path != "xla":
-            cache = zero_page_tails(cache, filled, written)
-            ctx = kernels.paged_step(
-                q, written, cache.k.values, cache.v.values, cache.table, filled, cache.layout, k_scale=cache.k.scale,
-                v_scale=cache.v.scale, logit_softcap=options["logit_softcap"], interpret=path == "interpret",
+            return kernels.paged_step(
+                q, written, self.k.values, self.v.values, self.table, filled, self.layout, k_scale=self.k.scale,
+                v_scale=self.v.scale, logit_softcap=options["logit_softcap"], interpret=path == "interpret",
             )
-            return ctx, cache
-        first = views.first_block(cache, old_pos)
-        needed = jnp.max(blocks_spanned(filled, cache.page_size) - first)
-        sizes = views.chunk_sizes(cache)
+        first = views.first_block(self, old_pos)
+        needed = jnp.max(blocks_spanned(filled, self.page_size) - first)
+        sizes = views.chunk_sizes(self)
 
         def read(chunk):
             def attend(cache):
@@ -180,8 +197,8 @@ class PagedKVCache:
             return attend
 
         if len(sizes) == 1:
-            return read(sizes[0])(cache), cache
-        return jax.lax.cond(needed > sizes[-1], read(sizes[-1]), read(sizes[0]), cache), cache
+            return read(sizes[0])(self)
+        return jax.lax.cond(needed > sizes[-1], read(sizes[-1]), read(sizes[0]), self)
 
     def commit(self, after) -> PagedKVCache:
         """Nothing left pending: `attend` wrote first."""

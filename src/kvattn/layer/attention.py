@@ -25,7 +25,7 @@ from kvattn.caches import paged as paged_ops
 from kvattn.caches.registry import cache_type
 from kvattn import validation as check
 from kvattn.config import AttentionConfig
-from kvattn.layer.forward import Weights, causal_self_attention, extend
+from kvattn.layer.forward import Weights, causal_self_attention, extend, extend_ragged
 
 __all__ = ["MultiHeadAttention"]
 
@@ -243,6 +243,42 @@ class MultiHeadAttention(nnx.Module):
             lengths = check.per_sequence_ints(self.config, lengths, "lengths", upper=xs.shape[-2], batch=rows)
         return self._extend(xs, lengths, pages)
 
+    def ragged(self, xs, lengths, groups, *, pages):
+        """Appends groups of sequences of different widths in one call (a paged layer): one step's decode rows
+        and a prefill chunk, projected together so their dots read the weights once.
+
+        Every output equals the one `step` or `prefill` would give its group alone
+        (`kvattn.layer.forward.extend_ragged`).
+
+        Args:
+          xs: every group's tokens flat `(N, D)`, group after group and row after row.
+          lengths: int `(B,)`: the real tokens of each row, at most its group's width (as `prefill`'s).
+          groups: `((rows, width), ...)`, Python ints: group g is `rows` consecutive rows of `pages`, each of
+            `width` tokens; `N` is the sum of `rows * width`, `B` of `rows`.
+          pages: the `PageBatch` of the call, one row per sequence of every group, in group order.
+
+        Returns:
+          The feature vector of every token `(N, D)`; zeros for padding.
+        """
+        if not self.config.cache.paged:
+            raise ValueError("ragged calls are a paged layer's: build it with num_pages and page_size")
+        groups = _groups(groups)
+        rows, tokens = sum(r for r, _ in groups), sum(r * w for r, w in groups)
+        xs = check.tokens(self.config, xs, "xs", rank=1)
+        if xs.shape[0] != tokens:
+            raise ValueError(f"xs must hold the {tokens} tokens of groups {groups}, got shape {xs.shape}")
+        lengths = check.ints(lengths, "lengths", ((rows,),), 0, max(w for _, w in groups))
+        if not check.is_traced(lengths):
+            widths = np.repeat([w for _, w in groups], [r for r, _ in groups])
+            if np.any(lengths > widths):
+                raise ValueError(f"lengths must be at most each row's group width {widths.tolist()}, got "
+                                 f"{lengths.tolist()}")
+        lengths = jnp.asarray(lengths)
+        cache = self._bind("this call", pages=pages, lengths=lengths)  # checked before any state changes
+        ys, cache = extend_ragged(self.weights, cache, xs, lengths, config=self.config, groups=groups)
+        self._store(cache)
+        return ys
+
     def reset(self, which=None):
         """Empties the cache: `pos = 0` and zeroed buffers, as freshly built.
 
@@ -390,3 +426,15 @@ class MultiHeadAttention(nnx.Module):
 
     def _batched(self, array):
         return array if self.config.cache.batch_size is not None else array[None]
+
+
+def _groups(groups) -> tuple[tuple[int, int], ...]:
+    """`ragged`'s groups as a tuple of `(rows, width)` positive Python ints (they pick the program)."""
+
+    def pair(group) -> bool:
+        return (isinstance(group, (tuple, list)) and len(group) == 2
+                and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in group))
+
+    if not isinstance(groups, (tuple, list)) or not groups or not all(pair(g) for g in groups):
+        raise ValueError(f"groups must be ((rows, width), ...) of positive Python ints, got {groups!r}")
+    return tuple((int(r), int(w)) for r, w in groups)

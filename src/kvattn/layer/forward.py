@@ -20,7 +20,10 @@ from kvattn.caches.base import CacheType
 from kvattn.config import AttentionConfig
 from kvattn.math.rope import apply_rope
 
-__all__ = ["FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "output", "project_qkv"]
+__all__ = [
+    "FusedWeights", "Weights", "attention_inputs", "causal_self_attention", "extend", "extend_ragged", "output",
+    "project_qkv",
+]
 
 
 class Weights(NamedTuple):
@@ -214,3 +217,70 @@ def extend(
     ys = jnp.where(real[:, :, None], ys, jnp.zeros((), ys.dtype))  # padding tokens
     ys = jnp.where(fits[:, None, None], ys, jnp.nan)  # sequences that overflowed
     return ys, cache.commit(ys)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "groups"))
+def extend_ragged(
+    weights: Weights | FusedWeights,
+    cache: CacheType,
+    xs,
+    lengths,
+    *,
+    config: AttentionConfig,
+    groups: tuple[tuple[int, int], ...],
+):
+    """`extend` over groups of sequences of different widths in one call: one step's decode rows and a prefill
+    chunk, say, whose projections then read the weights once rather than once per group.
+
+    Group g is `groups[g] = (rows, width)`: `rows` consecutive sequences of
+    the cache's batch (its table and positions, in group order), each
+    appending up to `width` tokens. `xs` `(N, D)` holds every group's tokens
+    flat, group after group and row after row (`N` is the sum of `rows *
+    width`); `lengths` `(B,)` the real tokens of each row, as in `extend`.
+    The projections, norms and rotary positions see the flat tokens; each
+    group attends on its own (a decode read for width 1, a chunk read
+    otherwise), after every group has written (`PagedKVCache.write`, then
+    `read`), so a cache whose rows can be told apart (`PagedKVCache`: rows
+    are table rows over one pool) is required.
+    Every output equals `extend`'s on that group alone.
+
+    Returns:
+      `(ys, cache)`: outputs `(N, D)` and the advanced cache.
+    """
+    if not cache.spec.paged:
+        raise TypeError(f"extend_ragged needs a paged cache, whose rows are page tables over one pool; got "
+                        f"{type(cache).__name__}")
+    starts = [0]
+    for rows, _ in groups:
+        starts.append(starts[-1] + rows)
+    if starts[-1] != lengths.shape[0] or sum(r * w for r, w in groups) != xs.shape[0]:
+        raise ValueError(f"groups {groups} hold {starts[-1]} rows of {sum(r * w for r, w in groups)} tokens; got "
+                         f"lengths {lengths.shape} and xs {xs.shape}")
+    fits = cache.fits(lengths)
+    written = jnp.where(fits, lengths, 0)
+
+    def flat(per_row, width):  # (rows,) -> (rows * width,), each row's value over its tokens
+        return jnp.repeat(per_row, width, total_repeat_length=per_row.shape[0] * width)
+
+    offsets = jnp.concatenate([jnp.tile(jnp.arange(width), rows) for rows, width in groups])
+    spans = [slice(a, b) for a, b in zip(starts, starts[1:])]
+    real = offsets < jnp.concatenate([flat(lengths[s], w) for s, (_, w) in zip(spans, groups)])
+    xs = jnp.where(real[:, None], xs, jnp.zeros((), xs.dtype))
+    positions = jnp.concatenate([flat(cache.pos[s], w) for s, (_, w) in zip(spans, groups)]) + offsets
+    q, k, v = attention_inputs(config, weights, xs[None], positions[None])
+    table, pos, parts, first = cache.table, cache.pos, [], 0
+    for span, (rows, width) in zip(spans, groups):
+        tokens = slice(first, first + rows * width)
+        first += rows * width
+        parts.append((span, *(a[0, tokens].reshape(rows, width, *a.shape[2:]) for a in (q, k, v))))
+    for span, _, k_group, v_group in parts:  # every write before any read: no read is followed by a write
+        part = cache.replace(table=table[span], pos=pos[span])  # copies are made by the first group's write
+        cache = part.write(k_group, v_group, written[span], width=k_group.shape[1]).replace(table=table, pos=pos)
+    ctxs = [cache.replace(table=table[span]).read(q_group, k_group, v_group, written[span], pos[span])
+            for span, q_group, k_group, v_group in parts]
+    ctxs = [ctx.reshape(-1, *ctx.shape[2:]) for ctx in ctxs]
+    ys = output(config, weights, jnp.concatenate(ctxs)[None], xs[None])[0]
+    ys = jnp.where(real[:, None], ys, jnp.zeros((), ys.dtype))
+    unfit = jnp.concatenate([flat(~fits[s], w) for s, (_, w) in zip(spans, groups)])
+    ys = jnp.where(unfit[:, None], jnp.nan, ys)
+    return ys, cache.replace(pos=pos + written).commit(ys)

@@ -382,6 +382,42 @@ class CausalLM(nnx.Module):
         logits = self._logits(x) if head else jnp.zeros((*x.shape[:-1], self.config.vocab_size), jnp.float32)
         return self._poison(logits, valid)
 
+    def mixed(self, tokens, active, chunks, lengths, *, pages):
+        """One token for each of `B` decoding sequences and a prefill chunk for each of `C` others, in one call
+        (a paged model): `(logits (B, V), last logits (C, V))`.
+
+        A serving step that decodes running requests while another's prompt
+        is prefilled: every weight is read once for both, where a decode step
+        and a prefill call would each read it. Each output equals what `step`
+        and `prefill(..., last_only=True)` give apart.
+
+        Args:
+          tokens: int `(B,)`: each decoding sequence's next token.
+          active: bool `(B,)`: inactive rows write nothing (their logits are not to be read).
+          chunks: int `(C, T)`, right-padded: each prefilling sequence's next tokens.
+          lengths: int `(C,)`: the real tokens of each chunk.
+          pages: the call's `PageBatch`: `B + C` rows, the decoding sequences' first.
+        """
+        tokens, valid = self._tokens(tokens, (None,))
+        chunks, chunks_valid = self._tokens(chunks, (None, None))
+        decoding, (prefilling, width) = tokens.shape[0], chunks.shape
+        active = check.mask(self.cache_config, active, "active", decoding)
+        lengths = jnp.asarray(check.ints(lengths, "lengths", ((prefilling,),), 0, width))
+        if valid is not None:  # a sequence with a bad id writes nothing
+            active = active & valid
+        if chunks_valid is not None:
+            lengths = jnp.where(chunks_valid, lengths, 0)
+        rows = jnp.concatenate([active.astype(jnp.int32), lengths])
+        pos = jnp.asarray(pages.pos)
+        positions = jnp.concatenate([pos[:decoding], (pos[decoding:, None] + jnp.arange(width)[None, :]).reshape(-1)])
+        x = self._embed(jnp.concatenate([tokens, chunks.reshape(-1)]), positions)
+        groups = ((decoding, 1), (prefilling, width))
+        for block in self.blocks:
+            x = block.forward(x, lambda h, attention=block.attention: attention.ragged(h, rows, groups, pages=pages))
+        last = decoding + jnp.arange(prefilling) * width + jnp.maximum(lengths, 1) - 1
+        logits = self._logits(jnp.concatenate([x[:decoding], x[last]]))
+        return self._poison(logits[:decoding], valid), self._poison(logits[decoding:], chunks_valid)
+
     def reset(self, which=None):
         for block in self.blocks:
             block.attention.reset(which)

@@ -1,10 +1,11 @@
 """The device half of the engine: a paged model's weights, its page pools, and the programs a step runs.
 
-Four compiled programs with fixed shapes, so requests come and go without a
+Five compiled programs with fixed shapes, so requests come and go without a
 recompilation: a prefill chunk `(1, chunk)` whose last logits every choice
-of a request samples from, a decode step over a bucket of rows, a
-speculative verify over a bucket of rows of K + 1 tokens, and prompt lookup
-over the same buckets. Each samples with `kvattn.generation.sampling` and
+of a request samples from, a decode step over a bucket of rows, the two in
+one call (`CausalLM.mixed`: a decode bucket and a chunk, the weights read
+once for both), a speculative verify over a bucket of rows of K + 1 tokens,
+and prompt lookup over the same buckets. Each samples with `kvattn.generation.sampling` and
 verifies with `kvattn.generation.speculation`, as the fixed-batch loops do.
 
 The runner works on its own copy of the model's pools, donated from call to
@@ -60,6 +61,14 @@ class Runner:
         return self._run(_decode_program, tokens, active, table, pos, batch.copy_from, batch.copy_to, rows,
                          adjustments)
 
+    def mixed(self, tokens, active, chunk, length, table, pos, batch: PageBatch, rows: RowSampling,
+              adjustments: Adjustments, chunk_rows: RowSampling, chunk_adjustments: Adjustments):
+        """`decode`'s rows and `prefill`'s chunk `(1, chunk)` (`length` real tokens) in one call; `table` and `pos`
+        hold the decode rows, then the chunk's sequence. The decode rows' `(tokens, logprobs, top_ids,
+        top_logprobs)`, then the same for each row of `chunk_rows`, sampling from the chunk's last logits."""
+        return self._run(_mixed_program, tokens, active, chunk, np.int32([length]), table, pos, batch.copy_from,
+                         batch.copy_to, rows, adjustments, chunk_rows, chunk_adjustments)
+
     def verify(self, tokens, lengths, table, pos, batch: PageBatch, rows: RowSampling, adjustments: Adjustments):
         """Each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk and verified, each
         position with its row of `adjustments` `(B, K1, V)`: `(kept, tokens, logprobs, top_ids, top_logprobs)`
@@ -87,10 +96,18 @@ class Runner:
           on_program: called as `on_program(done, total)` after each program.
         """
         width = empty.table.shape[1]
-        calls = [functools.partial(self.decode, np.zeros(size, np.int32), np.zeros(size, bool),
-                                   np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty,
-                                   RowSampling.of([], size), Adjustments.neutral((size, vocab_size)))
-                 for size in buckets]
+        choices = max(buckets)  # a chunk's sampling rows: one per choice of its request
+        chunk_rows, chunk_adjustments = RowSampling.of([], choices), Adjustments.neutral((choices, vocab_size))
+        calls = []
+        for size in buckets:
+            idle = (np.zeros(size, np.int32), np.zeros(size, bool))
+            calls.append(functools.partial(self.decode, *idle, np.zeros((size, width), np.int32),
+                                           np.zeros(size, np.int32), empty, RowSampling.of([], size),
+                                           Adjustments.neutral((size, vocab_size))))
+            calls.append(functools.partial(self.mixed, *idle, np.zeros((1, chunk), np.int32), 0,
+                                           np.zeros((size + 1, width), np.int32), np.zeros(size + 1, np.int32), empty,
+                                           RowSampling.of([], size), Adjustments.neutral((size, vocab_size)),
+                                           chunk_rows, chunk_adjustments))
         if speculative is not None:
             for size in buckets:
                 calls.append(functools.partial(self.lookup, np.zeros((size, max_len + 1), np.int32),
@@ -99,8 +116,8 @@ class Runner:
                     self.verify, np.zeros((size, speculative.num_tokens + 1), np.int32), np.zeros(size, np.int32),
                     np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty, RowSampling.of([], size),
                     Adjustments.neutral((size, speculative.num_tokens + 1, vocab_size))))
-        calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0,  # a row per choice
-                                       RowSampling.of([], max(buckets)), Adjustments.neutral((max(buckets), vocab_size))))
+        calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0, chunk_rows,
+                                       chunk_adjustments))
         for done, call in enumerate(calls, start=1):
             call()
             if on_program is not None:
@@ -153,6 +170,17 @@ def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_fr
     model = nnx.merge(graphdef.graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
     return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
+def _mixed_program(graphdef, params, pools, tokens, active, chunk, length, table, pos, copy_from, copy_to, rows,
+                   adjustments, chunk_rows, chunk_adjustments):
+    """A decode step over a bucket of rows and a prefill chunk of one sequence, in one pass over the weights."""
+    model = nnx.merge(graphdef.graphdef, params, pools)
+    logits, last = model.mixed(tokens, active, chunk, length, pages=PageBatch(table, pos, copy_from, copy_to))
+    last = jnp.broadcast_to(last, (chunk_rows.seed.shape[0], last.shape[-1]))
+    return (*sample_rows(logits, rows, adjustments), *sample_rows(last, chunk_rows, chunk_adjustments),
+            nnx.state(model, nnx.Cache))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))

@@ -4,7 +4,8 @@
 `step()` admits what fits, prefills a chunk of the requests still
 prefilling, decodes one token for every running one (or verifies their
 drafts, speculating), and retires those that finished; `run()` steps until
-the queue is empty. The server composes two halves:
+the queue is empty. The step's youngest chunk rides in the decode call
+(`CausalLM.mixed`), which reads the weights once for both. The server composes two halves:
 
 - the `Scheduler` (host only): the queue, which request holds which sequence,
   admission through the `PageManager`, preemption when pages run short,
@@ -236,20 +237,39 @@ class Server:
         return self.scheduler.stats()
 
     def step(self) -> list[Completion]:
-        """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished."""
+        """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished.
+
+        The youngest chunk of the round shares one call with the decode rows (`CausalLM.mixed`), so the
+        weights are read once for both; the other chunks, and a chunk beside a speculative round, run alone.
+        """
         scheduler = self.scheduler
         try:
             scheduler.admit()
-            for seq in scheduler.prefills():
+            prefills = scheduler.prefills()
+            for seq in prefills[:-1]:
                 if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
                     self._prefill_chunk(seq)
             self._retired += scheduler.retire_finished()  # a first token may already end a request
+            last = prefills[-1] if prefills and scheduler.prefilling(prefills[-1]) else None
             decoding = scheduler.decoding()
-            offers = self._offers(decoding) if self.speculative else {}
-            if offers:
-                self._verify(decoding, offers)
-            elif decoding:
-                self._decode(decoding)
+            offers = self._offers(decoding) if self.speculative and decoding else {}
+            if last is not None and decoding and not offers:
+                self._mixed(decoding, last)
+            else:
+                if last is not None:
+                    self._prefill_chunk(last)
+                    self._retired += scheduler.retire_finished()
+                    still = set(scheduler.decoding())  # the chunk may have preempted some, or started one
+                    if decoding:
+                        decoding = [s for s in decoding if s in still]
+                        offers = {s: drafts for s, drafts in offers.items() if s in still}
+                    else:
+                        decoding = sorted(still)
+                        offers = self._offers(decoding) if self.speculative and decoding else {}
+                if offers:
+                    self._verify(decoding, offers)
+                elif decoding:
+                    self._decode(decoding)
             self._retired += scheduler.retire_finished()
         except BaseException:
             scheduler.recover()
@@ -307,23 +327,33 @@ class Server:
         """Rows of a decode call for `count` sequences: a power of two, at most the batch size."""
         return min(1 << max(count - 1, 0).bit_length(), self.config.cache.batch_size)
 
-    def _prefill_chunk(self, seq: int):
-        scheduler, request = self.scheduler, self.scheduler.seqs[seq]
-        start, end = scheduler.next_chunk(seq)
-        counts = np.zeros(self.config.cache.batch_size, np.int32)
-        counts[seq] = end - start
-        batch = scheduler.reserve(counts)
-        if scheduler.seqs[seq] is not request:  # it was the youngest, preempted to make room for the others
-            return
+    def _chunk(self, seq: int):
+        """Sequence `seq`'s next prefill chunk as a call takes it (before its reservation): `(tokens (1, chunk),
+        length, sampling rows, adjustments)`, a row for each choice of its request."""
+        request = self.scheduler.seqs[seq]
+        start, end = self.scheduler.next_chunk(seq)
         tokens = np.zeros((1, self.chunk), np.int32)
         tokens[0, : end - start] = request.context[start:end]
-        group = request.group  # each choice samples its first token from these logits
         last = end >= len(request.context)  # only the last chunk's tokens are kept: adjust only those
-        adjustments = self._adjustments(group if last else [], self.config.cache.batch_size)
-        new, logprobs, top_ids, top_logprobs = self.runner.prefill(tokens, end - start, batch, seq, self._rows(group),
-                                                                   adjustments)
-        if not last:
+        adjustments = self._adjustments(request.group if last else [], self.config.cache.batch_size)
+        return tokens, end - start, self._rows(request.group), adjustments
+
+    def _prefill_chunk(self, seq: int):
+        """The next chunk of sequence `seq`, alone in a call."""
+        scheduler, request = self.scheduler, self.scheduler.seqs[seq]
+        tokens, length, rows, adjustments = self._chunk(seq)
+        counts = np.zeros(self.config.cache.batch_size, np.int32)
+        counts[seq] = length
+        batch = scheduler.reserve(counts)
+        if scheduler.seqs[seq] is request:  # else it was the youngest, preempted to make room for the others
+            self._chunked(seq, *self.runner.prefill(tokens, length, batch, seq, rows, adjustments))
+
+    def _chunked(self, seq: int, new, logprobs, top_ids, top_logprobs):
+        """After a chunk of sequence `seq`: its last registers the prompt and gives each choice its first token."""
+        scheduler, request = self.scheduler, self.scheduler.seqs[seq]
+        if scheduler.prefilling(seq):
             return
+        group = request.group  # each choice samples its first token from these logits; forking empties it
         scheduler.prefilled(seq)
         for row, member in enumerate(group):
             if not member.generated:  # a recomputed request already has its next token
@@ -344,18 +374,50 @@ class Server:
         laid = [self.scheduler.seqs[s] if a else None for s, a in zip(rows, active)]
         return batch, seqs, rows, active, table, self._rows(laid, len(rows)), laid
 
+    def _pending(self, rows: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Each active row's last token, the one a decode call feeds (0 for an idle row)."""
+        requests = self.scheduler.seqs
+        return np.array([requests[s].generated[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
+
     def _decode(self, seqs: list[int]):
         """One token for each of `sequences`, in a call over the smallest bucket of rows that holds them."""
         counts = np.zeros(self.config.cache.batch_size, np.int32)
         counts[seqs] = 1
-        batch, seqs, rows, active, table, sampling, laid = self._laid_out(seqs, counts)
-        requests = self.scheduler.seqs
-        tokens = np.array([requests[s].generated[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
-        new, logprobs, top_ids, top_logprobs = self.runner.decode(tokens, active, table, batch.pos[rows], batch,
-                                                                  sampling, self._adjustments(laid, len(rows)))
+        self._decode_laid(*self._laid_out(seqs, counts))
+
+    def _decode_laid(self, batch, seqs, rows, active, table, sampling, laid):
+        outputs = self.runner.decode(self._pending(rows, active), active, table, batch.pos[rows], batch, sampling,
+                                     self._adjustments(laid, len(rows)))
+        self._decoded(seqs, *outputs)
+
+    def _decoded(self, seqs: list[int], new, logprobs, top_ids, top_logprobs):
         for row, seq in enumerate(seqs):
-            requests[seq].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
+            self.scheduler.seqs[seq].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self.scheduler.totals["generated_tokens"] += 1
+
+    def _mixed(self, seqs: list[int], seq: int):
+        """One token for each of `sequences` and sequence `seq`'s next prefill chunk, in one call
+        (`Runner.mixed`); alone in their own calls if making room preempted the others."""
+        scheduler, request = self.scheduler, self.scheduler.seqs[seq]
+        tokens, length, chunk_rows, chunk_adjustments = self._chunk(seq)
+        counts = np.zeros(self.config.cache.batch_size, np.int32)
+        counts[seqs] = 1
+        counts[seq] = length
+        laid = self._laid_out(seqs, counts)
+        batch, seqs, rows, active, table, sampling, requests = laid
+        if scheduler.seqs[seq] is not request:  # preempted to make room
+            if seqs:
+                self._decode_laid(*laid)
+            return
+        if not seqs:
+            self._chunked(seq, *self.runner.prefill(tokens, length, batch, seq, chunk_rows, chunk_adjustments))
+            return
+        outputs = self.runner.mixed(
+            self._pending(rows, active), active, tokens, length, np.concatenate([table, batch.table[seq : seq + 1]]),
+            np.concatenate([batch.pos[rows], batch.pos[seq : seq + 1]]), batch, sampling,
+            self._adjustments(requests, len(rows)), chunk_rows, chunk_adjustments)
+        self._decoded(seqs, *outputs[:4])
+        self._chunked(seq, *outputs[4:])
 
     def _offers(self, seqs: list[int]) -> dict[int, np.ndarray]:
         """The drafts of each request of `sequences` that drafts this step (by prompt lookup, within its budget)."""
