@@ -132,6 +132,7 @@ def test_generate_refuses_a_checkpoint_that_does_not_load_in_one_line(tmp_path, 
 @pytest.mark.parametrize("arguments, status, words", [
     (["/nonexistent"], 2, "expected a checkpoint directory"),
     ([str(FIXTURES / "chat"), "--chunk", "12"], 2, "multiple of --page-size 16, got 12"),
+    ([str(FIXTURES / "chat"), "--step-tokens", "8"], 2, "--step-tokens to exceed --max-batch 8, got 8"),
     ([str(FIXTURES / "chat"), "--port", "70000"], 2, "in [0, 65535], got '70000'"),
     ([str(FIXTURES / "chat"), "--chat-template", "/nonexistent"], 2, "--chat-template to name a file"),
     ([str(FIXTURES / "chat"), "--api-key", "clé"], 2, "--api-key to be printable ASCII"),  # no header carries it

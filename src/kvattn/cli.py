@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 4 pages)")
     serve.add_argument("--prefills-per-step", type=_POSITIVE, default=2,
                        help="prefill chunks an engine step runs at most (bounds the time between tokens)")
+    serve.add_argument("--step-tokens", type=_POSITIVE,
+                       help="tokens a step that decodes runs at most: its decode rows and one prefill chunk of the "
+                            "rest, in one call (more than --max-batch; default: a whole --chunk beside the rows)")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="recompute every prompt rather than reuse the cached pages of a shared prefix")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
@@ -291,6 +294,8 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
     chunk = args.chunk or 4 * args.page_size
     if chunk % args.page_size:
         usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")
+    if args.step_tokens is not None and args.step_tokens <= args.max_batch:
+        usage.error(f"expected --step-tokens to exceed --max-batch {args.max_batch}, got {args.step_tokens}")
     with _listen(args.host, args.port) as sock:
         return _load_and_serve(args, usage, checkpoint, template, chunk, sock)
 
@@ -309,6 +314,7 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
     _check_context(max_len, f"--max-len {max_len}", context, args, usage)
     return launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
+                        step_tokens=args.step_tokens,
                         prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
                         weights=args.weights, chat_template=template, model_name=args.model_name, api_key=args.api_key,
                         max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)

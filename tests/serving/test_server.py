@@ -171,11 +171,12 @@ def test_a_chunk_beside_running_requests_shares_their_decode_call(monkeypatch):
     for name in ("prefill", "decode", "mixed", "verify"):
         method = getattr(server.runner, name)
         monkeypatch.setattr(server.runner, name, lambda *a, name=name, method=method: calls.append(name) or method(*a))
-    first = server.submit(want["prompts"][0, : want["lengths"][0]], SamplingParams(max_tokens=12))
+    salt = b"no hits on what earlier tests left in the prefix cache"
+    first = server.submit(want["prompts"][0, : want["lengths"][0]], SamplingParams(max_tokens=12), salt=salt)
     server.step()
     assert calls == ["prefill", "decode"]  # nothing else running: its chunk alone, then its first decode step
     assert want["lengths"][1] > server.chunk  # two chunks
-    server.submit(want["prompts"][1, : want["lengths"][1]], SamplingParams(max_tokens=12))
+    server.submit(want["prompts"][1, : want["lengths"][1]], SamplingParams(max_tokens=12), salt=salt)
     for _ in range(2):
         calls.clear()
         server.step()
@@ -185,6 +186,43 @@ def test_a_chunk_beside_running_requests_shares_their_decode_call(monkeypatch):
     for row, completion in enumerate(completions):
         np.testing.assert_array_equal(completion.tokens, generated[row])
     server.manager.check()
+
+
+def test_step_tokens_bound_every_decoding_step_to_one_call_of_that_many_tokens(monkeypatch):
+    """`step_tokens=5` on three sequences: while anything decodes, a step is one call, its decode bucket's rows
+    plus a chunk of the rest (4, 3 or 2 tokens); alone, a prompt still gets whole chunks. Greedy as `generate`."""
+    generated, _, server = fixture_run("llama")
+    want = expected("llama")
+    model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
+    with pytest.raises(ValueError, match="step_tokens must exceed the batch size 3"):
+        serving.Server(model, chunk=8, step_tokens=3)
+    calls = []  # each call, with the shape of the chunk it carries
+    for name, chunk in (("prefill", 0), ("decode", None), ("mixed", 2)):
+        method = getattr(server.runner, name)
+        monkeypatch.setattr(server.runner, name, lambda *a, name=name, method=method, chunk=chunk: calls.append(
+            (name, *(() if chunk is None else np.shape(a[chunk])))) or method(*a))
+    monkeypatch.setattr(server, "step_tokens", 5)
+    salt = b"no hits on what earlier tests left in the prefix cache"
+    first = server.submit(want["prompts"][0, : want["lengths"][0]], SamplingParams(max_tokens=12), salt=salt)
+    done = server.step()
+    assert calls == [("prefill", 1, server.chunk), ("decode",)]  # nothing decoding: a whole chunk
+    for row in (1, 2):
+        server.submit(want["prompts"][row, : want["lengths"][row]], SamplingParams(max_tokens=12), salt=salt)
+    mixed = 0
+    while not server.idle:
+        calls.clear()
+        decoding = len(server.scheduler.decoding())
+        done += server.step()
+        if decoding:
+            assert len(calls) == 1, calls
+            if calls[0][0] == "mixed":
+                mixed += 1
+                assert calls[0][1:] == (1, 5 - min(1 << (decoding - 1).bit_length(), 3))
+    assert mixed >= 4  # prompts of 9 and 3 tokens, in pieces of at most 3
+    server.manager.check()
+    assert [c.request for c in done] == [first, first + 1, first + 2]
+    for row, completion in enumerate(done):
+        np.testing.assert_array_equal(completion.tokens, generated[row])
 
 
 def test_server_refuses_what_can_never_fit():

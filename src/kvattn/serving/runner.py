@@ -82,7 +82,8 @@ class Runner:
         return tuple(np.asarray(x) for x in _lookup(history, filled, num_tokens, max_ngram))
 
     def warm_up(self, buckets: list[int], chunk: int, empty: PageBatch, vocab_size: int, speculative=None,
-                max_len: int = 0, on_program: Callable[[int, int], None] | None = None) -> None:
+                max_len: int = 0, on_program: Callable[[int, int], None] | None = None,
+                mixed_chunks: dict[int, int] | None = None) -> None:
         """Compiles every program a step may run, by calling each idle: nothing is written (every row is
         inactive and maps only the null page of `empty`, a reservation of nothing).
 
@@ -94,6 +95,7 @@ class Runner:
           speculative: the server's `PromptLookup`, if any (verify and lookup programs too).
           max_len: the width of lookup's histories, less one.
           on_program: called as `on_program(done, total)` after each program.
+          mixed_chunks: the chunk a mixed call of each bucket carries (default: `chunk`).
         """
         width = empty.table.shape[1]
         choices = max(buckets)  # a chunk's sampling rows: one per choice of its request
@@ -104,7 +106,8 @@ class Runner:
             calls.append(functools.partial(self.decode, *idle, np.zeros((size, width), np.int32),
                                            np.zeros(size, np.int32), empty, RowSampling.of([], size),
                                            Adjustments.neutral((size, vocab_size))))
-            calls.append(functools.partial(self.mixed, *idle, np.zeros((1, chunk), np.int32), 0,
+            tokens = chunk if mixed_chunks is None else mixed_chunks[size]
+            calls.append(functools.partial(self.mixed, *idle, np.zeros((1, tokens), np.int32), 0,
                                            np.zeros((size + 1, width), np.int32), np.zeros(size + 1, np.int32), empty,
                                            RowSampling.of([], size), Adjustments.neutral((size, vocab_size)),
                                            chunk_rows, chunk_adjustments))

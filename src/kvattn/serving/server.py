@@ -73,6 +73,13 @@ class Server:
         keep enough drafts to pay for the longer call, and tries again
         after a while (its `policy`); a step without drafts is a plain
         decode step.
+      step_tokens: the most tokens a step that decodes runs (vLLM's
+        `max_num_batched_tokens`): its decode rows, and beside them in the
+        same call one prefill chunk of the rest (at most `chunk`), the only
+        chunk of such a step; a running request's time between tokens is
+        then one call of `step_tokens` tokens, however long the prompts
+        that arrive. More than the batch size. None (default): a whole
+        chunk beside the rows, and `prefills_per_step` chunks a step.
       donate_pools: hand the model's page pools to the server instead of
         letting it copy them: no second copy of the pools (a large share of
         a server's memory), but the first step deletes the model's caches,
@@ -99,7 +106,7 @@ class Server:
 
     def __init__(self, model: CausalLM, *, chunk: int = 64, prefix_caching: bool = True, rng=None,
                  prefills_per_step: int | None = None, speculative: PromptLookup | None = None,
-                 donate_pools: bool = False):
+                 step_tokens: int | None = None, donate_pools: bool = False):
         config = model.blocks[0].attention.config
         if not config.cache.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
@@ -118,6 +125,10 @@ class Server:
             raise ValueError(f"chunk must be a multiple of page_size={config.cache.page_size}, got {chunk}")
         prefills = (config.cache.batch_size if prefills_per_step is None
                     else check.positive_int(prefills_per_step, "prefills_per_step"))
+        if step_tokens is not None and check.positive_int(step_tokens, "step_tokens") <= config.cache.batch_size:
+            raise ValueError(f"step_tokens must exceed the batch size {config.cache.batch_size} (a decode row each, "
+                             f"and room for a chunk), got {step_tokens}")
+        self.step_tokens = None if step_tokens is None else int(step_tokens)
         self.config = config
         self.speculative = speculative
         self.vocab_size = model.config.vocab_size
@@ -246,6 +257,8 @@ class Server:
         try:
             scheduler.admit()
             prefills = scheduler.prefills()
+            if self.step_tokens is not None and scheduler.decoding():  # one chunk, in the decode call
+                prefills = prefills[:1]
             for seq in prefills[:-1]:
                 if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
                     self._prefill_chunk(seq)
@@ -298,7 +311,7 @@ class Server:
         buckets = sorted({self._bucket(n) for n in range(1, self.config.cache.batch_size + 1)})
         empty = self.manager.reserve(np.zeros(self.config.cache.batch_size, np.int32))
         self.runner.warm_up(buckets, self.chunk, empty, self.vocab_size, self.speculative, self.config.cache.max_len,
-                            on_program)
+                            on_program, mixed_chunks={size: self._mixed_width(size) for size in buckets})
 
     # ---------------------------------------------------------------- internal
 
@@ -327,12 +340,18 @@ class Server:
         """Rows of a decode call for `count` sequences: a power of two, at most the batch size."""
         return min(1 << max(count - 1, 0).bit_length(), self.config.cache.batch_size)
 
-    def _chunk(self, seq: int):
-        """Sequence `seq`'s next prefill chunk as a call takes it (before its reservation): `(tokens (1, chunk),
-        length, sampling rows, adjustments)`, a row for each choice of its request."""
-        request = self.scheduler.seqs[seq]
+    def _mixed_width(self, bucket: int) -> int:
+        """The prefill chunk a decode call of `bucket` rows carries: what `step_tokens` leaves, at most `chunk`."""
+        return self.chunk if self.step_tokens is None else min(self.chunk, self.step_tokens - bucket)
+
+    def _chunk(self, seq: int, width: int | None = None):
+        """Sequence `seq`'s next prefill chunk, at most `width` tokens (default `chunk`), as a call takes it (before
+        its reservation): `(tokens (1, width), length, sampling rows, adjustments)`, a row for each choice of its
+        request."""
+        request, width = self.scheduler.seqs[seq], width or self.chunk
         start, end = self.scheduler.next_chunk(seq)
-        tokens = np.zeros((1, self.chunk), np.int32)
+        end = min(end, start + width)
+        tokens = np.zeros((1, width), np.int32)
         tokens[0, : end - start] = request.context[start:end]
         last = end >= len(request.context)  # only the last chunk's tokens are kept: adjust only those
         adjustments = self._adjustments(request.group if last else [], self.config.cache.batch_size)
@@ -399,7 +418,7 @@ class Server:
         """One token for each of `sequences` and sequence `seq`'s next prefill chunk, in one call
         (`Runner.mixed`); alone in their own calls if making room preempted the others."""
         scheduler, request = self.scheduler, self.scheduler.seqs[seq]
-        tokens, length, chunk_rows, chunk_adjustments = self._chunk(seq)
+        tokens, length, chunk_rows, chunk_adjustments = self._chunk(seq, self._mixed_width(self._bucket(len(seqs))))
         counts = np.zeros(self.config.cache.batch_size, np.int32)
         counts[seqs] = 1
         counts[seq] = length
@@ -409,6 +428,9 @@ class Server:
             if seqs:
                 self._decode_laid(*laid)
             return
+        # Making room may have preempted rows: a smaller bucket, whose program takes a chunk as wide or wider.
+        width = self._mixed_width(len(rows)) if seqs else self.chunk
+        tokens = np.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
         if not seqs:
             self._chunked(seq, *self.runner.prefill(tokens, length, batch, seq, chunk_rows, chunk_adjustments))
             return
