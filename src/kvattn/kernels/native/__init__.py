@@ -637,7 +637,7 @@ def _read_max_example(rng):
 
 # The kernels, once: what registers, self-tests and differentiates each, and what the harness runs.
 KERNELS = (
-    # The dots, decode attention and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s
+    # The dots, both attentions and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s
     # `Avx512`; the int8 dot's first needs AVX512-VNNI too, which it asks for itself).
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx2",), _int8_example, differentiable=False, tolerance=0.0),
     Kernel("int4_dot", int4_dot, int4_dot_on_xla, ("avx2",), _int4_example, differentiable=False),
@@ -646,8 +646,8 @@ KERNELS = (
     Kernel("decode_attention", decode_attention, decode_attention_on_xla, ("avx2", "fma"), _decode_example),
     Kernel("paged_decode_attention", paged_decode_attention, paged_decode_attention_on_xla, ("avx2", "fma"),
            _paged_decode_example),
-    Kernel("paged_prefill_attention", paged_prefill_attention, paged_prefill_attention_on_xla, ("avx512f",),
+    Kernel("paged_prefill_attention", paged_prefill_attention, paged_prefill_attention_on_xla, ("avx2", "fma"),
            _paged_prefill_example),
-    Kernel("prefill_attention", prefill_attention, prefill_attention_on_xla, ("avx512f",), _prefill_example),
+    Kernel("prefill_attention", prefill_attention, prefill_attention_on_xla, ("avx2", "fma"), _prefill_example),
     Kernel("read_max", read_max, read_max_on_xla, ("avx2",), _read_max_example, tolerance=0.0),
 )

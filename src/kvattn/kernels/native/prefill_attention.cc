@@ -18,6 +18,9 @@
 // thread pool: the pair's keys are transposed once into blocks of 16 (H x 16), so four query rows
 // against 32 keys take 8 FMAs per head dim; each row's softmax is exact (its maximum first, then exp
 // and sum over its visible keys); values are mixed four rows at a time, 64 head dims per pass.
+//
+// AVX-512 (`Wide`), else AVX2 and FMA (`Narrow`, sixteen lanes as two halves, a block of keys and sixteen
+// head dims per pass: the same sums in the same order, the same bits).
 
 #include <algorithm>
 #include <cmath>
@@ -51,30 +54,149 @@ constexpr int64_t kLanes = 16;  // floats per vector
 
 using kvattn::Exp;
 
-// acc[i] += weights[i][j] * values[j][column : column + 16 C] over the keys j < seen[i] that row i sees
-// (seen rising with i); then out[i] = acc[i] * inv[i] for the first `rows`. A key a row does not see is
-// skipped, not weighted by 0: 0 * a NaN or inf value is NaN, and it must not reach an earlier token.
-template <int C>
-KVATTN_AVX512 void Mix(const float* const* values, int64_t column, const int64_t* seen, const float* weights,
-                       int64_t padded, const float* inv, float* const* out, int64_t rows) {
-  __m512 acc[kRows][C];
-  for (int i = 0; i < kRows; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
-    __m512 v[C];
-    for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values[j] + column + kLanes * c);
-    const bool every_row = j < seen[0];
-    for (int i = 0; i < kRows; ++i) {
-      const __m512 w = _mm512_set1_ps(weights[i * padded + j]);
-      const __mmask16 sees = every_row || j < seen[i] ? 0xFFFF : 0;
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mask3_fmadd_ps(w, v[c], acc[i][c], sees);
+// The vector steps of one block of kRows query rows, AVX-512 (`Wide`) or AVX2 and FMA (`Narrow`, sixteen
+// lanes as two halves, `kvattn::F16`): the same operations lane for lane, each sum in the same order, so
+// the two bodies give the same bits. `Pair` below is the scalar rest, shared.
+//
+// Scores: scores[i][j] = qs[i] . key j over the `padded` keys of `keys` (blocks of (H, 16), transposed).
+// Softmax: row[j] <- exp(row[j] - max) over the `seen` first keys, 0 past them; returns 1 / their sum.
+// Mix: out[i] = inv[i] * sum_j weights[i][j] values[j] over the keys j < seen[i] that row i sees (seen
+// rising with i), for the first `rows` rows. A key a row does not see is skipped, not weighted by 0: 0 * a
+// NaN or inf value is NaN, and it must not reach an earlier token.
+struct Wide {
+  template <int C>
+  KVATTN_AVX512 static void MixColumns(const float* const* values, int64_t column, const int64_t* seen,
+                                       const float* weights, int64_t padded, const float* inv, float* const* out,
+                                       int64_t rows) {
+    __m512 acc[kRows][C];
+    for (int i = 0; i < kRows; ++i)
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values[j] + column + kLanes * c);
+      const bool every_row = j < seen[0];
+      for (int i = 0; i < kRows; ++i) {
+        const __m512 w = _mm512_set1_ps(weights[i * padded + j]);
+        const __mmask16 sees = every_row || j < seen[i] ? 0xFFFF : 0;
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mask3_fmadd_ps(w, v[c], acc[i][c], sees);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 scale = _mm512_set1_ps(inv[i]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[i] + column + kLanes * c, _mm512_mul_ps(acc[i][c], scale));
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 scale = _mm512_set1_ps(inv[i]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[i] + column + kLanes * c, _mm512_mul_ps(acc[i][c], scale));
+
+  static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights, int64_t padded,
+                  const float* inv, float* const* out, int64_t rows) {
+    for (int64_t column = 0; column < H; column += 4 * kLanes) {
+      switch (std::min<int64_t>(4, (H - column) / kLanes)) {
+        case 4: MixColumns<4>(values, column, seen, weights, padded, inv, out, rows); break;
+        case 3: MixColumns<3>(values, column, seen, weights, padded, inv, out, rows); break;
+        case 2: MixColumns<2>(values, column, seen, weights, padded, inv, out, rows); break;
+        default: MixColumns<1>(values, column, seen, weights, padded, inv, out, rows); break;
+      }
+    }
   }
-}
+
+  KVATTN_AVX512 static void Scores(const float* keys, const float* const* qs, int64_t H, int64_t padded,
+                                   float* scores) {
+    for (int64_t block = 0; block < padded / kLanes; block += 2) {  // two blocks per pass
+      const float* k0 = keys + block * H * kLanes;
+      const float* k1 = k0 + H * kLanes;
+      __m512 acc[kRows][2];
+      for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; ++h) {
+        const __m512 a = _mm512_loadu_ps(k0 + h * kLanes), c = _mm512_loadu_ps(k1 + h * kLanes);
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 x = _mm512_set1_ps(qs[i][h]);
+          acc[i][0] = _mm512_fmadd_ps(x, a, acc[i][0]);
+          acc[i][1] = _mm512_fmadd_ps(x, c, acc[i][1]);
+        }
+      }
+      for (int i = 0; i < kRows; ++i) {
+        _mm512_storeu_ps(scores + i * padded + block * kLanes, acc[i][0]);
+        _mm512_storeu_ps(scores + i * padded + (block + 1) * kLanes, acc[i][1]);
+      }
+    }
+  }
+
+  KVATTN_AVX512 static float Softmax(float* row, int64_t seen, int64_t padded) {
+    auto mask = [&](int64_t j) {
+      const int64_t left = seen - j;
+      return left >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                            : static_cast<__mmask16>(left <= 0 ? 0 : (1u << left) - 1);
+    };
+    __m512 top = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 unordered = 0;  // a NaN score makes the row NaN, as in a float64 softmax
+    for (int64_t j = 0; j < seen; j += kLanes) kvattn::Fold(_mm512_loadu_ps(row + j), mask(j), top, unordered);
+    const __m512 high = _mm512_set1_ps(kvattn::Maximum(top, unordered));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const __m512 w = _mm512_maskz_mov_ps(mask(j), Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), high)));
+      _mm512_storeu_ps(row + j, w);
+      sum = _mm512_add_ps(sum, w);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);  // at least the row's own key: sum >= 1, or NaN
+  }
+};
+
+struct Narrow {
+  using F16 = kvattn::F16;
+
+  // Sixteen columns a pass (four rows of two halves stay in registers).
+  KVATTN_AVX2 static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights,
+                              int64_t padded, const float* inv, float* const* out, int64_t rows) {
+    for (int64_t column = 0; column < H; column += kLanes) {
+      F16 acc[kRows];
+      for (int i = 0; i < kRows; ++i) acc[i] = kvattn::Splat16(0.0f);
+      for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
+        const F16 v = kvattn::Load16(values[j] + column);
+        const bool every_row = j < seen[0];
+        for (int i = 0; i < kRows; ++i) {
+          if (every_row || j < seen[i]) {
+            acc[i] = kvattn::Fmadd16(kvattn::Splat16(weights[i * padded + j]), v, acc[i]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < rows; ++i) {
+        kvattn::Store16(out[i] + column, kvattn::Mul16(acc[i], kvattn::Splat16(inv[i])));
+      }
+    }
+  }
+
+  // One block of sixteen keys a pass.
+  KVATTN_AVX2 static void Scores(const float* keys, const float* const* qs, int64_t H, int64_t padded,
+                                 float* scores) {
+    for (int64_t block = 0; block < padded / kLanes; ++block) {
+      const float* k0 = keys + block * H * kLanes;
+      F16 acc[kRows];
+      for (int i = 0; i < kRows; ++i) acc[i] = kvattn::Splat16(0.0f);
+      for (int64_t h = 0; h < H; ++h) {
+        const F16 a = kvattn::Load16(k0 + h * kLanes);
+        for (int i = 0; i < kRows; ++i) acc[i] = kvattn::Fmadd16(kvattn::Splat16(qs[i][h]), a, acc[i]);
+      }
+      for (int i = 0; i < kRows; ++i) kvattn::Store16(scores + i * padded + block * kLanes, acc[i]);
+    }
+  }
+
+  KVATTN_AVX2 static float Softmax(float* row, int64_t seen, int64_t padded) {
+    F16 top = kvattn::Splat16(-__builtin_inff());
+    __m256 unordered = _mm256_setzero_ps();
+    for (int64_t j = 0; j < seen; j += kLanes) {
+      kvattn::Fold16(kvattn::Load16(row + j), kvattn::Lanes16(seen - j), top, unordered);
+    }
+    const F16 high = kvattn::Splat16(kvattn::Maximum16(top, unordered));
+    F16 sum = kvattn::Splat16(0.0f);
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const F16 w = kvattn::Keep16(kvattn::Lanes16(seen - j),
+                                   kvattn::Exp16(kvattn::Sub16(kvattn::Load16(row + j), high)));
+      kvattn::Store16(row + j, w);
+      sum = kvattn::Add16(sum, w);
+    }
+    return 1.0f / kvattn::Sum16(sum);
+  }
+};
 
 // Where cached slot j of pair (b, k) lies in a contiguous cache (B, K, S, H): its offset in floats.
 struct Contiguous {
@@ -92,13 +214,13 @@ struct Pages {
   }
 };
 
-template <typename Slots>
-KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
-                        const float* k_cache, const float* v_cache, Slots slot, int64_t cached, int64_t fresh,
-                        float* out, Scratch& scratch) {
+template <typename Body, typename Slots>
+void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
+          const float* k_cache, const float* v_cache, Slots slot, int64_t cached, int64_t fresh, float* out,
+          Scratch& scratch) {
   const int64_t T = d.T, K = d.K, G = d.G, H = d.H, N = K * G;
   const int64_t visible = cached + fresh;
-  const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: two blocks per pass
+  const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: the wide body's two per pass
   scratch.keys.assign(blocks * H * kLanes, 0.0f);
   scratch.values.resize(visible);
   for (int64_t j = 0; j < visible; ++j) {
@@ -133,52 +255,22 @@ KVATTN_AVX512 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, co
     const int64_t padded = (reach + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
     scratch.scores.resize(kRows * padded);
     float* scores = scratch.scores.data();
-    for (int64_t block = 0; block < padded / kLanes; block += 2) {
-      const float* k0 = scratch.keys.data() + block * H * kLanes;
-      const float* k1 = k0 + H * kLanes;
-      __m512 acc[kRows][2];
-      for (int i = 0; i < kRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-      for (int64_t h = 0; h < H; ++h) {
-        const __m512 a = _mm512_loadu_ps(k0 + h * kLanes), c = _mm512_loadu_ps(k1 + h * kLanes);
-        for (int i = 0; i < kRows; ++i) {
-          const __m512 x = _mm512_set1_ps(qs[i][h]);
-          acc[i][0] = _mm512_fmadd_ps(x, a, acc[i][0]);
-          acc[i][1] = _mm512_fmadd_ps(x, c, acc[i][1]);
-        }
-      }
-      for (int i = 0; i < kRows; ++i) {
-        _mm512_storeu_ps(scores + i * padded + block * kLanes, acc[i][0]);
-        _mm512_storeu_ps(scores + i * padded + (block + 1) * kLanes, acc[i][1]);
-      }
-    }
+    Body::Scores(scratch.keys.data(), qs, H, padded, scores);
     float inv[kRows];
-    for (int64_t i = 0; i < kRows; ++i) {  // softmax over the row's visible keys; weight 0 past them
-      float* row = scores + i * padded;
-      auto mask = [&](int64_t j) {
-        const int64_t left = seen[i] - j;
-        return left >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                              : static_cast<__mmask16>(left <= 0 ? 0 : (1u << left) - 1);
-      };
-      __m512 top = _mm512_set1_ps(-__builtin_inff());
-      __mmask16 unordered = 0;  // a NaN score makes the row NaN, as in a float64 softmax
-      for (int64_t j = 0; j < seen[i]; j += kLanes) kvattn::Fold(_mm512_loadu_ps(row + j), mask(j), top, unordered);
-      const __m512 high = _mm512_set1_ps(kvattn::Maximum(top, unordered));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < padded; j += kLanes) {
-        const __m512 w = _mm512_maskz_mov_ps(mask(j), Exp(_mm512_sub_ps(_mm512_loadu_ps(row + j), high)));
-        _mm512_storeu_ps(row + j, w);
-        sum = _mm512_add_ps(sum, w);
-      }
-      inv[i] = 1.0f / _mm512_reduce_add_ps(sum);  // at least the row's own key: sum >= 1, or NaN
-    }
-    for (int64_t column = 0; column < H; column += 4 * kLanes) {
-      switch (std::min<int64_t>(4, (H - column) / kLanes)) {
-        case 4: Mix<4>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
-        case 3: Mix<3>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
-        case 2: Mix<2>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
-        default: Mix<1>(scratch.values.data(), column, seen, scores, padded, inv, outs, n); break;
-      }
-    }
+    for (int64_t i = 0; i < kRows; ++i) inv[i] = Body::Softmax(scores + i * padded, seen[i], padded);
+    Body::Mix(scratch.values.data(), H, seen, scores, padded, inv, outs, n);
+  }
+}
+
+// One (b, k) pair on the CPU's body.
+template <typename Slots>
+void OnePair(bool wide, const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
+             const float* k_cache, const float* v_cache, Slots slot, int64_t cached, int64_t fresh, float* out,
+             Scratch& scratch) {
+  if (wide) {
+    Pair<Wide>(d, b, k, q, k_new, v_new, k_cache, v_cache, slot, cached, fresh, out, scratch);
+  } else {
+    Pair<Narrow>(d, b, k, q, k_new, v_new, k_cache, v_cache, slot, cached, fresh, out, scratch);
   }
 }
 
@@ -202,12 +294,13 @@ ffi::Future Attend(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new, Rank
   const float *kcp = k_cache.typed_data(), *vcp = v_cache.typed_data();
   const int32_t *held = cache_len.typed_data(), *added = new_len.typed_data();
   float* op = out->typed_data();
+  const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
     Scratch scratch;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t b = pair / K;
-      Pair(shape, b, pair % K, qp, knp, vnp, kcp, vcp, Contiguous{K, S, H}, std::clamp<int64_t>(held[b], 0, S),
-           std::clamp<int64_t>(added[b], 0, T), op, scratch);
+      OnePair(wide, shape, b, pair % K, qp, knp, vnp, kcp, vcp, Contiguous{K, S, H},
+              std::clamp<int64_t>(held[b], 0, S), std::clamp<int64_t>(added[b], 0, T), op, scratch);
     }
   });
 }
@@ -232,12 +325,13 @@ ffi::Future AttendPages(ffi::ThreadPool pool, Rank4 q, Rank4 k_new, Rank4 v_new,
   const float *kpp = k_pages.typed_data(), *vpp = v_pages.typed_data();
   const int32_t *tp = table.typed_data(), *held = cache_len.typed_data(), *added = new_len.typed_data();
   float* op = out->typed_data();
+  const bool wide = kvattn::Avx512();
   return kvattn::Split(pool, B * K, B * K, [=](int64_t first, int64_t last) {
     Scratch scratch;
     for (int64_t pair = first; pair < last; ++pair) {
       const int64_t b = pair / K;
-      Pair(shape, b, pair % K, qp, knp, vnp, kpp, vpp, Pages{tp, M, P, K, page, H},
-           std::clamp<int64_t>(held[b], 0, M * page), std::clamp<int64_t>(added[b], 0, T), op, scratch);
+      OnePair(wide, shape, b, pair % K, qp, knp, vnp, kpp, vpp, Pages{tp, M, P, K, page, H},
+              std::clamp<int64_t>(held[b], 0, M * page), std::clamp<int64_t>(added[b], 0, T), op, scratch);
     }
   });
 }
