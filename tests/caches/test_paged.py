@@ -121,7 +121,7 @@ def test_paged_equals_contiguous(page_size, cache_dtype):
                     reason="kvattn's native paged kernel is not built or cannot run here")
 def test_native_paged_chunks_and_steps_equal_the_reference_and_xla():
     """Head dims of 16 in a heads-major pool: the CPU's chunks and steps read the pages natively (not XLA's
-    views) where their kernels run (chunks need AVX512F), and equal float64 and the same layer forced onto
+    views) where their kernels run (AVX2 and FMA), and equal float64 and the same layer forced onto
     XLA, with NaN in every free page."""
 
     def build(kernel):
