@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="prefill chunks an engine step runs at most (bounds the time between tokens)")
     serve.add_argument("--step-tokens", type=_POSITIVE,
                        help="tokens a step that decodes runs at most: its decode rows and one prefill chunk of the "
-                            "rest, in one call (more than --max-batch; default: a whole --chunk beside the rows)")
+                            "rest, in one call (more than --max-batch; default: chunks in calls of their own)")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="recompute every prompt rather than reuse the cached pages of a shared prefix")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")

@@ -93,10 +93,12 @@ def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
     server.manager.check()
 
 
-@pytest.mark.parametrize(("program", "fails_at"), [("_decode_program", 3), ("_mixed_program", 1)])
-def test_a_failed_device_call_loses_no_request(monkeypatch, program, fails_at):
+@pytest.mark.parametrize(("program", "fails_at", "step_tokens"), [("_decode_program", 3, None),
+                                                                   ("_mixed_program", 1, 7)])
+def test_a_failed_device_call_loses_no_request(monkeypatch, program, fails_at, step_tokens):
     """A program consumes the pools, then fails: every request is recomputed and ends as if nothing failed."""
     generated, _, server = fixture_run("llama")
+    monkeypatch.setattr(server, "step_tokens", step_tokens)
     want = expected("llama")
     run, calls = getattr(serving_programs, program), []
 
@@ -163,9 +165,10 @@ def test_serving_compiles_once_over_many_admissions():
 
 
 def test_a_chunk_beside_running_requests_shares_their_decode_call(monkeypatch):
-    """While one request decodes, another's two prompt chunks each ride in its decode call (one device call a
-    step, `Runner.mixed`); both streams equal `generate`'s."""
+    """With a budget of a whole chunk beside the rows: while one request decodes, another's two prompt chunks
+    each ride in its decode call (one device call a step, `Runner.mixed`); both streams equal `generate`'s."""
     generated, _, server = fixture_run("llama")
+    monkeypatch.setattr(server, "step_tokens", server.config.cache.batch_size + server.chunk)
     want = expected("llama")
     calls = []
     for name in ("prefill", "decode", "mixed", "verify"):
@@ -266,8 +269,8 @@ def test_abort_frees_pages_at_once_and_streams_every_token(monkeypatch):
     running = server.submit(list(range(1, 12)), SamplingParams(max_tokens=12),
                             on_token=lambda i, token: seen.append((i, token.id)))
     queued = [server.submit([1, 2, 3], SamplingParams(max_tokens=12)) for _ in range(4)]  # three sequences: the last two wait
-    for _ in range(3):  # its two chunks (the second beside the others' decode rows, one call), then a decode step
-        server.step()
+    server.step()
+    server.step()
     assert server.stats.running == 3 and server.stats.waiting == 2 and len(seen) == 2
     aborted = server.abort(running)
     assert aborted.finish_reason == "abort" and aborted.tokens == [t for _, t in seen]

@@ -95,7 +95,7 @@ class Runner:
           speculative: the server's `PromptLookup`, if any (verify and lookup programs too).
           max_len: the width of lookup's histories, less one.
           on_program: called as `on_program(done, total)` after each program.
-          mixed_chunks: the chunk a mixed call of each bucket carries (default: `chunk`).
+          mixed_chunks: the chunk a mixed call of each bucket carries (None: the server makes no mixed calls).
         """
         width = empty.table.shape[1]
         choices = max(buckets)  # a chunk's sampling rows: one per choice of its request
@@ -106,11 +106,11 @@ class Runner:
             calls.append(functools.partial(self.decode, *idle, np.zeros((size, width), np.int32),
                                            np.zeros(size, np.int32), empty, RowSampling.of([], size),
                                            Adjustments.neutral((size, vocab_size))))
-            tokens = chunk if mixed_chunks is None else mixed_chunks[size]
-            calls.append(functools.partial(self.mixed, *idle, np.zeros((1, tokens), np.int32), 0,
-                                           np.zeros((size + 1, width), np.int32), np.zeros(size + 1, np.int32), empty,
-                                           RowSampling.of([], size), Adjustments.neutral((size, vocab_size)),
-                                           chunk_rows, chunk_adjustments))
+            if mixed_chunks is not None:
+                calls.append(functools.partial(
+                    self.mixed, *idle, np.zeros((1, mixed_chunks[size]), np.int32), 0,
+                    np.zeros((size + 1, width), np.int32), np.zeros(size + 1, np.int32), empty,
+                    RowSampling.of([], size), Adjustments.neutral((size, vocab_size)), chunk_rows, chunk_adjustments))
         if speculative is not None:
             for size in buckets:
                 calls.append(functools.partial(self.lookup, np.zeros((size, max_len + 1), np.int32),

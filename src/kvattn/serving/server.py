@@ -4,8 +4,9 @@
 `step()` admits what fits, prefills a chunk of the requests still
 prefilling, decodes one token for every running one (or verifies their
 drafts, speculating), and retires those that finished; `run()` steps until
-the queue is empty. The step's youngest chunk rides in the decode call
-(`CausalLM.mixed`), which reads the weights once for both. The server composes two halves:
+the queue is empty. With a token budget (`step_tokens`), a step that
+decodes carries one small chunk inside its decode call (`CausalLM.mixed`),
+which reads the weights once for both. The server composes two halves:
 
 - the `Scheduler` (host only): the queue, which request holds which sequence,
   admission through the `PageManager`, preemption when pages run short,
@@ -78,8 +79,10 @@ class Server:
         same call one prefill chunk of the rest (at most `chunk`), the only
         chunk of such a step; a running request's time between tokens is
         then one call of `step_tokens` tokens, however long the prompts
-        that arrive. More than the batch size. None (default): a whole
-        chunk beside the rows, and `prefills_per_step` chunks a step.
+        that arrive. More than the batch size. None (default): chunks run
+        in calls of their own before the decode call, `prefills_per_step`
+        of them (on a CPU a whole chunk's dot is compute-bound, and decode
+        rows inside it cost as much as their own call).
       donate_pools: hand the model's page pools to the server instead of
         letting it copy them: no second copy of the pools (a large share of
         a server's memory), but the first step deletes the model's caches,
@@ -250,20 +253,21 @@ class Server:
     def step(self) -> list[Completion]:
         """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished.
 
-        The youngest chunk of the round shares one call with the decode rows (`CausalLM.mixed`), so the
-        weights are read once for both; the other chunks, and a chunk beside a speculative round, run alone.
+        With `step_tokens`, a step that decodes runs one chunk, in the decode call (`CausalLM.mixed`), so
+        the weights are read once for both (a chunk beside a speculative round runs alone before it).
         """
         scheduler = self.scheduler
         try:
             scheduler.admit()
             prefills = scheduler.prefills()
-            if self.step_tokens is not None and scheduler.decoding():  # one chunk, in the decode call
+            mixing = self.step_tokens is not None
+            if mixing and scheduler.decoding():  # one chunk, in the decode call
                 prefills = prefills[:1]
-            for seq in prefills[:-1]:
+            for seq in prefills[:-1] if mixing else prefills:
                 if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
                     self._prefill_chunk(seq)
             self._retired += scheduler.retire_finished()  # a first token may already end a request
-            last = prefills[-1] if prefills and scheduler.prefilling(prefills[-1]) else None
+            last = prefills[-1] if mixing and prefills and scheduler.prefilling(prefills[-1]) else None
             decoding = scheduler.decoding()
             offers = self._offers(decoding) if self.speculative and decoding else {}
             if last is not None and decoding and not offers:
@@ -311,7 +315,8 @@ class Server:
         buckets = sorted({self._bucket(n) for n in range(1, self.config.cache.batch_size + 1)})
         empty = self.manager.reserve(np.zeros(self.config.cache.batch_size, np.int32))
         self.runner.warm_up(buckets, self.chunk, empty, self.vocab_size, self.speculative, self.config.cache.max_len,
-                            on_program, mixed_chunks={size: self._mixed_width(size) for size in buckets})
+                            on_program, mixed_chunks=None if self.step_tokens is None else {
+                                size: self._mixed_width(size) for size in buckets})
 
     # ---------------------------------------------------------------- internal
 
@@ -342,7 +347,7 @@ class Server:
 
     def _mixed_width(self, bucket: int) -> int:
         """The prefill chunk a decode call of `bucket` rows carries: what `step_tokens` leaves, at most `chunk`."""
-        return self.chunk if self.step_tokens is None else min(self.chunk, self.step_tokens - bucket)
+        return min(self.chunk, self.step_tokens - bucket)
 
     def _chunk(self, seq: int, width: int | None = None):
         """Sequence `seq`'s next prefill chunk, at most `width` tokens (default `chunk`), as a call takes it (before
