@@ -133,6 +133,7 @@ def test_generate_refuses_a_checkpoint_that_does_not_load_in_one_line(tmp_path, 
     (["/nonexistent"], 2, "expected a checkpoint directory"),
     ([str(FIXTURES / "chat"), "--chunk", "12"], 2, "multiple of --page-size 16, got 12"),
     ([str(FIXTURES / "chat"), "--step-tokens", "8"], 2, "--step-tokens to exceed --max-batch 8, got 8"),
+    ([str(FIXTURES / "chat"), "--step-tokens", "24", "--speculative", "ngram:3"], 2, "not both"),
     ([str(FIXTURES / "chat"), "--port", "70000"], 2, "in [0, 65535], got '70000'"),
     ([str(FIXTURES / "chat"), "--chat-template", "/nonexistent"], 2, "--chat-template to name a file"),
     ([str(FIXTURES / "chat"), "--api-key", "clé"], 2, "--api-key to be printable ASCII"),  # no header carries it

@@ -296,6 +296,8 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
         usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")
     if args.step_tokens is not None and args.step_tokens <= args.max_batch:
         usage.error(f"expected --step-tokens to exceed --max-batch {args.max_batch}, got {args.step_tokens}")
+    if args.step_tokens is not None and args.speculative is not None:
+        usage.error("expected --step-tokens or --speculative, not both (a speculative round is not budgeted)")
     with _listen(args.host, args.port) as sock:
         return _load_and_serve(args, usage, checkpoint, template, chunk, sock)
 

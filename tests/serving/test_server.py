@@ -199,6 +199,8 @@ def test_step_tokens_bound_every_decoding_step_to_one_call_of_that_many_tokens(m
     model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
     with pytest.raises(ValueError, match="step_tokens must exceed the batch size 3"):
         serving.Server(model, chunk=8, step_tokens=3)
+    with pytest.raises(ValueError, match="not offered together"):
+        serving.Server(model, chunk=8, step_tokens=5, speculative=generation.PromptLookup(num_tokens=3))
     calls = []  # each call, with the shape of the chunk it carries
     for name, chunk in (("prefill", 0), ("decode", None), ("mixed", 2)):
         method = getattr(server.runner, name)

@@ -407,13 +407,14 @@ class CausalLM(nnx.Module):
             active = active & valid
         if chunks_valid is not None:
             lengths = jnp.where(chunks_valid, lengths, 0)
-        rows = jnp.concatenate([active.astype(jnp.int32), lengths])
+        row_lengths = jnp.concatenate([active.astype(jnp.int32), lengths])
         pos = jnp.asarray(pages.pos)
         positions = jnp.concatenate([pos[:decoding], (pos[decoding:, None] + jnp.arange(width)[None, :]).reshape(-1)])
         x = self._embed(jnp.concatenate([tokens, chunks.reshape(-1)]), positions)
         groups = ((decoding, 1), (prefilling, width))
         for block in self.blocks:
-            x = block.forward(x, lambda h, attention=block.attention: attention.ragged(h, rows, groups, pages=pages))
+            x = block.forward(x, functools.partial(block.attention.ragged, lengths=row_lengths, groups=groups,
+                                                   pages=pages))
         last = decoding + jnp.arange(prefilling) * width + jnp.maximum(lengths, 1) - 1
         logits = self._logits(jnp.concatenate([x[:decoding], x[last]]))
         return self._poison(logits[:decoding], valid), self._poison(logits[decoding:], chunks_valid)

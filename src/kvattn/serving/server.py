@@ -79,7 +79,8 @@ class Server:
         same call one prefill chunk of the rest (at most `chunk`), the only
         chunk of such a step; a running request's time between tokens is
         then one call of `step_tokens` tokens, however long the prompts
-        that arrive. More than the batch size. None (default): chunks run
+        that arrive. More than the batch size; not with `speculative`.
+        None (default): chunks run
         in calls of their own before the decode call, `prefills_per_step`
         of them (on a CPU a whole chunk's dot is compute-bound, and decode
         rows inside it cost as much as their own call).
@@ -131,6 +132,9 @@ class Server:
         if step_tokens is not None and check.positive_int(step_tokens, "step_tokens") <= config.cache.batch_size:
             raise ValueError(f"step_tokens must exceed the batch size {config.cache.batch_size} (a decode row each, "
                              f"and room for a chunk), got {step_tokens}")
+        if step_tokens is not None and speculative is not None:
+            raise ValueError("step_tokens and speculative are not offered together: a speculative round's K + 1 "
+                             "tokens a row are not counted in a budget; pass one of them")
         self.step_tokens = None if step_tokens is None else int(step_tokens)
         self.config = config
         self.speculative = speculative
@@ -254,35 +258,25 @@ class Server:
         """One scheduling round: admit, prefill a chunk each, decode a token each, retire. Returns what finished.
 
         With `step_tokens`, a step that decodes runs one chunk, in the decode call (`CausalLM.mixed`), so
-        the weights are read once for both (a chunk beside a speculative round runs alone before it).
+        the weights are read once for both; a step with nothing decoding runs as without it.
         """
         scheduler = self.scheduler
         try:
             scheduler.admit()
-            prefills = scheduler.prefills()
-            mixing = self.step_tokens is not None
-            if mixing and scheduler.decoding():  # one chunk, in the decode call
-                prefills = prefills[:1]
-            for seq in prefills[:-1] if mixing else prefills:
-                if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
-                    self._prefill_chunk(seq)
-            self._retired += scheduler.retire_finished()  # a first token may already end a request
-            last = prefills[-1] if mixing and prefills and scheduler.prefilling(prefills[-1]) else None
-            decoding = scheduler.decoding()
-            offers = self._offers(decoding) if self.speculative and decoding else {}
-            if last is not None and decoding and not offers:
-                self._mixed(decoding, last)
+            decoding = scheduler.decoding() if self.step_tokens is not None else []
+            if decoding:  # under a budget, a step that decodes is one call: its rows and at most one chunk
+                prefills = scheduler.prefills()[:1]
+                if prefills:
+                    self._mixed(decoding, prefills[0])
+                else:
+                    self._decode(decoding)
             else:
-                if last is not None:
-                    self._prefill_chunk(last)
-                    self._retired += scheduler.retire_finished()
-                    still = set(scheduler.decoding())  # the chunk may have preempted some, or started one
-                    if decoding:
-                        decoding = [s for s in decoding if s in still]
-                        offers = {s: drafts for s, drafts in offers.items() if s in still}
-                    else:
-                        decoding = sorted(still)
-                        offers = self._offers(decoding) if self.speculative and decoding else {}
+                for seq in scheduler.prefills():
+                    if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
+                        self._prefill_chunk(seq)
+                self._retired += scheduler.retire_finished()  # a first token may already end a request
+                decoding = scheduler.decoding()
+                offers = self._offers(decoding) if self.speculative else {}
                 if offers:
                     self._verify(decoding, offers)
                 elif decoding:
