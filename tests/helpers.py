@@ -127,6 +127,9 @@ def random_tokens(rng, *shape):
 LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+# For heads of 4 (two pairs): a layer of 24 slots turns with the short factors, a ring (unbounded) the long ones.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 6.0],
+            "original_max_position_embeddings": 32, "factor": 4.0}
 ROPES = {
     "none": None,
     "half": RoPE(),
@@ -135,6 +138,7 @@ ROPES = {
     "linear": RoPE(scaling={"rope_type": "linear", "factor": 2.0}),
     "llama3": RoPE(theta=1000.0, scaling=LLAMA3),
     "yarn": RoPE(theta=1000.0, scaling=YARN),
+    "longrope": RoPE(theta=1000.0, scaling=LONGROPE),
 }
 
 

@@ -43,18 +43,25 @@ def weights_of(layer) -> dict:
     out["query_scale"] = config.query_scale
     rope = config.rope
     out["rope"] = None if rope is None else dict(
-        theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved
+        theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
+        long=rope.long,
     )
     return out
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, rotary_dim: int | None):
-    """Angular frequency of each rotated pair, and the factor on cos/sin, following transformers' formulas."""
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None, rotary_dim: int | None, long: bool = False):
+    """Angular frequency of each rotated pair, and the factor on cos/sin, following transformers' formulas
+    (`long`: longrope's long factors, which transformers takes for a call past the switch)."""
     dims = rotary_dim or head_dim
     freqs = np.array([theta ** (-2.0 * i / dims) for i in range(dims // 2)])
     kind = (scaling or {}).get("rope_type")
     if kind is None or kind == "default":
         return freqs, 1.0
+    if kind == "longrope":
+        factor, old = scaling.get("factor", 1.0), scaling["original_max_position_embeddings"]
+        attention_factor = scaling.get("attention_factor") or (
+            np.sqrt(1 + np.log(factor) / np.log(old)) if factor > 1 else 1.0)
+        return freqs / np.array(scaling["long_factor" if long else "short_factor"]), attention_factor
     factor = scaling["factor"]
     if kind == "linear":
         return freqs / factor, 1.0
@@ -102,7 +109,8 @@ def rotate(x, positions, rope: dict) -> np.ndarray:
     x = np.array(x, np.float64)
     head_dim = x.shape[-1]
     dims = rope["rotary_dim"] or head_dim
-    freqs, attention_factor = rope_frequencies(head_dim, rope["theta"], rope["scaling"], rope["rotary_dim"])
+    freqs, attention_factor = rope_frequencies(head_dim, rope["theta"], rope["scaling"], rope["rotary_dim"],
+                                               bool(rope.get("long")))
     phasor = attention_factor * np.exp(1j * np.asarray(positions, np.float64)[:, None] * freqs)[:, None, :]
     part = x[..., :dims]
     if rope["interleaved"]:

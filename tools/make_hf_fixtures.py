@@ -30,6 +30,7 @@ import transformers
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 NEW_TOKENS = 32
 PROMPT_LENGTHS = (5, 9, 3)
+PROMPT_LENGTHS_OF = {"phi3": (18, 22, 17)}
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, tie_word_embeddings=False)
 
@@ -46,9 +47,16 @@ FAMILIES = {
               dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(COMMON, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
-    # Fused qkv_proj and gate_up_proj; its special ids inside the tiny vocabulary.
+    # Fused qkv_proj and gate_up_proj; its special ids inside the tiny vocabulary. longrope with its switch at 16
+    # positions (Phi-3-128k and Phi-3.5: 4,096), its prompts past it (PROMPT_LENGTHS_OF), so transformers turns
+    # them and their continuations with the long factors throughout; `logits_short` holds its logits of each
+    # prompt's first 16 tokens, turned with the short ones.
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM,
-             dict(COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_theta=500.0)),
+             dict(COMMON, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  original_max_position_embeddings=16, rope_parameters={
+                      "rope_type": "longrope", "rope_theta": 500.0,
+                      "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.8, 2.0, 2.5],
+                      "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 12.0, 16.0]})),
     # Sliding and full layers alternating, both soft-caps, a query scale apart from 1/sqrt(head_dim).
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
                dict(COMMON, num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
@@ -92,12 +100,12 @@ def perturb(model: torch.nn.Module, generator: torch.Generator, embed_scale: flo
                 param.copy_(noise * gain / param.shape[-1] ** 0.5)
 
 
-def run(model, config, seed: int):
+def run(model, config, seed: int, prompt_lengths=PROMPT_LENGTHS):
     """transformers' logits and greedy continuations of the prompts, and the smallest top-1/top-2 gaps."""
     rng = np.random.default_rng(seed)
-    prompts = np.zeros((len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)), np.int32)
+    prompts = np.zeros((len(prompt_lengths), max(prompt_lengths)), np.int32)
     logits, continuations, gaps = [], [], []
-    for row, length in enumerate(PROMPT_LENGTHS):
+    for row, length in enumerate(prompt_lengths):
         prompt = rng.integers(0, config.vocab_size, size=length)
         prompts[row, :length] = prompt
         ids = torch.tensor(prompt[None], dtype=torch.long)
@@ -107,7 +115,7 @@ def run(model, config, seed: int):
             generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                                        eos_token_id=None, pad_token_id=0, output_logits=True,
                                        return_dict_in_generate=True)
-        padded = np.zeros((max(PROMPT_LENGTHS), config.vocab_size), np.float32)
+        padded = np.zeros((max(prompt_lengths), config.vocab_size), np.float32)
         padded[:length] = full
         logits.append(padded)
         continuations.append(generated.sequences[0, length:].numpy().astype(np.int32))
@@ -129,7 +137,7 @@ def make(name: str) -> None:
         perturb(model, torch.Generator().manual_seed(attempt),
                 embed_scale=EMBED_SCALES.get(name, (1.0, 0.5, 0.25))[attempt % 3],
                 gain=(1.5, 3.0, 6.0, 10.0)[attempt // 3 % 4], norm_centre=0.0 if name in OFFSET_NORMS else 1.0)
-        outputs = run(model, config, attempt)
+        outputs = run(model, config, attempt, PROMPT_LENGTHS_OF.get(name, PROMPT_LENGTHS))
         score = min(min(len(set(c.tolist())) for c in outputs[2]), 12) + min(outputs[3]) * 10
         # The equivalence tests need margins well past their tolerance (1e-4 of the largest logit).
         margin = min(outputs[3]) / np.abs(np.stack(outputs[1])).max()
@@ -143,16 +151,22 @@ def make(name: str) -> None:
     target = OUT / name
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target, safe_serialization=True)
+    short = {}
+    if getattr(config, "rope_parameters", None) and config.rope_parameters.get("rope_type") == "longrope":
+        switch = config.rope_parameters["original_max_position_embeddings"]
+        with torch.no_grad():
+            short["logits_short"] = model(torch.tensor(prompts[:, :switch], dtype=torch.long)).logits.float().numpy()
     # The same prompts through transformers in bfloat16, the reference for kvattn's bfloat16 models.
     half = model.to(torch.bfloat16)
     logits_bf16 = np.zeros_like(np.stack(logits))
-    for row, length in enumerate(PROMPT_LENGTHS):
+    prompt_lengths = PROMPT_LENGTHS_OF.get(name, PROMPT_LENGTHS)
+    for row, length in enumerate(prompt_lengths):
         with torch.no_grad():
             ids = torch.tensor(prompts[row : row + 1, :length], dtype=torch.long)
             logits_bf16[row, :length] = half(ids).logits[0].float().numpy()
-    np.savez(target / "expected.npz", prompts=prompts, lengths=np.array(PROMPT_LENGTHS, np.int32),
+    np.savez(target / "expected.npz", prompts=prompts, lengths=np.array(prompt_lengths, np.int32),
              logits=np.stack(logits), greedy=np.stack(continuations), min_gap=np.array(gaps, np.float32),
-             logits_bf16=logits_bf16)
+             logits_bf16=logits_bf16, **short)
     distinct = [len(set(c.tolist())) for c in continuations]
     (target / "made_with.json").write_text(json.dumps(
         {"torch": torch.__version__, "transformers": transformers.__version__, "distinct_greedy_tokens": distinct,

@@ -46,8 +46,13 @@ _SCALINGS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+_OPTIONAL = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    "longrope": ("factor", "attention_factor"),
+}
+_LISTS = ("short_factor", "long_factor")
 
 
 @typing.no_type_check  # validated by hand in __post_init__, with the documented errors
@@ -63,11 +68,24 @@ class RoPE:
         "original_max_position_embeddings"}` or `{"rope_type": "yarn",
         "factor", "original_max_position_embeddings", ...}` (`beta_fast`,
         `beta_slow`, `mscale`, `mscale_all_dim`, `attention_factor`,
-        `truncate` as in transformers). The older key `"type"` is accepted
-        for `"rope_type"`.
+        `truncate` as in transformers) or `{"rope_type": "longrope",
+        "short_factor", "long_factor", "original_max_position_embeddings",
+        ...}` (Phi-3: a factor per rotated pair, the long ones for
+        sequences past `original_max_position_embeddings`; `factor`, which
+        sets the attention factor as transformers does, or
+        `attention_factor` itself). The older key `"type"` is accepted for
+        `"rope_type"`.
       rotary_dim: how many leading dims of each head rotate (even); None for
         the whole head (GPT-NeoX and Phi rotate a part).
       interleaved: pair dims (0, 1), (2, 3)... instead of rotate-half.
+      long: longrope only: True turns every position with the long factors,
+        False with the short ones; None lets a layer choose by the longest
+        sequence its cache holds (long when its `capacity` passes
+        `original_max_position_embeddings`). One set per model, as vLLM
+        chooses by `max_model_len`: transformers picks by each call's length
+        and recomputes a sequence's cache when it grows past the switch;
+        keys turned with one set throughout keep caches, prefix caching and
+        speculation exact. A `CausalLM` sets it from its `max_len`.
 
     >>> RoPE(scaling={"rope_type": "linear", "factor": 2.0}).scaling_dict
     {'factor': 2.0, 'rope_type': 'linear'}
@@ -77,6 +95,7 @@ class RoPE:
     scaling: tuple | None = None
     rotary_dim: int | None = None
     interleaved: bool = False
+    long: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float, np.number)) or not self.theta > 1:
@@ -90,15 +109,34 @@ class RoPE:
             object.__setattr__(self, "rotary_dim", int(self.rotary_dim))
         object.__setattr__(self, "interleaved", bool(self.interleaved))
         object.__setattr__(self, "scaling", _normalise_scaling(self.scaling))
+        if self.long is not None:
+            if not isinstance(self.long, (bool, np.bool_)):
+                raise TypeError(f"RoPE long must be True, False or None, got {self.long!r}")
+            if self.long_past is None:
+                raise ValueError(f"RoPE long picks longrope's set of factors; this RoPE's scaling is "
+                                 f"{self.scaling_dict}")
+            object.__setattr__(self, "long", bool(self.long))
 
     @property
     def scaling_dict(self) -> dict | None:
         """`scaling` as the dict it came from (normalised: `rope_type`, floats)."""
         return None if self.scaling is None else dict(self.scaling)
 
+    @property
+    def long_past(self) -> int | None:
+        """longrope's switch: sequences longer than this turn with its long factors; None for other scalings."""
+        scaling = self.scaling_dict or {}
+        return int(scaling["original_max_position_embeddings"]) if scaling.get("rope_type") == "longrope" else None
+
+    def for_length(self, max_len: int | None) -> RoPE:
+        """longrope with its set chosen for sequences of up to `max_len` tokens (None: unbounded); others as is."""
+        if self.long_past is None or self.long is not None:
+            return self
+        return dataclasses.replace(self, long=max_len is None or max_len > self.long_past)
+
     def to_json(self) -> dict:
         return {"theta": self.theta, "scaling": self.scaling_dict, "rotary_dim": self.rotary_dim,
-                "interleaved": self.interleaved}
+                "interleaved": self.interleaved, **({} if self.long is None else {"long": self.long})}
 
     def rotated_dims(self, head_dim: int) -> int:
         """How many dims of a `head_dim`-wide head rotate; raises if `rotary_dim` does not fit."""
@@ -120,13 +158,13 @@ def _normalise_scaling(scaling) -> tuple | None:
     scaling.pop("type", None)
     if kind not in _SCALINGS:
         raise ValueError(f"RoPE scaling rope_type must be one of {sorted(_SCALINGS)}, got {kind!r}")
-    allowed = set(_SCALINGS[kind]) | (set(_YARN_OPTIONAL) if kind == "yarn" else set())
+    optional = _OPTIONAL.get(kind, ())
     missing = [key for key in _SCALINGS[kind] if scaling.get(key) is None]
-    unknown = sorted(set(scaling) - allowed)
+    unknown = sorted(set(scaling) - set(_SCALINGS[kind]) - set(optional))
     if missing or unknown:
         raise ValueError(
             f"RoPE scaling of rope_type {kind!r} needs {list(_SCALINGS[kind])}"
-            + (f" (optional: {list(_YARN_OPTIONAL)})" if kind == "yarn" else "")
+            + (f" (optional: {list(optional)})" if optional else "")
             + f"; missing {missing}, unknown {unknown}"
         )
     normalised = {"rope_type": kind}
@@ -135,13 +173,27 @@ def _normalise_scaling(scaling) -> tuple | None:
             continue
         if key == "truncate":
             normalised[key] = bool(value)
+        elif key in _LISTS:
+            normalised[key] = _positive_floats(key, value)
         elif isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
             raise ValueError(f"RoPE scaling {key} must be a finite number, got {value!r}")
         else:
             normalised[key] = float(value)
     if normalised.get("factor", 1.0) <= 0:
         raise ValueError(f"RoPE scaling factor must be positive, got {normalised['factor']}")
+    if kind == "longrope" and len(normalised["short_factor"]) != len(normalised["long_factor"]):
+        raise ValueError(f"RoPE longrope short_factor and long_factor must be as long, got "
+                         f"{len(normalised['short_factor'])} and {len(normalised['long_factor'])}")
     return tuple(sorted(normalised.items()))
+
+
+def _positive_floats(key: str, value) -> tuple[float, ...]:
+    """A list of positive finite numbers (longrope's factors, one per rotated pair) as a hashable tuple."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, (list, tuple, np.ndarray)) or not len(value) \
+            or any(isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not math.isfinite(v) or v <= 0
+                   for v in value):
+        raise ValueError(f"RoPE scaling {key} must be a non-empty list of positive finite numbers, got {value!r}")
+    return tuple(float(v) for v in value)
 
 
 
@@ -191,7 +243,9 @@ class AttentionConfig:
         before masking (Gemma 2), or None.
       rope: a `kvattn.RoPE`, rotary position embedding at each token's
         absolute position, applied to queries and keys before the key is
-        cached; None for no positional encoding in the layer.
+        cached; None for no positional encoding in the layer. longrope
+        without `long` set takes its long factors when `capacity` passes
+        the switch (`RoPE.for_length`).
       data_axis, model_axis: names of mesh axes to shard over: sequences of
         the batch over `data_axis`, heads (projections and cache) over
         `model_axis`. Recorded as Flax `out_sharding` annotations, applied
@@ -295,6 +349,8 @@ class AttentionConfig:
                 raise TypeError(f"rope must be a kvattn.RoPE or None, got {self.rope!r}")
             self.rope.rotated_dims(self.head_dim)
         put("cache", self.cache.fitted(self.window, self.cache_bytes_per_token))
+        if self.rope is not None:  # longrope's set, for the longest sequence the cache holds (`RoPE.long`)
+            put("rope", self.rope.for_length(self.capacity))
         for name in ("data_axis", "model_axis"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

@@ -54,7 +54,8 @@ def with_stop(greedy, stop):
 # Each family is decoded by one drafter, a compiled program each (the suite's time is short).
 DRAFTERS = {
     "gpt2": lambda family: generation.PromptLookup(num_tokens=3),
-    "qwen2": lambda family: generation.PromptLookup(num_tokens=2, max_ngram=1),
+    # longrope, with the long factors (its prompts pass the switch).
+    "phi3": lambda family: generation.PromptLookup(num_tokens=2, max_ngram=1),
     "qwen3": lambda family: generation.PromptLookup(num_tokens=4, max_ngram=2),
     # The target in bfloat16: most drafts kept, at half the bytes, so rounds pay.
     "llama": lambda family: generation.DraftModel(load(family, dtype=jnp.bfloat16), num_tokens=4),

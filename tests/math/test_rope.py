@@ -32,9 +32,9 @@ def test_rotation_by_a_known_angle():
     np.testing.assert_allclose(w[0, 0, 0], [np.cos(1), np.sin(1), 5.0, 6.0], atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "llama3", "yarn"])
+@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "llama3", "yarn", "longrope_long"])
 def test_scores_depend_only_on_the_distance_between_positions(name):
-    rope = ROPES[name]
+    rope = EIGHT[name]
     q, k = (jax.random.normal(jax.random.key(i), (1, 1, 1, 8)) for i in (1, 2))
 
     def score(query_pos, key_pos):
@@ -47,13 +47,40 @@ def test_scores_depend_only_on_the_distance_between_positions(name):
     assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "linear", "llama3", "yarn"])
+# longrope for heads of 8 (four pairs), each set of factors.
+LONGROPE_8 = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.0, 3.0, 8.0, 20.0],
+              "original_max_position_embeddings": 16, "factor": 8.0}
+EIGHT = {**ROPES, **{f"longrope_{kind}": RoPE(theta=1000.0, scaling=LONGROPE_8, long=kind == "long")
+                     for kind in ("short", "long")}}
+
+
+@pytest.mark.parametrize("name", ["half", "interleaved", "partial", "linear", "llama3", "yarn", "longrope_short",
+                                  "longrope_long"])
 def test_rotation_equals_the_reference(name):
-    rope = ROPES[name]
+    rope = EIGHT[name]
     x = jax.random.normal(jax.random.key(0), (1, 5, 3, 8))
     positions = jnp.array([[0, 1, 9, 40, 1000]])
-    as_dict = dict(theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved)
+    as_dict = dict(theta=rope.theta, scaling=rope.scaling_dict, rotary_dim=rope.rotary_dim,
+                   interleaved=rope.interleaved, long=rope.long)
     assert_close(apply_rope(x, positions, rope)[0], rotate(x[0], positions[0], as_dict), rtol=1e-4, atol=2e-4)
+
+
+def test_longrope_divides_each_pair_by_its_factor_and_scales_by_transformers_attention_factor():
+    """Worked by hand: pair i's frequency is theta ** (-i / 4) over its factor; cos and sin are multiplied by
+    sqrt(1 + ln(factor) / ln(original)) = sqrt(1 + ln 8 / ln 16) = sqrt(1.75) for either set."""
+    x = jnp.array([[[[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]]]])
+    for kind, factors in (("short", LONGROPE_8["short_factor"]), ("long", LONGROPE_8["long_factor"])):
+        got = apply_rope(x, jnp.array([[5]]), EIGHT[f"longrope_{kind}"])[0, 0, 0]
+        angles = 5 * 1000.0 ** (-np.arange(4) / 4) / np.array(factors)
+        want = np.sqrt(1.75) * np.concatenate([np.cos(angles), np.sin(angles)])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # A layer picks by the longest sequence its cache holds; a set named is kept.
+    assert RoPE(scaling=LONGROPE_8).for_length(16).long is False and RoPE(scaling=LONGROPE_8).for_length(17).long
+    assert RoPE(scaling=LONGROPE_8).for_length(None).long and RoPE(scaling=LONGROPE_8, long=False).for_length(99).long \
+        is False
+    assert RoPE(scaling=YARN).for_length(99).long is None
+    with pytest.raises(ValueError, match="RoPE long picks longrope's set of factors"):
+        RoPE(scaling=YARN, long=True)
 
 
 def test_scaled_frequencies_follow_the_published_rules():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from kvattn import models
 from kvattn.models import decoder, hf, spec, table
@@ -125,11 +126,33 @@ def test_the_decoder_names_no_family():
 @pytest.mark.parametrize(("changes", "match"), [
     ({"attention_bias": True}, "attention_bias=True; kvattn.models runs bias-free Phi-3"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
-     "rope settings kvattn cannot use"),
+     r"rope settings kvattn cannot use: .*missing \['original_max_position_embeddings'\]"),
+    ({"original_max_position_embeddings": 8,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}},
+     r"one factor per rotated pair \(4\), got 3"),
+    ({"original_max_position_embeddings": 8,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0, 0.0, 1.0, 1.0]}},
+     "long_factor must be a non-empty list of positive finite numbers"),
 ])
 def test_phi3_refuses_what_its_fused_table_or_rope_cannot_hold(changes, match):
     with pytest.raises(models.UnsupportedConfigError, match=match):
         models.from_hf_config({**minimal("phi3"), **changes})
+
+
+def test_phi3_longrope_is_completed_as_transformers_completes_it():
+    """The switch from the config's top level, `factor` from the two lengths (it sets the attention factor),
+    "su" as longrope's old name; a model picks its set of factors by its max_len."""
+    factors = {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [1.0, 4.0, 8.0, 16.0]}
+    for kind in ("longrope", "su"):
+        config = models.from_hf_config({**minimal("phi3"), "max_position_embeddings": 64,
+                                        "original_max_position_embeddings": 8,
+                                        "rope_scaling": {"type": kind, **factors}})
+        assert config.rope.scaling_dict == {"rope_type": "longrope", "factor": 8.0,
+                                            "original_max_position_embeddings": 8.0,
+                                            **{key: tuple(value) for key, value in factors.items()}}
+        assert config.rope.long is None and config.rope.long_past == 8
+    assert [models.CausalLM(config, max_len=n, rngs=nnx.Rngs(0)).blocks[1].attention.config.rope.long
+            for n in (8, 9)] == [False, True]
 
 
 def test_gemma_layers_slide_as_transformers_lays_them_out():

@@ -35,7 +35,7 @@ def fixture_run(family: str):
     return generated, completions, server
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3"])  # phi3: longrope, chunks across its switch
 def test_server_equals_generate_token_for_token(family):
     generated, completions, server = fixture_run(family)
     for completion in completions:

@@ -12,6 +12,9 @@ Two pairings of the rotated dimensions exist:
   - interleaved (GPT-J, the original Meta code): dimension 2i pairs with 2i + 1.
 Pair i turns by the angle `position * inv_freq[i]`; dimensions past
 `rotary_dim` are left as they are.
+
+longrope (Phi-3) has two sets of frequencies, a short and a long one; the
+settings (`RoPE.long`) name the one that turns every position.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from kvattn.config import RoPE
 
 __all__ = ["apply_rope", "rope_tables"]
 
+
 def _inverse_frequencies(rope: RoPE, rotary_dim: int) -> tuple[np.ndarray, float]:
     """`inv_freq` `(rotary_dim / 2,)` after scaling, and the factor cos and sin are multiplied by."""
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
     inv_freq = 1.0 / rope.theta**exponents
     scaling = rope.scaling_dict or {"rope_type": "default"}
     kind = scaling["rope_type"]
+    if kind == "longrope":
+        return _longrope(inv_freq, scaling, bool(rope.long))
     if kind == "linear":
         return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":
@@ -74,6 +80,18 @@ def _yarn(theta: float, rotary_dim: int, scaling: dict) -> tuple[np.ndarray, flo
     extrapolated = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
     keep = 1.0 - ramp  # 1: extrapolate (keep the frequency); 0: interpolate by `factor`
     return extrapolated / factor * (1 - keep) + extrapolated * keep, float(attention_factor)
+
+
+def _longrope(inv_freq: np.ndarray, scaling: dict, long: bool) -> tuple[np.ndarray, float]:
+    """longrope: each pair's frequency divided by its short or long factor; transformers' attention factor."""
+    factors = np.asarray(scaling["long_factor" if long else "short_factor"], np.float64)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"longrope needs one factor per rotated pair ({inv_freq.shape[0]}), got {factors.shape[0]}")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor, original = scaling.get("factor", 1.0), scaling["original_max_position_embeddings"]
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / factors, float(attention_factor)
 
 
 def rope_tables(rope: RoPE, head_dim: int) -> tuple[np.ndarray, float, int]:

@@ -198,7 +198,9 @@ class CausalLM(nnx.Module):
             return config.sliding_window if slides else None
 
         self.blocks = nnx.List([
-            Block(config, Attention(attention(window(i), config.layer_rope(i)), weights=weights, rngs=rngs), dtype,
+            # longrope's set is the model's, by its max_len, whatever each layer's cache holds (a ring of a window).
+            Block(config, Attention(attention(window(i), _for_length(config.layer_rope(i), max_len)), weights=weights,
+                                    rngs=rngs), dtype,
                   weights=weights, rngs=rngs)
             for i in range(config.num_layers)
         ])
@@ -434,3 +436,7 @@ class CausalLM(nnx.Module):
     def reorder(self, order):
         for block in self.blocks:
             block.attention.reorder(order)
+
+
+def _for_length(rope, max_len):
+    return None if rope is None else rope.for_length(max_len)

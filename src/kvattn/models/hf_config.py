@@ -66,6 +66,8 @@ def rope(config: dict, head_dim: int, parameters: dict | None = None, *, theta_k
         scaling = parameters
     else:
         scaling = config.get(scaling_key) if scaling_key else None
+    if isinstance(scaling, dict) and (scaling.get("rope_type") or scaling.get("type")) in ("longrope", "su"):
+        scaling = _longrope(config, scaling)
     rotary_dim = None
     if rotary is not None and rotary != 1.0:
         if isinstance(rotary, bool) or not isinstance(rotary, (int, float)) or not 0 < rotary <= 1:
@@ -77,3 +79,16 @@ def rope(config: dict, head_dim: int, parameters: dict | None = None, *, theta_k
         return RoPE(theta=theta, scaling=scaling, rotary_dim=rotary_dim)
     except (TypeError, ValueError) as error:
         raise UnsupportedConfigError(f"config.json has rope settings kvattn cannot use: {error}") from None
+
+
+def _longrope(config: dict, scaling: dict) -> dict:
+    """Phi-3's longrope settings as transformers completes them: the switch from the config's top level where the
+    scaling leaves it out, and `factor` (which sets the attention factor) from the two lengths; "su" is its old
+    name."""
+    scaling = {key: value for key, value in scaling.items() if key not in ("type", "rope_type")}
+    original = scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original}
+    if scaling.get("factor") is None and isinstance(original, int) and original > 0 \
+            and isinstance(config.get("max_position_embeddings"), int):
+        scaling["factor"] = config["max_position_embeddings"] / original
+    return scaling

@@ -11,8 +11,9 @@ axis, its gate and up projections the two halves of `mlp/gate_up`.
 Phi-3 (`PHI3`) is the same block with its own table: its checkpoints store
 the query, key and value projections fused as `qkv_proj` and the gate and
 up projections as `gate_up_proj`, each split into the same parts on
-loading. Its `longrope` scaling is refused (by `RoPE`), as is any other
-rotary scaling kvattn does not compute.
+loading. Its `longrope` scaling (Phi-3-128k, Phi-3.5) turns with one set
+of factors per model, by its `max_len` (`kvattn.RoPE.long`); any rotary
+scaling kvattn does not compute is refused (by `RoPE`).
 """
 
 from __future__ import annotations
