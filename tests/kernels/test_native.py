@@ -291,6 +291,10 @@ def _prefill_cases(rng):
         "gqa3-ragged-padding": _prefill_case(rng, 3, 2, 3, 11, 32, 40, 1.0, [40, 0, 17], [11, 4, 0]),
         "gqa2-h80-spread8": _prefill_case(rng, 2, 1, 2, 5, 80, 33, 8.0, [33, 2], [5, 5]),
         "h128": _prefill_case(rng, 1, 2, 2, 3, 128, 9, 0.1, [9], [2]),
+        # Idle sequences, one with nothing visible at all (a warm-up call's).
+        "idle": _prefill_case(rng, 2, 1, 2, 3, 16, 4, 1.0, [0, 2], [0, 0]),
+        # 75 rows (two groups of blocks) over 315 keys (two tiles).
+        "gqa3-tiles-and-groups": _prefill_case(rng, 1, 1, 3, 25, 16, 300, 1.0, [290], [25]),
     }
 
 
@@ -317,7 +321,8 @@ def _paged_chunk(case, page, rng):
 
 
 def _paged_prefill_cases(rng):
-    pages = {"mha-empty-cache": 1, "gqa3-ragged-padding": 4, "gqa2-h80-spread8": 16, "h128": 2}
+    pages = {"mha-empty-cache": 1, "gqa3-ragged-padding": 4, "gqa2-h80-spread8": 16, "h128": 2,
+             "idle": 2, "gqa3-tiles-and-groups": 16}
     return {name: _paged_chunk(case, pages[name], rng) for name, case in _prefill_cases(rng).items()}
 
 
@@ -618,6 +623,23 @@ def test_the_paged_kernels_give_the_contiguous_kernels_bits():
     np.testing.assert_array_equal(
         native.paged_prefill_attention(q, k_new, v_new, k_pages, v_pages, table, cache_len, new_len),
         native.prefill_attention(q, k_new, v_new, contiguous(k_pages), contiguous(v_pages), cache_len, new_len))
+
+
+def test_a_chunk_row_has_the_bits_of_its_token_alone():
+    """Rows in groups of blocks and keys in tiles leave each row's sums in key order: a token's outputs in a
+    chunk of 25 (75 rows, two groups; 315 keys, two tiles) are, to the bit, those of the token alone over the
+    same keys (one block, one tile less)."""
+    _needs(native.kernel(native.PREFILL_ATTENTION))
+    (q, k_new, v_new, keys, values, cache_len, new_len), _ = _prefill_cases(
+        np.random.default_rng(7))["gqa3-tiles-and-groups"]
+    chunk = np.asarray(native.prefill_attention(q, k_new, v_new, keys, values, cache_len, new_len))
+    for t in (0, 13, 24):
+        held = int(cache_len[0]) + t
+        k_cache, v_cache = (np.concatenate([cache[:, :, : cache_len[0]], new[:, :t].transpose(0, 2, 1, 3)], axis=2)
+                            for cache, new in ((keys, k_new), (values, v_new)))
+        alone = native.prefill_attention(q[:, t : t + 1], k_new[:, t : t + 1], v_new[:, t : t + 1], k_cache, v_cache,
+                                          np.int32([held]), np.int32([1]))
+        np.testing.assert_array_equal(np.asarray(alone), chunk[:, t : t + 1], err_msg=f"token {t}")
 
 
 def test_a_cached_layer_differentiates_on_the_native_kernels_as_on_xla():

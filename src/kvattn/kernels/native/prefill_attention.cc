@@ -18,6 +18,10 @@
 // thread pool: the pair's keys are transposed once into blocks of 16 (H x 16), so four query rows
 // against 32 keys take 8 FMAs per head dim; each row's softmax is exact (its maximum first, then exp
 // and sum over its visible keys); values are mixed four rows at a time, 64 head dims per pass.
+// Rows go in groups of up to kGroup blocks of four, and keys and values in tiles of kTile: every block of a
+// group reads a tile while it is in the core's cache, so a deep cache is read from memory once per
+// group rather than once per block of four rows. A row's mix runs over the tiles in order, its running
+// sums kept between them: the same sums in the same order as one pass over every key.
 //
 // AVX-512 (`Wide`), else AVX2 and FMA (`Narrow`, sixteen lanes as two halves, a block of keys and sixteen
 // head dims per pass: the same sums in the same order, the same bits).
@@ -40,15 +44,18 @@ struct Shape {
   float scale;  // 1/sqrt(H), rounded to float32 as kvattn.math.ops rounds it
 };
 
+constexpr int64_t kRows = 4;    // query rows per block
+constexpr int64_t kLanes = 16;  // floats per vector
+constexpr int64_t kGroup = 16;  // blocks of rows per group
+constexpr int64_t kTile = 256;  // keys per tile: 64 KiB of keys and as much of values at H = 64
+
 struct Scratch {
   std::vector<float> keys;            // (blocks, H, 16): the pair's visible keys, transposed
   std::vector<const float*> values;   // a row pointer per visible key
-  std::vector<float> scores;          // (4, padded): scores, then weights, of one block of rows
-  std::vector<float> queries;         // (4, H): one block's queries, scaled
+  std::vector<float> scores;          // (group rows, stride): scores, then weights, of one group of rows
+  std::vector<float> queries;         // (kGroup * 4, H): one group's queries, scaled
+  std::vector<float> sums;            // (kGroup * 4, H): one group's running mixes of values
 };
-
-constexpr int64_t kRows = 4;   // query rows per block
-constexpr int64_t kLanes = 16;  // floats per vector
 
 #ifdef KVATTN_X86
 
@@ -58,50 +65,50 @@ using kvattn::Exp;
 // lanes as two halves, `kvattn::F16`): the same operations lane for lane, each sum in the same order, so
 // the two bodies give the same bits. `Pair` below is the scalar rest, shared.
 //
-// Scores: scores[i][j] = qs[i] . key j over the `padded` keys of `keys` (blocks of (H, 16), transposed).
+// Scores: scores[i * stride + j] = qs[i] . key j over the `count` keys of `keys` (blocks of (H, 16),
+// transposed; `count` a multiple of 32).
 // Softmax: row[j] <- exp(row[j] - max) over the `seen` first keys, 0 past them; returns 1 / their sum.
-// Mix: out[i] = inv[i] * sum_j weights[i][j] values[j] over the keys j < seen[i] that row i sees (seen
-// rising with i), for the first `rows` rows. A key a row does not see is skipped, not weighted by 0: 0 * a
-// NaN or inf value is NaN, and it must not reach an earlier token.
+// Mix: sums[i] += sum_j weights[i * stride + j] values[j] over the keys j in [from, to) that row i sees
+// (j < seen[i], seen rising with i), in order; `sums` (4, H) start at 0 when `fresh`. A key a row does not
+// see is skipped, not weighted by 0: 0 * a NaN or inf value is NaN, and it must not reach an earlier token.
 struct Wide {
   template <int C>
   KVATTN_AVX512 static void MixColumns(const float* const* values, int64_t column, const int64_t* seen,
-                                       const float* weights, int64_t padded, const float* inv, float* const* out,
-                                       int64_t rows) {
+                                       const float* weights, int64_t stride, int64_t from, int64_t to,
+                                       float* sums, int64_t H, bool fresh) {
     __m512 acc[kRows][C];
     for (int i = 0; i < kRows; ++i)
-      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
+      for (int c = 0; c < C; ++c)
+        acc[i][c] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * H + column + kLanes * c);
+    for (int64_t j = from; j < std::min(to, seen[kRows - 1]); ++j) {
       __m512 v[C];
       for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values[j] + column + kLanes * c);
       const bool every_row = j < seen[0];
       for (int i = 0; i < kRows; ++i) {
-        const __m512 w = _mm512_set1_ps(weights[i * padded + j]);
+        const __m512 w = _mm512_set1_ps(weights[i * stride + j]);
         const __mmask16 sees = every_row || j < seen[i] ? 0xFFFF : 0;
         for (int c = 0; c < C; ++c) acc[i][c] = _mm512_mask3_fmadd_ps(w, v[c], acc[i][c], sees);
       }
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 scale = _mm512_set1_ps(inv[i]);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[i] + column + kLanes * c, _mm512_mul_ps(acc[i][c], scale));
-    }
+    for (int i = 0; i < kRows; ++i)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(sums + i * H + column + kLanes * c, acc[i][c]);
   }
 
-  static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights, int64_t padded,
-                  const float* inv, float* const* out, int64_t rows) {
+  static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights, int64_t stride,
+                  int64_t from, int64_t to, float* sums, bool fresh) {
     for (int64_t column = 0; column < H; column += 4 * kLanes) {
       switch (std::min<int64_t>(4, (H - column) / kLanes)) {
-        case 4: MixColumns<4>(values, column, seen, weights, padded, inv, out, rows); break;
-        case 3: MixColumns<3>(values, column, seen, weights, padded, inv, out, rows); break;
-        case 2: MixColumns<2>(values, column, seen, weights, padded, inv, out, rows); break;
-        default: MixColumns<1>(values, column, seen, weights, padded, inv, out, rows); break;
+        case 4: MixColumns<4>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
+        case 3: MixColumns<3>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
+        case 2: MixColumns<2>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
+        default: MixColumns<1>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
       }
     }
   }
 
-  KVATTN_AVX512 static void Scores(const float* keys, const float* const* qs, int64_t H, int64_t padded,
-                                   float* scores) {
-    for (int64_t block = 0; block < padded / kLanes; block += 2) {  // two blocks per pass
+  KVATTN_AVX512 static void Scores(const float* keys, const float* const* qs, int64_t H, int64_t count,
+                                   float* scores, int64_t stride) {
+    for (int64_t block = 0; block < count / kLanes; block += 2) {  // two blocks per pass
       const float* k0 = keys + block * H * kLanes;
       const float* k1 = k0 + H * kLanes;
       __m512 acc[kRows][2];
@@ -115,8 +122,8 @@ struct Wide {
         }
       }
       for (int i = 0; i < kRows; ++i) {
-        _mm512_storeu_ps(scores + i * padded + block * kLanes, acc[i][0]);
-        _mm512_storeu_ps(scores + i * padded + (block + 1) * kLanes, acc[i][1]);
+        _mm512_storeu_ps(scores + i * stride + block * kLanes, acc[i][0]);
+        _mm512_storeu_ps(scores + i * stride + (block + 1) * kLanes, acc[i][1]);
       }
     }
   }
@@ -146,29 +153,27 @@ struct Narrow {
 
   // Sixteen columns a pass (four rows of two halves stay in registers).
   KVATTN_AVX2 static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights,
-                              int64_t padded, const float* inv, float* const* out, int64_t rows) {
+                              int64_t stride, int64_t from, int64_t to, float* sums, bool fresh) {
     for (int64_t column = 0; column < H; column += kLanes) {
       F16 acc[kRows];
-      for (int i = 0; i < kRows; ++i) acc[i] = kvattn::Splat16(0.0f);
-      for (int64_t j = 0; j < seen[kRows - 1]; ++j) {
+      for (int i = 0; i < kRows; ++i) acc[i] = fresh ? kvattn::Splat16(0.0f) : kvattn::Load16(sums + i * H + column);
+      for (int64_t j = from; j < std::min(to, seen[kRows - 1]); ++j) {
         const F16 v = kvattn::Load16(values[j] + column);
         const bool every_row = j < seen[0];
         for (int i = 0; i < kRows; ++i) {
           if (every_row || j < seen[i]) {
-            acc[i] = kvattn::Fmadd16(kvattn::Splat16(weights[i * padded + j]), v, acc[i]);
+            acc[i] = kvattn::Fmadd16(kvattn::Splat16(weights[i * stride + j]), v, acc[i]);
           }
         }
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        kvattn::Store16(out[i] + column, kvattn::Mul16(acc[i], kvattn::Splat16(inv[i])));
-      }
+      for (int i = 0; i < kRows; ++i) kvattn::Store16(sums + i * H + column, acc[i]);
     }
   }
 
   // One block of sixteen keys a pass.
-  KVATTN_AVX2 static void Scores(const float* keys, const float* const* qs, int64_t H, int64_t padded,
-                                 float* scores) {
-    for (int64_t block = 0; block < padded / kLanes; ++block) {
+  KVATTN_AVX2 static void Scores(const float* keys, const float* const* qs, int64_t H, int64_t count,
+                                 float* scores, int64_t stride) {
+    for (int64_t block = 0; block < count / kLanes; ++block) {
       const float* k0 = keys + block * H * kLanes;
       F16 acc[kRows];
       for (int i = 0; i < kRows; ++i) acc[i] = kvattn::Splat16(0.0f);
@@ -176,7 +181,7 @@ struct Narrow {
         const F16 a = kvattn::Load16(k0 + h * kLanes);
         for (int i = 0; i < kRows; ++i) acc[i] = kvattn::Fmadd16(kvattn::Splat16(qs[i][h]), a, acc[i]);
       }
-      for (int i = 0; i < kRows; ++i) kvattn::Store16(scores + i * padded + block * kLanes, acc[i]);
+      for (int i = 0; i < kRows; ++i) kvattn::Store16(scores + i * stride + block * kLanes, acc[i]);
     }
   }
 
@@ -221,7 +226,10 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
   const int64_t T = d.T, K = d.K, G = d.G, H = d.H, N = K * G;
   const int64_t visible = cached + fresh;
   const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: the wide body's two per pass
-  scratch.keys.assign(blocks * H * kLanes, 0.0f);
+  scratch.keys.resize(blocks * H * kLanes);
+  // Zeros in the columns past the visible keys (the last two blocks at most); the rest is written below.
+  const int64_t tail = std::min<int64_t>(blocks, visible / kLanes);
+  std::fill(scratch.keys.begin() + tail * H * kLanes, scratch.keys.end(), 0.0f);
   scratch.values.resize(visible);
   for (int64_t j = 0; j < visible; ++j) {
     const bool old = j < cached;
@@ -236,29 +244,62 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
     for (int64_t g = 0; g < G; ++g) std::fill_n(row_of(out, t, g), H, 0.0f);
 
   const int64_t rows = fresh * G;  // (t, g), t-major: a block's last row sees the most keys
-  for (int64_t first = 0; first < rows; first += kRows) {
-    const int64_t n = std::min(kRows, rows - first);
+  if (rows == 0) return;  // an idle sequence (a warm-up call's): nothing to attend, maybe nothing visible
+  const int64_t stride = blocks * kLanes;  // every visible key, rounded up to 32
+  // Fewer blocks a group over a cache so deep that a full group's scores would pass 4 MiB.
+  const int64_t per_group = std::clamp<int64_t>((int64_t{1} << 20) / (kRows * stride), 1, kGroup);
+  scratch.scores.resize(per_group * kRows * stride);
+  scratch.queries.resize(kGroup * kRows * H);
+  scratch.sums.resize(kGroup * kRows * H);
+  struct Block {
     const float* qs[kRows];
     float* outs[kRows];
     int64_t seen[kRows];
-    scratch.queries.resize(kRows * H);
-    for (int64_t i = 0; i < kRows; ++i) {  // rows past the end repeat the last one
-      const int64_t r = first + std::min(i, n - 1);
-      float* scaled = scratch.queries.data() + i * H;
-      std::transform(row_of(q, r / G, r % G), row_of(q, r / G, r % G) + H, scaled,
-                     [&](float x) { return x * d.scale; });
-      qs[i] = scaled;
-      outs[i] = row_of(out, r / G, r % G);
-      seen[i] = cached + r / G + 1;
+    int64_t n, padded;  // its real rows; its last row's keys, rounded up to 32
+  };
+  for (int64_t start = 0; start < rows; start += per_group * kRows) {
+    const int64_t count = std::min(per_group * kRows, rows - start), members = (count + kRows - 1) / kRows;
+    Block group[kGroup];
+    for (int64_t m = 0; m < members; ++m) {
+      Block& block = group[m];
+      const int64_t first = start + m * kRows;
+      block.n = std::min(kRows, rows - first);
+      for (int64_t i = 0; i < kRows; ++i) {  // rows past the end repeat the last one
+        const int64_t r = first + std::min(i, block.n - 1);
+        float* scaled = scratch.queries.data() + (m * kRows + i) * H;
+        std::transform(row_of(q, r / G, r % G), row_of(q, r / G, r % G) + H, scaled,
+                       [&](float x) { return x * d.scale; });
+        block.qs[i] = scaled;
+        block.outs[i] = row_of(out, r / G, r % G);
+        block.seen[i] = cached + r / G + 1;
+      }
+      block.padded = (block.seen[kRows - 1] + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
     }
-    const int64_t reach = seen[kRows - 1];
-    const int64_t padded = (reach + 2 * kLanes - 1) / (2 * kLanes) * (2 * kLanes);
-    scratch.scores.resize(kRows * padded);
-    float* scores = scratch.scores.data();
-    Body::Scores(scratch.keys.data(), qs, H, padded, scores);
-    float inv[kRows];
-    for (int64_t i = 0; i < kRows; ++i) inv[i] = Body::Softmax(scores + i * padded, seen[i], padded);
-    Body::Mix(scratch.values.data(), H, seen, scores, padded, inv, outs, n);
+    const int64_t reach = group[members - 1].padded;
+    auto scores_of = [&](int64_t m) { return scratch.scores.data() + m * kRows * stride; };
+    for (int64_t tile = 0; tile < reach; tile += kTile) {  // every block's scores against the tile's keys
+      for (int64_t m = 0; m < members; ++m) {
+        if (group[m].padded <= tile) continue;
+        Body::Scores(scratch.keys.data() + tile * H, group[m].qs, H, std::min(kTile, group[m].padded - tile),
+                     scores_of(m) + tile, stride);
+      }
+    }
+    float inv[kGroup][kRows];
+    for (int64_t m = 0; m < members; ++m)
+      for (int64_t i = 0; i < kRows; ++i)
+        inv[m][i] = Body::Softmax(scores_of(m) + i * stride, group[m].seen[i], group[m].padded);
+    for (int64_t tile = 0; tile < reach; tile += kTile) {  // every block's values of the tile, in order
+      for (int64_t m = 0; m < members; ++m) {
+        if (group[m].seen[kRows - 1] <= tile) continue;
+        Body::Mix(scratch.values.data(), H, group[m].seen, scores_of(m), stride, tile, tile + kTile,
+                  scratch.sums.data() + m * kRows * H, tile == 0);
+      }
+    }
+    for (int64_t m = 0; m < members; ++m) {
+      const float* sums = scratch.sums.data() + m * kRows * H;
+      for (int64_t i = 0; i < group[m].n; ++i)
+        for (int64_t h = 0; h < H; ++h) group[m].outs[i][h] = sums[i * H + h] * inv[m][i];
+    }
   }
 }
 
