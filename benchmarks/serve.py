@@ -51,6 +51,12 @@ prompt tokens its prefix cache held. Decoding is greedy on one checkpoint, so
 each contender's texts are compared with the first's: equal texts show the
 servers computed the same thing.
 
+With `--generate`, `kvattn.generation.generate` also runs the saturation
+rate's requests (the same ids and `max_tokens`), `--max-batch` at a time in
+fixed batches, for each kvattn contender's weights
+(`benchmarks.serve_generate`, a subprocess, after the servers): #36 holds the
+server's throughput at saturation to at least 0.8x of it.
+
 Writes `serve.json` (config, machine, versions, commands, every request),
 `serve.md` (the tables and the targets) and `serve.png` (TTFT, TPOT and
 throughput against the rate) to `--out-dir`; the checkpoint and the servers'
@@ -97,6 +103,9 @@ LLAMA_SERVER_TYPES = {"llama-server": "f32", "llama-server-q8_0": "q8_0"}
 # The issue's throughput targets at saturation: (kvattn's contender, the peer, the least ratio).
 THROUGHPUT_TARGETS = (("kvattn", "transformers", 2.0), ("kvattn", "llama-server", 1.5),
                       ("kvattn-int8", "llama-server-q8_0", 1.5))
+# The kvattn contenders `generate` is timed for (`--generate`), their weights, and the least ratio to it.
+GENERATE_WEIGHTS = {"kvattn": None, "kvattn-int8": "int8", "kvattn-no-prefix": None}
+GENERATE_TARGET = 0.8
 # This machine's transformers environment (torch and `transformers[serving]`); `--transformers` names another.
 DEFAULT_TRANSFORMERS = "/work/venv-hf/bin/transformers"
 QUICK_MODEL = {"vocab_size": 32000, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -573,6 +582,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 for name in ("kvattn-no-prefix", "kvattn")]
         rows.append(target("p50 TTFT with the system prompt, no prefix caching / prefix caching", _ratio(*ttft),
                            ">=", 5.0 if rate == rates[0] else None, rate=rate))
+    for ours, reference in results.get("generate", {}).items():
+        served = _figure(results, ours, rates[-1], lambda s: s["output_tokens_per_s"])
+        rows.append(target(f"output tokens/s at saturation, {ours} / generate in batches of "
+                           f"{results['config']['pool']['max_batch']}",
+                           _ratio(served, reference.get("output_tokens_per_s")), ">=", GENERATE_TARGET,
+                           rate=rates[-1]))
     for row in results["contenders"]:
         if "rates" in row:
             bad = sum(m["summary"]["lost"] + m["summary"]["duplicated"] for m in row["rates"])
@@ -636,6 +651,11 @@ def serve_markdown(results: dict[str, Any]) -> str:
         *table(header, body),
         "",
         *unavailable,
+        *[f"- `generate` in batches of {config['pool']['max_batch']} on the saturation rate's requests, as "
+          f"`{ours}` weighs them: " + (f"{g['output_tokens']} output tokens in {g['seconds']:.1f} s, "
+                                       f"{g['output_tokens_per_s']:.1f} tok/s" if "seconds" in g else
+                                       f"unavailable: {g.get('unavailable')}")
+          for ours, g in results.get("generate", {}).items()],
         "",
         "### Targets",
         "",
@@ -742,7 +762,7 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
               extra_args: dict[str, list[str]] | None = None, ready_timeout_s: float = 900.0,
               llama_server: str | os.PathLike | None = None, gguf_python: str | None = None,
               out_dir: str | os.PathLike = "bench-results/serve",
-              cache_dir: str | os.PathLike = "bench-results/serve-cache") -> dict[str, Any]:
+              cache_dir: str | os.PathLike = "bench-results/serve-cache", generate: bool = False) -> dict[str, Any]:
     """Measures every contender under the same workload; writes `serve.json`, `serve.md` and `serve.png`.
 
     Args:
@@ -758,6 +778,7 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
       gguf_python: the interpreter that converts the checkpoint to GGUF (torch, transformers; default this one).
       out_dir: where the results go.
       cache_dir: where the checkpoint and the servers' logs go.
+      generate: also time `generate` on the saturation rate's requests for each kvattn contender's weights.
 
     Returns:
       The results, as written to `serve.json`.
@@ -811,6 +832,15 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
         rows.append(measure_contender(name, command, checkpoint=checkpoint, config=config, workloads=workloads,
                                       warmup=warmup, system=system, log_path=cache / "logs" / f"{name}.log",
                                       ready_timeout_s=ready_timeout_s, encode=encode))
+    references = {}
+    if generate:
+        ids = [{"prompt": encode((system if r.system else "") + r.user), "max_tokens": r.max_tokens}
+               for r in workloads[-1]]
+        for name in contenders:
+            if name in GENERATE_WEIGHTS and GENERATE_WEIGHTS[name] not in [
+                    GENERATE_WEIGHTS[done] for done in references]:
+                print(f"[generate] {name}'s weights, batches of {pool.max_batch}", file=sys.stderr, flush=True)
+                references[name] = generate_reference(checkpoint, ids, pool, GENERATE_WEIGHTS[name], cache)
     results = {
         "config": {**dataclasses.asdict(config), "rates": list(config.rates), "system_tokens_measured": system_tokens,
                    "pool": {**dataclasses.asdict(pool), "tokens": pool.tokens,
@@ -822,6 +852,7 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
                                       if "transformers" in contenders else {})},
         "source": source_revision(), "load_average": {"before": load, "after": load_average()},
         "contenders": rows, "elapsed_s": time.perf_counter() - started,
+        **({"generate": references} if generate else {}),
     }
     mark_agreement(rows)
     results["targets"] = targets(results)
@@ -829,6 +860,21 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
     write(out, "serve", _json_safe(results), serve_markdown(results))
     plot_serve(results, out / "serve.png")
     return results
+
+
+def generate_reference(checkpoint: Path, requests: list[dict[str, Any]], pool: Pool, weights: str | None,
+                       cache: Path) -> dict[str, Any]:
+    """`benchmarks.serve_generate` on `requests` (ids and `max_tokens`) in a subprocess: its figures, or why not."""
+    path = cache / f"generate-requests-{weights or 'float32'}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(requests))
+    command = [sys.executable, "-m", "benchmarks.serve_generate", "--checkpoint", str(checkpoint), "--requests",
+               str(path), "--batch", str(pool.max_batch), "--max-len", str(pool.max_len),
+               *(["--weights", weights] if weights else [])]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        return {"command": command, "unavailable": f"exit code {done.returncode}: {done.stderr[-2000:]}"}
+    return {"command": command, "weights": weights or "float32", **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 def _json_safe(value: Any) -> Any:
@@ -906,6 +952,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default="bench-results/serve")
     parser.add_argument("--cache-dir", default="bench-results/serve-cache",
                         help="the checkpoint and the servers' logs")
+    parser.add_argument("--generate", action="store_true",
+                        help="also time kvattn's generate in fixed batches on the saturation rate's requests")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: a 2-layer model, rate inf, 4 requests, short prompts and outputs")
     return parser
@@ -939,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
               extra_args={"kvattn": args.kvattn_args, "transformers": args.transformers_args,
                           "llama-server": args.llama_server_args},
               ready_timeout_s=args.ready_timeout, llama_server=args.llama_server, gguf_python=args.gguf_python,
-              out_dir=args.out_dir, cache_dir=args.cache_dir)
+              out_dir=args.out_dir, cache_dir=args.cache_dir, generate=args.generate)
     return 0
 
 

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from benchmarks import serve_generate
 from benchmarks.report import write
 from benchmarks.serve import (
     LoadConfig,
@@ -29,6 +30,7 @@ from benchmarks.serve import (
     targets,
     text_window,
 )
+from tests.helpers import FIXTURES
 
 WORDS = [f"w{i}" for i in range(1000)]
 
@@ -252,6 +254,37 @@ def test_targets_against_llama_server_where_both_ran():
     assert (tpot["value"], tpot["met"]) == (1.25, False)
     # The int8 pair did not run: no row, where the transformers pair is always reported.
     assert not any("llama-server-q8_0" in name for name, _ in rows)
+
+
+def test_targets_against_generate_in_fixed_batches():
+    """kvattn serves 40 tokens/s at saturation; `generate` made 45 on the same requests: 0.89x, over 0.8."""
+    results = _results()
+    results["generate"] = {"kvattn": {"output_tokens": 90, "seconds": 2.0, "output_tokens_per_s": 45.0},
+                           "kvattn-int8": {"unavailable": "exit code 1: no"}}
+    rows = {t["name"]: t for t in targets(results)}
+    reference = rows["output tokens/s at saturation, kvattn / generate in batches of 32"]
+    assert (reference["value"], reference["threshold"], reference["met"]) == (40.0 / 45.0, 0.8, True)
+    assert rows["output tokens/s at saturation, kvattn-int8 / generate in batches of 32"]["value"] is None
+    markdown = serve_markdown({**results, "targets": targets(results)})
+    assert "90 output tokens in 2.0 s, 45.0 tok/s" in markdown and "unavailable: exit code 1: no" in markdown
+
+
+def test_generate_batches_pad_the_last_batch_and_make_its_longest_output():
+    requests = [{"prompt": [1, 2, 3], "max_tokens": 4}, {"prompt": [4], "max_tokens": 9},
+                {"prompt": [5, 6], "max_tokens": 2}]
+    (prompts, lengths, new, real), (last, last_lengths, last_new, last_real) = serve_generate.batches(requests, 2)
+    assert prompts.tolist() == [[1, 2, 3], [4, 0, 0]] and lengths.tolist() == [3, 1] and (new, real) == (9, 2)
+    assert last.tolist() == [[5, 6], [5, 6]] and last_lengths.tolist() == [2, 2] and (last_new, last_real) == (2, 1)
+
+
+def test_generate_reference_times_the_fixture(tmp_path, capsys):
+    requests = tmp_path / "requests.json"
+    requests.write_text(json.dumps([{"prompt": [5, 17, 3], "max_tokens": 3}, {"prompt": [8, 2], "max_tokens": 2},
+                                    {"prompt": [9], "max_tokens": 1}]))
+    assert serve_generate.main(["--checkpoint", str(FIXTURES / "llama"), "--requests", str(requests), "--batch", "2",
+                                "--max-len", "16"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["output_tokens"] == 6 and figures["batches"] == 2 and figures["seconds"] > 0
 
 
 def test_targets_not_measured_without_transformers():
