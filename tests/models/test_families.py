@@ -133,6 +133,9 @@ def test_the_decoder_names_no_family():
     ({"original_max_position_embeddings": 8,
       "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0, 0.0, 1.0, 1.0]}},
      "long_factor must be a non-empty list of positive finite numbers"),
+    ({"original_max_position_embeddings": 8, "rope_scaling": {
+        "type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "short_mscale": 1.1}},
+     r"unknown \['short_mscale'\]"),
 ])
 def test_phi3_refuses_what_its_fused_table_or_rope_cannot_hold(changes, match):
     with pytest.raises(models.UnsupportedConfigError, match=match):
