@@ -15,7 +15,7 @@
 //
 // XLA's path forms the scores, the masked softmax and two batched dots as separate thunks with
 // transposes between them. This does one (b, k) pair at a time, the pairs split over XLA's intra-op
-// thread pool: the pair's keys are transposed once into blocks of 16 (H x 16), so four query rows
+// thread pool: the pair's keys are transposed a tile at a time into blocks of 16 (H x 16), so four query rows
 // against 32 keys take 8 FMAs per head dim; each row's softmax is exact (its maximum first, then exp
 // and sum over its visible keys); values are mixed four rows at a time, 64 head dims per pass.
 // Rows go in groups of up to kGroup blocks of four, and keys and values in tiles of kTile: every block of a
@@ -50,7 +50,8 @@ constexpr int64_t kGroup = 16;  // blocks of rows per group
 constexpr int64_t kTile = 256;  // keys per tile: 64 KiB of keys and as much of values at H = 64
 
 struct Scratch {
-  std::vector<float> keys;            // (blocks, H, 16): the pair's visible keys, transposed
+  std::vector<float> keys;            // (kTile / 16, H, 16): one tile of the pair's keys, transposed
+  std::vector<const float*> key_rows; // a row pointer per visible key
   std::vector<const float*> values;   // a row pointer per visible key
   std::vector<float> scores;          // (group rows, stride): scores, then weights, of one group of rows
   std::vector<float> queries;         // (kGroup * 4, H): one group's queries, scaled
@@ -226,19 +227,28 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
   const int64_t T = d.T, K = d.K, G = d.G, H = d.H, N = K * G;
   const int64_t visible = cached + fresh;
   const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: the wide body's two per pass
-  scratch.keys.resize(blocks * H * kLanes);
-  // Zeros in the columns past the visible keys (the last two blocks at most); the rest is written below.
-  const int64_t tail = std::min<int64_t>(blocks, visible / kLanes);
-  std::fill(scratch.keys.begin() + tail * H * kLanes, scratch.keys.end(), 0.0f);
+  scratch.keys.resize(kTile * H);
+  scratch.key_rows.resize(visible);
   scratch.values.resize(visible);
   for (int64_t j = 0; j < visible; ++j) {
     const bool old = j < cached;
     const int64_t at = old ? slot(b, k, j) : ((b * T + j - cached) * K + k) * H;
-    const float* key = (old ? k_cache : k_new) + at;
+    scratch.key_rows[j] = (old ? k_cache : k_new) + at;
     scratch.values[j] = (old ? v_cache : v_new) + at;
-    float* column = scratch.keys.data() + (j / kLanes) * H * kLanes + j % kLanes;
-    for (int64_t h = 0; h < H; ++h) column[h * kLanes] = key[h];
   }
+  // Keys [tile, tile + count) transposed into the tile's blocks of (H, 16), zeros past the visible ones: read
+  // from where they lie while the tile is scored, so a pass over a deep cache reads each key once.
+  auto transpose = [&](int64_t tile, int64_t count) {
+    for (int64_t j = tile; j < tile + count; ++j) {
+      float* column = scratch.keys.data() + (j - tile) / kLanes * H * kLanes + j % kLanes;
+      if (j < visible) {
+        const float* key = scratch.key_rows[j];
+        for (int64_t h = 0; h < H; ++h) column[h * kLanes] = key[h];
+      } else {
+        for (int64_t h = 0; h < H; ++h) column[h * kLanes] = 0.0f;
+      }
+    }
+  };
   auto row_of = [&](auto* base, int64_t t, int64_t g) { return base + ((b * T + t) * N + k * G + g) * H; };
   for (int64_t t = fresh; t < T; ++t)  // padding queries
     for (int64_t g = 0; g < G; ++g) std::fill_n(row_of(out, t, g), H, 0.0f);
@@ -248,7 +258,7 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
   const int64_t stride = blocks * kLanes;  // every visible key, rounded up to 32
   // Fewer blocks a group over a cache so deep that a full group's scores would pass 4 MiB.
   const int64_t per_group = std::clamp<int64_t>((int64_t{1} << 20) / (kRows * stride), 1, kGroup);
-  scratch.scores.resize(per_group * kRows * stride);
+  scratch.scores.resize(std::min(per_group * kRows, (rows + kRows - 1) / kRows * kRows) * stride);
   scratch.queries.resize(kGroup * kRows * H);
   scratch.sums.resize(kGroup * kRows * H);
   struct Block {
@@ -278,9 +288,10 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
     const int64_t reach = group[members - 1].padded;
     auto scores_of = [&](int64_t m) { return scratch.scores.data() + m * kRows * stride; };
     for (int64_t tile = 0; tile < reach; tile += kTile) {  // every block's scores against the tile's keys
+      transpose(tile, std::min(kTile, reach - tile));
       for (int64_t m = 0; m < members; ++m) {
         if (group[m].padded <= tile) continue;
-        Body::Scores(scratch.keys.data() + tile * H, group[m].qs, H, std::min(kTile, group[m].padded - tile),
+        Body::Scores(scratch.keys.data(), group[m].qs, H, std::min(kTile, group[m].padded - tile),
                      scores_of(m) + tile, stride);
       }
     }
