@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 import kvattn
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from kvattn.paging import PageManager
 
 # The tiny Hugging Face checkpoints and transformers' outputs (made by tools/make_hf_fixtures.py).

@@ -70,7 +70,7 @@ def test_attribute_access_to_private_names_of_kvattn_modules_is_absent():
 # exactly one floor, so a new folder must be placed here before anything can import it.
 FLOORS = [
     # the leaves; `caches.base` (the cache specs, data) among them, so the config can hold one
-    ("errors", "extra", "config", "validation", "templates", "caches.base"),
+    ("errors", "extra", "rotary", "config", "validation", "templates", "caches.base"),
     ("math",),
     ("kernels",),
     ("caches", "paging"),

@@ -22,7 +22,7 @@ if typing.TYPE_CHECKING:  # the same names, visible to type checkers and to the 
     )
     from kvattn.generation.sampling import SamplingParams, StructuredOutputs
     from kvattn.paging import PageBatch, PageManager
-    from kvattn.config import RoPE
+    from kvattn.rotary import RoPE
     from kvattn.serving.llm import LLM
     from kvattn.layer.sharding import make_mesh, shard
     from kvattn.snapshots.cache import SnapshotInfo, load_cache, save_cache, snapshot_info, weights_fingerprint
@@ -45,7 +45,7 @@ _EXPORTS = {
     "PageBatch": "kvattn.paging",
     "PageManager": "kvattn.paging",
     "Paged": "kvattn.caches.base",
-    "RoPE": "kvattn.config",
+    "RoPE": "kvattn.rotary",
     "Rollout": "kvattn.layer.decoding",
     "SamplingParams": "kvattn.generation.sampling",
     "SnapshotError": "kvattn.errors",

@@ -26,7 +26,7 @@ from kvattn.errors import CacheOverflowError
 from kvattn.generation import speculation, speculative
 from kvattn.generation.sampling import RowSampling, sample_rows
 from kvattn.models.model_config import ModelConfig
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from tests.helpers import FIXTURES, expected
 
 NEW = 32  # the fixtures' greedy continuations are 32 tokens long

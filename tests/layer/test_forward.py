@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvattn
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from tests.helpers import ROPES, assert_same_bits, cache_arrays, stream
 from tests.reference import ReferenceCache, assert_close, causal_attention, weights_of
 

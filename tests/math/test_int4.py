@@ -21,7 +21,7 @@ from flax import nnx
 from hypothesis import given
 
 from kvattn import models
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from kvattn.kernels import dots, native, route
 from kvattn.math import int4, quant
 from kvattn.models import ModelConfig, layers

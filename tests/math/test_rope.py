@@ -1,4 +1,4 @@
-"""Rotary positions (`kvattn.math.rope`, settings in `kvattn.config.RoPE`): closed forms and the float64 reference."""
+"""Rotary positions (`kvattn.math.rope`, settings in `kvattn.rotary.RoPE`): closed forms and the float64 reference."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from kvattn.math.rope import apply_rope
 from tests.helpers import LLAMA3, ROPES, YARN
 from tests.reference import assert_close, rope_frequencies, rotate

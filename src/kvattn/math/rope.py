@@ -1,6 +1,6 @@
 """Rotary position embedding: its frequencies and the rotation itself.
 
-Its settings, `kvattn.config.RoPE`, are a frozen, hashable setting that takes a Hugging Face
+Its settings, `kvattn.rotary.RoPE`, are a frozen, hashable setting that takes a Hugging Face
 `rope_scaling` dict as it appears in `config.json`, so a checkpoint's
 settings pass straight in. The frequencies are computed once on the host
 (float64, then float32); the rotation is a pure function of queries or keys
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 
 __all__ = ["apply_rope", "rope_tables"]
 

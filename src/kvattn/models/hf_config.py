@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvattn import errors
 from kvattn.caches.base import INT32_MAX
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from kvattn.errors import UnsupportedConfigError
 
 __all__ = ["divide", "positive_int", "read", "refuse", "rope"]

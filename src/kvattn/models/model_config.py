@@ -23,7 +23,7 @@ from kvattn.errors import UnsupportedConfigError
 from kvattn.models.families import FAMILIES, MODEL_TYPES
 from kvattn.models.spec import BlockSpec
 from kvattn.caches.base import INT32_MAX
-from kvattn.config import RoPE
+from kvattn.rotary import RoPE
 from kvattn.errors import positive_int
 from kvattn.math.rope import rope_tables
 
