@@ -188,6 +188,8 @@ def _decode_cases(rng):
         "mha-none-visible": _decode_case(rng, 1, 1, 1, 16, 5, 1.0, [0]),
         "gqa3-ragged": _decode_case(rng, 3, 2, 3, 32, 19, 1.0, [19, 7, 1]),
         "gqa4-spread8": _decode_case(rng, 2, 3, 4, 64, 70, 8.0, [70, 33]),
+        # Queries mixed four at a time, then the rest (4 + 1), over six columns of eight.
+        "gqa5-h48": _decode_case(rng, 1, 1, 5, 48, 9, 1.0, [9]),
     }
 
 
@@ -251,6 +253,8 @@ def _paged_cases(rng):
         "mha-one-slot-pages": _paged_case(rng, 1, 1, 16, 1, [3]),
         "gqa3-ragged-pages-of-4": _paged_case(rng, 2, 3, 32, 4, [9, 0, 4, 13]),
         "gqa2-pages-of-16-spread8": _paged_case(rng, 3, 2, 64, 16, [40, 16], spread=8.0),
+        # 4 + 3 queries; pages asked for two ahead of the one read, the last of them partly filled.
+        "gqa7-h48-pages-of-4": _paged_case(rng, 1, 7, 48, 4, [14, 3]),
     }
 
 

@@ -27,7 +27,10 @@
 // softmax and a values dot as separate thunks; this reads the visible
 // slots once per (b, k), splitting the pairs over XLA's intra-op thread pool.
 //
-// AVX-512 (`Pair`), else AVX2 and FMA (`PairAvx2`, sixteen lanes as two halves: the same bits).
+// AVX-512 (`Pair`), else AVX2 and FMA (`PairAvx2`, sixteen lanes as two halves: the same bits). The AVX2
+// body mixes the values of up to four queries in one pass over the slots (`MixTile`: up to twelve chains of
+// fused multiply-adds side by side, each output still one chain in slot order), and asks for each page two
+// ahead of the one it reads (`kvattn::Prefetch`).
 
 #include <algorithm>
 #include <cmath>
@@ -66,6 +69,13 @@ struct Pages {
     return pool + ((page * K + k) * span) * H;
   }
 };
+
+// The run two after the one from `first`, asked for while that one is read (`kvattn::Prefetch`); nullptr
+// when it starts past the visible slots (always for a contiguous cache: one run).
+template <typename Slots>
+const float* RunAhead(const Slots& slots, int64_t first, int64_t visible) {
+  return first + 2 * slots.span < visible ? slots.at(first + 2 * slots.span) : nullptr;
+}
 
 // One (b, k) pair: G queries of H (a multiple of 16) over `visible` slots of `keys` and `values`, read run
 // by run (`Contiguous` or `Pages`), each sum in slot order.
@@ -124,6 +134,52 @@ KVATTN_AVX512 void Pair(const float* q, Slots keys, Slots values, int64_t visibl
 }
 
 
+// The values pass of `PairAvx2` for GQ queries (their weights rows `padded` apart) and HV eight-lane columns
+// from `column`: o[g, column .. column + 8 HV) = sum_s weights[g][s] values[s, ...], each output one chain of
+// fused multiply-adds in slot order, the AVX-512 body's sums. Every query of the group reads a slot's values
+// while they are in registers, and the GQ x HV chains run side by side (GQ HV + HV + 1 of 16 registers).
+template <int GQ, int HV, typename Slots>
+KVATTN_AVX2 void MixTile(const float* weights, int64_t padded, Slots values, int64_t visible, int64_t H,
+                         int64_t column, float* o) {
+  __m256 acc[GQ][HV];
+  for (int g = 0; g < GQ; ++g)
+    for (int h = 0; h < HV; ++h) acc[g][h] = _mm256_setzero_ps();
+  for (int64_t first = 0; first < visible; first += values.span) {
+    const float* run = values.at(first) + column;
+    const float* ahead = column == 0 ? RunAhead(values, first, visible) : nullptr;  // the first pass asks
+    const int64_t count = std::min(values.span, visible - first);
+    for (int64_t s = 0; s < count; ++s) {
+      if (ahead) kvattn::Prefetch(ahead + s * H, H);
+      __m256 v[HV];
+      for (int h = 0; h < HV; ++h) v[h] = _mm256_loadu_ps(run + s * H + 8 * h);
+      for (int g = 0; g < GQ; ++g) {
+        const __m256 w = _mm256_set1_ps(weights[g * padded + first + s]);
+        for (int h = 0; h < HV; ++h) acc[g][h] = _mm256_fmadd_ps(w, v[h], acc[g][h]);
+      }
+    }
+  }
+  for (int g = 0; g < GQ; ++g)
+    for (int h = 0; h < HV; ++h) _mm256_storeu_ps(o + g * H + column + 8 * h, acc[g][h]);
+}
+
+// `MixTile` with the last pass narrower: `halves` (at most HV) columns of eight from `column`.
+template <int GQ, int HV, typename Slots>
+void MixHalves(int64_t halves, const float* weights, int64_t padded, Slots values, int64_t visible, int64_t H,
+               int64_t column, float* o) {
+  if constexpr (HV > 1) {
+    if (halves < HV) return MixHalves<GQ, HV - 1>(halves, weights, padded, values, visible, H, column, o);
+  }
+  MixTile<GQ, HV>(weights, padded, values, visible, H, column, o);
+}
+
+// Every column of GQ queries, HV eight-lane columns a pass.
+template <int GQ, int HV, typename Slots>
+void MixQueries(const float* weights, int64_t padded, Slots values, int64_t visible, int64_t H, float* o) {
+  for (int64_t column = 0; column < H; column += 8 * HV) {
+    MixHalves<GQ, HV>(std::min<int64_t>(HV, (H - column) / 8), weights, padded, values, visible, H, column, o);
+  }
+}
+
 // `Pair` on AVX2, sixteen lanes as two halves (`kvattn::F16`): the same operations lane for lane, the same bits.
 template <typename Slots>
 KVATTN_AVX2 void PairAvx2(const float* q, Slots keys, Slots values, int64_t visible, int64_t G, int64_t H, float* o,
@@ -134,9 +190,11 @@ KVATTN_AVX2 void PairAvx2(const float* q, Slots keys, Slots values, int64_t visi
   scores.assign(G * padded, -std::numeric_limits<float>::infinity());
   for (int64_t first = 0; first < visible; first += keys.span) {
     const float* run = keys.at(first);
+    const float* ahead = RunAhead(keys, first, visible);
     const int64_t count = std::min(keys.span, visible - first);
     for (int64_t s = 0; s < count; ++s) {
       const float* key = run + s * H;
+      if (ahead) kvattn::Prefetch(ahead + s * H, H);
       for (int64_t g = 0; g < G; ++g) {
         F16 acc = kvattn::Splat16(0.0f);
         for (int64_t c = 0; c < chunks; ++c) {
@@ -163,18 +221,12 @@ KVATTN_AVX2 void PairAvx2(const float* q, Slots keys, Slots values, int64_t visi
     top[g] = high;
     total[g] = kvattn::Sum16(sum);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* weights = scores.data() + g * padded;
-      F16 acc = kvattn::Splat16(0.0f);
-      for (int64_t first = 0; first < visible; first += values.span) {
-        const float* run = values.at(first) + 16 * c;
-        const int64_t count = std::min(values.span, visible - first);
-        for (int64_t s = 0; s < count; ++s) {
-          acc = kvattn::Fmadd16(kvattn::Splat16(weights[first + s]), kvattn::Load16(run + s * H), acc);
-        }
-      }
-      kvattn::Store16(o + g * H + 16 * c, acc);
+  for (int64_t g = 0; g < G; g += 4) {
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: MixQueries<4, 3>(scores.data() + g * padded, padded, values, visible, H, o + g * H); break;
+      case 3: MixQueries<3, 3>(scores.data() + g * padded, padded, values, visible, H, o + g * H); break;
+      case 2: MixQueries<2, 4>(scores.data() + g * padded, padded, values, visible, H, o + g * H); break;
+      default: MixQueries<1, 6>(scores.data() + g * padded, padded, values, visible, H, o + g * H); break;
     }
   }
 }

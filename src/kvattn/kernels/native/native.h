@@ -124,6 +124,13 @@ KVATTN_AVX512 inline float Maximum(__m512 top, __mmask16 unordered) {
   return unordered ? __builtin_nanf("") : _mm512_reduce_max_ps(top);
 }
 
+// Asks for a row of `count` floats to be brought into the cache, a line at a time. Kernels that read pages
+// ask for the rows ahead of the ones they read: pages lie anywhere, so the CPU's own prefetcher cannot run
+// past the end of one.
+inline void Prefetch(const float* row, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
 // ------------------------------------------------------------------ sixteen lanes on AVX2
 
 // Sixteen float lanes as two 256-bit halves: what a kernel's AVX2 body works in where its AVX-512 body works
