@@ -21,7 +21,9 @@
 // Rows go in groups of up to kGroup blocks of four, and keys and values in tiles of kTile: every block of a
 // group reads a tile while it is in the core's cache, so a deep cache is read from memory once per
 // group rather than once per block of four rows. A row's mix runs over the tiles in order, its running
-// sums kept between them: the same sums in the same order as one pass over every key.
+// sums kept between them: the same sums in the same order as one pass over every key. Keys are transposed
+// eight by eight in registers, and while a tile is read the next one's rows are asked for, a row at a time
+// (`kvattn::Prefetch`): pages lie anywhere, so the CPU's own prefetcher stops at the end of each.
 //
 // AVX-512 (`Wide`), else AVX2 and FMA (`Narrow`, sixteen lanes as two halves, a block of keys and sixteen
 // head dims per pass: the same sums in the same order, the same bits).
@@ -51,6 +53,7 @@ constexpr int64_t kTile = 256;  // keys per tile: 64 KiB of keys and as much of 
 
 struct Scratch {
   std::vector<float> keys;            // (kTile / 16, H, 16): one tile of the pair's keys, transposed
+  std::vector<float> zeros;           // (H,): the keys past the visible ones
   std::vector<const float*> key_rows; // a row pointer per visible key
   std::vector<const float*> values;   // a row pointer per visible key
   std::vector<float> scores;          // (group rows, stride): scores, then weights, of one group of rows
@@ -61,6 +64,7 @@ struct Scratch {
 #ifdef KVATTN_X86
 
 using kvattn::Exp;
+using kvattn::Prefetch;
 
 // The vector steps of one block of kRows query rows, AVX-512 (`Wide`) or AVX2 and FMA (`Narrow`, sixteen
 // lanes as two halves, `kvattn::F16`): the same operations lane for lane, each sum in the same order, so
@@ -76,12 +80,13 @@ struct Wide {
   template <int C>
   KVATTN_AVX512 static void MixColumns(const float* const* values, int64_t column, const int64_t* seen,
                                        const float* weights, int64_t stride, int64_t from, int64_t to,
-                                       float* sums, int64_t H, bool fresh) {
+                                       float* sums, int64_t H, bool fresh, int64_t fetch) {
     __m512 acc[kRows][C];
     for (int i = 0; i < kRows; ++i)
       for (int c = 0; c < C; ++c)
         acc[i][c] = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + i * H + column + kLanes * c);
     for (int64_t j = from; j < std::min(to, seen[kRows - 1]); ++j) {
+      if (j + kTile < fetch) Prefetch(values[j + kTile], H);
       __m512 v[C];
       for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(values[j] + column + kLanes * c);
       const bool every_row = j < seen[0];
@@ -96,13 +101,14 @@ struct Wide {
   }
 
   static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights, int64_t stride,
-                  int64_t from, int64_t to, float* sums, bool fresh) {
+                  int64_t from, int64_t to, float* sums, bool fresh, int64_t fetch) {
     for (int64_t column = 0; column < H; column += 4 * kLanes) {
+      const int64_t ask = column == 0 ? fetch : 0;
       switch (std::min<int64_t>(4, (H - column) / kLanes)) {
-        case 4: MixColumns<4>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
-        case 3: MixColumns<3>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
-        case 2: MixColumns<2>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
-        default: MixColumns<1>(values, column, seen, weights, stride, from, to, sums, H, fresh); break;
+        case 4: MixColumns<4>(values, column, seen, weights, stride, from, to, sums, H, fresh, ask); break;
+        case 3: MixColumns<3>(values, column, seen, weights, stride, from, to, sums, H, fresh, ask); break;
+        case 2: MixColumns<2>(values, column, seen, weights, stride, from, to, sums, H, fresh, ask); break;
+        default: MixColumns<1>(values, column, seen, weights, stride, from, to, sums, H, fresh, ask); break;
       }
     }
   }
@@ -149,16 +155,42 @@ struct Wide {
   }
 };
 
+// Eight keys (rows of H floats, H a multiple of 8) into the lanes of `column`: column[h * 16 + i] = rows[i][h],
+// eight head dims at a time through an 8 x 8 transposition in registers.
+KVATTN_AVX2 void Transpose8(const float* const* rows, int64_t H, float* column) {
+  for (int64_t h = 0; h < H; h += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + h);
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // then fours: u[4 i + d] holds dims d and d + 4 of rows 4 i .. 4 i + 3
+      u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int d = 0; d < 4; ++d) {
+      _mm256_storeu_ps(column + (h + d) * kLanes, _mm256_permute2f128_ps(u[d], u[4 + d], 0x20));
+      _mm256_storeu_ps(column + (h + d + 4) * kLanes, _mm256_permute2f128_ps(u[d], u[4 + d], 0x31));
+    }
+  }
+}
+
 struct Narrow {
   using F16 = kvattn::F16;
 
   // Sixteen columns a pass (four rows of two halves stay in registers).
   KVATTN_AVX2 static void Mix(const float* const* values, int64_t H, const int64_t* seen, const float* weights,
-                              int64_t stride, int64_t from, int64_t to, float* sums, bool fresh) {
+                              int64_t stride, int64_t from, int64_t to, float* sums, bool fresh, int64_t fetch) {
     for (int64_t column = 0; column < H; column += kLanes) {
+      const int64_t ask = column == 0 ? fetch : 0;
       F16 acc[kRows];
       for (int i = 0; i < kRows; ++i) acc[i] = fresh ? kvattn::Splat16(0.0f) : kvattn::Load16(sums + i * H + column);
       for (int64_t j = from; j < std::min(to, seen[kRows - 1]); ++j) {
+        if (j + kTile < ask) Prefetch(values[j + kTile], H);
         const F16 v = kvattn::Load16(values[j] + column);
         const bool every_row = j < seen[0];
         for (int i = 0; i < kRows; ++i) {
@@ -205,9 +237,11 @@ struct Narrow {
 };
 
 // Where cached slot j of pair (b, k) lies in a contiguous cache (B, K, S, H): its offset in floats.
+// `run(j)`: how many slots from j lie one after another (every one left).
 struct Contiguous {
   int64_t K, S, H;
   int64_t operator()(int64_t b, int64_t k, int64_t j) const { return ((b * K + k) * S + j) * H; }
+  int64_t run(int64_t j) const { return S - j; }
 };
 
 // Where cached slot j of pair (b, k) lies in a paged pool (P, K, page, H) through the table (B, M).
@@ -218,7 +252,10 @@ struct Pages {
     const int64_t at = std::clamp<int64_t>(table[b * M + j / page], 0, P - 1);
     return ((at * K + k) * page + j % page) * H;
   }
+  int64_t run(int64_t j) const { return page - j % page; }  // the rest of j's page
 };
+
+
 
 template <typename Body, typename Slots>
 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
@@ -228,25 +265,31 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
   const int64_t visible = cached + fresh;
   const int64_t blocks = (visible + 2 * kLanes - 1) / (2 * kLanes) * 2;  // even: the wide body's two per pass
   scratch.keys.resize(kTile * H);
+  scratch.zeros.assign(H, 0.0f);
   scratch.key_rows.resize(visible);
   scratch.values.resize(visible);
-  for (int64_t j = 0; j < visible; ++j) {
-    const bool old = j < cached;
-    const int64_t at = old ? slot(b, k, j) : ((b * T + j - cached) * K + k) * H;
-    scratch.key_rows[j] = (old ? k_cache : k_new) + at;
-    scratch.values[j] = (old ? v_cache : v_new) + at;
+  for (int64_t j = 0; j < cached;) {  // a run of slots at a time: one page lookup per run
+    const int64_t at = slot(b, k, j), run = std::min(slot.run(j), cached - j);
+    for (int64_t s = 0; s < run; ++s, ++j) {
+      scratch.key_rows[j] = k_cache + at + s * H;
+      scratch.values[j] = v_cache + at + s * H;
+    }
+  }
+  for (int64_t j = cached; j < visible; ++j) {
+    const int64_t at = ((b * T + j - cached) * K + k) * H;
+    scratch.key_rows[j] = k_new + at;
+    scratch.values[j] = v_new + at;
   }
   // Keys [tile, tile + count) transposed into the tile's blocks of (H, 16), zeros past the visible ones: read
   // from where they lie while the tile is scored, so a pass over a deep cache reads each key once.
   auto transpose = [&](int64_t tile, int64_t count) {
-    for (int64_t j = tile; j < tile + count; ++j) {
-      float* column = scratch.keys.data() + (j - tile) / kLanes * H * kLanes + j % kLanes;
-      if (j < visible) {
-        const float* key = scratch.key_rows[j];
-        for (int64_t h = 0; h < H; ++h) column[h * kLanes] = key[h];
-      } else {
-        for (int64_t h = 0; h < H; ++h) column[h * kLanes] = 0.0f;
+    for (int64_t j = tile; j < tile + count; j += 8) {
+      const float* rows[8];
+      for (int64_t i = 0; i < 8; ++i) {
+        rows[i] = j + i < visible ? scratch.key_rows[j + i] : scratch.zeros.data();
+        if (j + i + kTile < visible) Prefetch(scratch.key_rows[j + i + kTile], H);
       }
+      Transpose8(rows, H, scratch.keys.data() + (j - tile) / kLanes * H * kLanes + j % kLanes);
     }
   };
   auto row_of = [&](auto* base, int64_t t, int64_t g) { return base + ((b * T + t) * N + k * G + g) * H; };
@@ -303,7 +346,7 @@ void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_n
       for (int64_t m = 0; m < members; ++m) {
         if (group[m].seen[kRows - 1] <= tile) continue;
         Body::Mix(scratch.values.data(), H, group[m].seen, scores_of(m), stride, tile, tile + kTile,
-                  scratch.sums.data() + m * kRows * H, tile == 0);
+                  scratch.sums.data() + m * kRows * H, tile == 0, m == 0 ? visible : 0);
       }
     }
     for (int64_t m = 0; m < members; ++m) {
