@@ -19,7 +19,7 @@
 // intra-op thread pool by panels; the handler returns a future completed by the last part.
 //
 // Without AVX-512 (`kvattn::Avx512`), the same dot runs on AVX2 and FMA: a panel row is two 256-bit
-// vectors, and with 16 registers a block is four rows, side by side with fewer panels. Each output is
+// vectors, and with 16 registers a block is up to six rows, side by side with fewer panels. Each output is
 // the same in-order sum of fused multiply-adds, so both bodies give the same bits.
 
 #include <algorithm>
@@ -126,10 +126,10 @@ KVATTN_AVX2 void Panel2(const float* a, int64_t K, const W* w, int64_t t, float*
   }
 }
 
-// The AVX2 body: blocks of up to four rows. 16 registers: MR * NT * 2 accumulators, NT * 2 weight vectors
-// and a broadcast.
+// The AVX2 body: blocks of up to six rows. 16 registers: MR * NT * 2 accumulators, NT * 2 weight vectors
+// and a broadcast; six rows keep twelve chains of multiply-adds going, enough to hide their latency.
 struct Avx2Body {
-  static constexpr int64_t kRows = 4;
+  static constexpr int64_t kRows = 6;
   template <int MR, typename W>
   static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
     constexpr int kSideBySide = MR == 1 ? 3 : MR == 2 ? 2 : 1;
@@ -148,15 +148,17 @@ void Rows(int64_t rows, const float* a, int64_t K, const W* w, float* out, int64
   Body::template Block<MR>(a, K, w, out, ldo, t0, t1);
 }
 
-// Every block of rows by panels [t0, t1): the blocks of a panel group follow each other, so the group's
-// panels stay in cache while every row reads them.
+// Every block of rows by panels [t0, t1), the rows split into blocks of at most Body::kRows: the blocks of a
+// panel group follow each other, so the group's panels stay in cache while every row reads them.
 template <typename Body, typename W>
 void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
   constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 256 k
   for (int64_t g = t0; g < t1; g += kGroup) {
     const int64_t g1 = std::min(t1, g + kGroup);
-    for (int64_t m = 0; m < M; m += Body::kRows) {
-      Rows<Body>(std::min(Body::kRows, M - m), a + m * K, K, w, out + m * N, N, g, g1);
+    const int64_t blocks = (M + Body::kRows - 1) / Body::kRows;  // as even as they go: 8 rows are 4 + 4, not 6 + 2
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t m = M * b / blocks;
+      Rows<Body>(M * (b + 1) / blocks - m, a + m * K, K, w, out + m * N, N, g, g1);
     }
   }
 }
