@@ -9,7 +9,13 @@ prompts, greedy, never stopping) and, per setting of `step_tokens`:
 
 - `alone`: the streams' gaps over `--steps` steps with nothing else queued;
 - `prefill`: their gaps from the long prompt's submission to its first
-  token (its TTFT, reported too).
+  token (its TTFT, reported too);
+- `after`: their gaps over `--steps` steps after that, nothing else
+  queued: the streams alone again, as deep as the prefill left them. The
+  streams decode through the whole prefill (a thousand steps or more for
+  8k tokens), so their own attention grows meanwhile; `after` is their gap
+  without the prompt at the depth the prefill's last (and costliest) steps
+  see, `alone` at the depth it started from.
 
 A gap is the time between two tokens of one stream, as `on_token` sees them
 (host work included). Settings are measured in turn within each repeat, each
@@ -75,9 +81,14 @@ def measure(server: Server, long_prompt: list[int], steps: int, rng) -> dict:
         server.step()
     ttft = first[0] - start
     during = gaps.collect(streams)
+    gaps.mark()
+    for _ in range(steps):
+        server.step()
+    after = gaps.collect(streams)
+    assert len(server.scheduler.decoding()) == STREAMS, "the long prompt still decodes: `after` would not be alone"
     for index in streams:
         server.abort(index)
-    return {"alone": alone, "during": during, "ttft_s": ttft}
+    return {"alone": alone, "during": during, "after": after, "ttft_s": ttft}
 
 
 def main() -> None:
@@ -109,15 +120,16 @@ def main() -> None:
             results[setting].append(measure(server, long_prompt, args.steps, rng))
     print(f"load average after: {load_average()}")
     print(f"weights {args.weights or 'float32'}, {STREAMS} streams, a {args.prompt}-token prompt, chunk {CHUNK}")
-    print("| step_tokens | gap alone p50 / p99 ms | gap during prefill p50 / p99 ms | p99 ratio | prompt TTFT s |")
-    print("|---|---|---|---|---|")
+    print("| step_tokens | gap alone p50 / p99 ms | gap during prefill p50 / p99 ms | gap after p50 / p99 ms "
+          "| p99 ratio to alone / after | prompt TTFT s |")
+    print("|---|---|---|---|---|---|")
     for setting, runs in results.items():
-        alone = np.concatenate([r["alone"] for r in runs])
-        during = np.concatenate([r["during"] for r in runs])
+        alone, during, after = (np.concatenate([r[key] for r in runs]) for key in ("alone", "during", "after"))
         ttft = np.median([r["ttft_s"] for r in runs])
         p = lambda values, q: float(np.percentile(values, q))
         print(f"| {setting or f'none ({CHUNK} + rows)'} | {p(alone, 50):.1f} / {p(alone, 99):.1f} | "
-              f"{p(during, 50):.1f} / {p(during, 99):.1f} | {p(during, 99) / p(alone, 99):.2f} | {ttft:.1f} |")
+              f"{p(during, 50):.1f} / {p(during, 99):.1f} | {p(after, 50):.1f} / {p(after, 99):.1f} | "
+              f"{p(during, 99) / p(alone, 99):.2f} / {p(during, 99) / p(after, 99):.2f} | {ttft:.1f} |")
 
 
 if __name__ == "__main__":
