@@ -255,8 +255,6 @@ struct Pages {
   int64_t run(int64_t j) const { return page - j % page; }  // the rest of j's page
 };
 
-
-
 template <typename Body, typename Slots>
 void Pair(const Shape& d, int64_t b, int64_t k, const float* q, const float* k_new, const float* v_new,
           const float* k_cache, const float* v_cache, Slots slot, int64_t cached, int64_t fresh, float* out,
