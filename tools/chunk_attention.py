@@ -24,8 +24,7 @@ import numpy as np
 from benchmarks.model import LLAMA_125M
 from benchmarks.provenance import load_average
 from kvattn.kernels import native
-
-PAGE = 16
+from tools.kernel_times import paged_pools
 
 
 def main() -> None:
@@ -38,13 +37,11 @@ def main() -> None:
         raise SystemExit("the native paged prefill attention kernel cannot run here")
     heads, kv_heads = LLAMA_125M["num_heads"], LLAMA_125M["num_kv_heads"]
     head_dim = LLAMA_125M["hidden_size"] // heads
-    pages = -(-(args.depth + args.chunk) // PAGE)
-    keys = jax.random.split(jax.random.key(0), 5)
+    keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, args.chunk, heads, head_dim))
     k_new, v_new = (jax.random.normal(key, (1, args.chunk, kv_heads, head_dim)) for key in keys[1:3])
     # Pages in a shuffled order, as a pool that has served other requests holds them.
-    k_pages, v_pages = (jax.random.normal(key, (pages + 1, kv_heads, PAGE, head_dim)) for key in keys[3:5])
-    table = jnp.asarray(1 + np.random.default_rng(0).permutation(pages), jnp.int32)[None]
+    k_pages, v_pages, table = paged_pools(keys[3], args.depth + args.chunk, kv_heads, head_dim, 1)
     held, fresh = jnp.int32([args.depth]), jnp.int32([args.chunk])
     contenders = {
         "native": jax.jit(native.paged_prefill_attention),

@@ -38,8 +38,9 @@ from kvattn.kernels import native
 PAGE, BATCH, CACHED = 16, 8, 8192
 
 
-def _pool(key, positions: int, kv_heads: int, head_dim: int, rows: int):
-    """Keys and values pools for `rows` sequences of `positions`, and their tables over shuffled pages."""
+def paged_pools(key, positions: int, kv_heads: int, head_dim: int, rows: int):
+    """Random keys and values pools for `rows` sequences of `positions` in pages of 16, and their tables over
+    the pages in shuffled order (as a pool that has served other requests holds them; page 0 left out)."""
     pages = rows * -(-positions // PAGE)
     k_pool, v_pool = (jax.random.normal(k, (pages + 1, kv_heads, PAGE, head_dim)) for k in jax.random.split(key))
     table = 1 + np.random.default_rng(0).permutation(pages).reshape(rows, -1)
@@ -56,10 +57,10 @@ def calls(depths, chunks, rows) -> dict:
                                                  native.f32_dot))
     for depth in depths:
         q = jax.random.normal(next(keys), (BATCH, kv_heads, heads // kv_heads, head_dim))
-        k_pool, v_pool, table = _pool(next(keys), depth, kv_heads, head_dim, BATCH)
+        k_pool, v_pool, table = paged_pools(next(keys), depth, kv_heads, head_dim, BATCH)
         filled = jnp.full((BATCH,), depth, jnp.int32)
         out[f"decode B={BATCH} depth {depth}"] = decode, (q, k_pool, v_pool, table, filled)
-    k_pool, v_pool, table = _pool(next(keys), CACHED + max(chunks), kv_heads, head_dim, 1)
+    k_pool, v_pool, table = paged_pools(next(keys), CACHED + max(chunks), kv_heads, head_dim, 1)
     for width in chunks:
         q = jax.random.normal(next(keys), (1, width, heads, head_dim))
         k_new, v_new = (jax.random.normal(next(keys), (1, width, kv_heads, head_dim)) for _ in range(2))
