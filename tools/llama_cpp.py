@@ -129,15 +129,17 @@ def convert(checkpoint: str | os.PathLike, types=("f32", "q8_0"), version: str =
     for kind in types:
         path = out_dir / f"{checkpoint.name}-{kind}.gguf"
         if not path.exists():
+            partial = path.with_suffix(".partial")  # renamed once whole: an interrupted run leaves no file to reuse
             if kind in DIRECT_TYPES:
-                arguments = [str(checkpoint), "--outtype", kind, "--outfile", str(path)]
+                arguments = [str(checkpoint), "--outtype", kind, "--outfile", str(partial)]
                 if pre_tokenizer is None:
                     _run([python, str(tree / "convert_hf_to_gguf.py"), *arguments], env=env)
                 else:
                     _run([python, "-c", _NAMED_PRE_TOKENIZER, str(tree), pre_tokenizer, *arguments], env=env)
             else:
                 full = convert(checkpoint, ("f32",), version, python, pre_tokenizer)["f32"]
-                _run([str(build(version) / "llama-quantize"), str(full), str(path), QUANTIZED_TYPES[kind]])
+                _run([str(build(version) / "llama-quantize"), str(full), str(partial), QUANTIZED_TYPES[kind]])
+            partial.replace(path)
         paths[kind] = path
     return paths
 
