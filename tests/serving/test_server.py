@@ -12,6 +12,7 @@ import pytest
 
 from kvattn import generation, models, serving
 from kvattn.generation import SamplingParams
+from kvattn.paging import NULL_PAGE
 from kvattn.serving import runner as serving_programs
 from tests.helpers import FIXTURES, default_compile_env, expected
 
@@ -468,5 +469,33 @@ def test_speculative_server_settings_are_checked():
     with pytest.raises(TypeError, match="PromptLookup or None, got int"):
         serving.Server(model, speculative=4)
     windowed = models.from_pretrained(FIXTURES / "mistral", max_len=16, batch_size=1, num_pages=5, page_size=4)
-    with pytest.raises(ValueError, match="sliding window"):
-        serving.Server(windowed, chunk=8, speculative=generation.PromptLookup(2))
+    with pytest.raises(ValueError, match=r"sliding window \(8\), a speculative round of num_tokens \+ 1 = 9 "
+                                         r"tokens must fit in a chunk of 8"):
+        serving.Server(windowed, chunk=8, speculative=generation.PromptLookup(8))
+
+
+def test_a_sliding_window_server_speculates_and_equals_plain_greedy_decoding():
+    """Mistral's window of 8 over pages of 4: each round releases the pages behind its first position, a refused
+    draft gives back only pages past what was kept, and the tokens are plain greedy decoding's (transformers')."""
+    want = expected("mistral")
+    rows = [list(want["prompts"][row, :length]) for row, length in enumerate(want["lengths"])]
+    greedy = want["greedy"]
+    prompts = rows + [row + greedy[i, :8].tolist() for i, row in enumerate(rows)]  # each past the window
+    plain = np.concatenate([greedy[:, :NEW], greedy[:, 8 : 8 + NEW]])
+    model = models.from_pretrained(FIXTURES / "mistral", max_len=48, batch_size=3, num_pages=10, page_size=4)
+    server = serving.Server(model, chunk=8, speculative=generation.PromptLookup(num_tokens=3))
+    for prompt in prompts:
+        server.submit(prompt, SamplingParams(max_tokens=NEW))
+    completions, mapped, deepest = [], 0, 0
+    while not server.idle:
+        completions += server.step()
+        manager = server.manager
+        manager.check()
+        mapped = max(mapped, *(np.count_nonzero(manager.tables[s] != NULL_PAGE) for s in range(3)))
+        deepest = max(deepest, int(manager.pos.max()))
+    assert sorted(c.request for c in completions) == list(range(len(prompts)))
+    for completion in completions:
+        assert completion.tokens == plain[completion.request].tolist(), completion.request
+    assert 0 < server.stats.accepted_tokens <= server.stats.drafted_tokens
+    # Sequences 27 tokens deep (7 pages) held at most the window's 8 tokens and a round's 4 past them.
+    assert deepest >= 27 and mapped <= 4

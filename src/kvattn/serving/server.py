@@ -73,7 +73,7 @@ class Server:
         distribution when sampling). A request drafts only while its rounds
         keep enough drafts to pay for the longer call, and tries again
         after a while (its `policy`); a step without drafts is a plain
-        decode step.
+        decode step. With a sliding window, K + 1 must fit in `chunk`.
       step_tokens: the most tokens a step that decodes runs (vLLM's
         `max_num_batched_tokens`): its decode rows, and beside them in the
         same call one prefill chunk of the rest (at most `chunk`), the only
@@ -121,12 +121,16 @@ class Server:
         # sliding and full layers (Gemma's) keeps every page, and its sliding layers mask what they do not see.
         windows = set(model.windows)
         window = windows.pop() if len(windows) == 1 else None
-        if speculative is not None and window is not None:
-            raise ValueError(f"speculative decoding is not offered with a sliding window ({window}): "
-                             "build the model without one, or serve without speculative")
         chunk = check.positive_int(chunk, "chunk")
         if chunk % config.cache.page_size:
             raise ValueError(f"chunk must be a multiple of page_size={config.cache.page_size}, got {chunk}")
+        # A round appends K + 1 tokens at once, which beside a window holds their pages and the window's: admission
+        # counts a chunk's worth, so a round must be no wider. (A refused draft gives back only pages past what
+        # was kept; the pages behind the window are released from the round's first position, not its last.)
+        if speculative is not None and window is not None and speculative.num_tokens + 1 > chunk:
+            raise ValueError(f"with a sliding window ({window}), a speculative round of num_tokens + 1 = "
+                             f"{speculative.num_tokens + 1} tokens must fit in a chunk of {chunk}: "
+                             "draft fewer tokens or pass a larger chunk")
         prefills = (config.cache.batch_size if prefills_per_step is None
                     else check.positive_int(prefills_per_step, "prefills_per_step"))
         if step_tokens is not None and check.positive_int(step_tokens, "step_tokens") <= config.cache.batch_size:
