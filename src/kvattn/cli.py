@@ -147,8 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--page-size", type=_POSITIVE, default=16, help="cache slots per page")
     serve.add_argument("--num-pages", type=_POSITIVE, help="pages in the pool (default: every sequence at full "
                        "length, plus one)")
-    serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 4 pages)")
-    serve.add_argument("--prefills-per-step", type=_POSITIVE, default=2,
+    serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 8 pages)")
+    serve.add_argument("--prefills-per-step", type=_POSITIVE, default=1,
                        help="prefill chunks an engine step runs at most (bounds the time between tokens)")
     serve.add_argument("--step-tokens", type=_POSITIVE,
                        help="tokens a step that decodes runs at most: its decode rows and one prefill chunk of the "
@@ -291,7 +291,9 @@ def _serve(args: argparse.Namespace, usage: argparse.ArgumentParser) -> int:
             header_value("--api-key", args.api_key)
         except ValueError as error:
             usage.error(str(error))
-    chunk = args.chunk or 4 * args.page_size
+    from kvattn.serving.server import DEFAULT_CHUNK_PAGES
+
+    chunk = args.chunk or DEFAULT_CHUNK_PAGES * args.page_size
     if chunk % args.page_size:
         usage.error(f"expected --chunk to be a multiple of --page-size {args.page_size}, got {chunk}")
     if args.step_tokens is not None and args.step_tokens <= args.max_batch:

@@ -26,7 +26,7 @@ from kvattn.generation.sampling import SamplingParams
 from kvattn.generation.drafters import PromptLookup
 from kvattn.models.hf import checkpoint_config, eos_token_ids, from_pretrained
 from kvattn.serving.requests import Completion, Token
-from kvattn.serving.server import Server
+from kvattn.serving.server import DEFAULT_CHUNK_PAGES, Server
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
 
@@ -117,7 +117,7 @@ class LLM:
       page_size: cache slots per page.
       num_pages: pages in the pool (default: room for `max_batch` sequences
         at `max_len`, plus one).
-      chunk: prefill chunk in tokens (default: four pages).
+      chunk: prefill chunk in tokens (default: `DEFAULT_CHUNK_PAGES` pages).
       prefix_caching: share the pages of equal prompt prefixes between requests.
       speculative: a `kvattn.generation.PromptLookup`: draft by lookup,
         verify in one call; the output is unchanged.
@@ -157,7 +157,7 @@ class LLM:
         if self.max_len > context and not allow_long_context:
             raise ValueError(f"max_len {self.max_len} is past the model's trained context of {context} tokens "
                              "(max_position_embeddings); pass allow_long_context=True to use it anyway")
-        chunk = chunk or 4 * page_size
+        chunk = chunk or DEFAULT_CHUNK_PAGES * page_size
         pages = num_pages or max_batch * blocks_spanned(self.max_len, page_size) + 1
         model = from_pretrained(path, max_len=self.max_len, batch_size=max_batch, dtype=dtype, weights=weights,
                                 num_pages=pages, page_size=page_size,
