@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--step-tokens", type=_POSITIVE,
                        help="tokens a step that decodes runs at most: its decode rows and one prefill chunk of the "
                             "rest, in one call (more than --max-batch; default: chunks in calls of their own)")
+    serve.add_argument("--async-scheduling", action="store_true",
+                       help="dispatch a decode step's device call before reading the step ahead of it (the same "
+                            "tokens; not with --step-tokens or --speculative, which run as without it)")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="recompute every prompt rather than reuse the cached pages of a shared prefix")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
@@ -318,7 +321,7 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
     _check_context(max_len, f"--max-len {max_len}", context, args, usage)
     return launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
-                        step_tokens=args.step_tokens,
+                        step_tokens=args.step_tokens, async_scheduling=args.async_scheduling,
                         prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
                         weights=args.weights, chat_template=template, model_name=args.model_name, api_key=args.api_key,
                         max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)

@@ -499,3 +499,71 @@ def test_a_sliding_window_server_speculates_and_equals_plain_greedy_decoding():
     assert 0 < server.stats.accepted_tokens <= server.stats.drafted_tokens
     # Sequences 27 tokens deep (7 pages) held at most the window's 8 tokens and a round's 4 past them.
     assert deepest >= 27 and mapped <= 4
+
+
+# ------------------------------------------------------------- overlapped steps
+
+
+def test_overlapped_steps_give_the_tokens_of_steps_in_turn():
+    """`overlap=True` dispatches each decode call before reading the one ahead: the same tokens and
+    log-probabilities (greedy, sampled with seeds, a stop token inside), requests arriving mid-run, a tight pool."""
+    want = expected("llama")
+    prompts = [list(want["prompts"][row, :length]) for row, length in enumerate(want["lengths"])]
+    stop = int(want["greedy"][1, 5])
+    requests = [(prompts[0], SamplingParams(max_tokens=20)),
+                (prompts[1], SamplingParams(max_tokens=12, stop_token_ids=(stop,))),
+                (prompts[2], SamplingParams(max_tokens=16, temperature=1.0, seed=3)),
+                (prompts[0] + prompts[2], SamplingParams(max_tokens=10, temperature=0.8, top_k=5, seed=4, logprobs=2))]
+    results, events = {}, {}
+    for overlap in (False, True):
+        model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
+        server = serving.Server(model, chunk=8, async_scheduling=overlap)
+        runner = server.runner
+        for name in ("dispatch_decode", "read"):
+            call = getattr(runner, name)
+            setattr(runner, name, lambda *args, _call=call, _name=name, _run=events.setdefault(overlap, []):
+                    _run.append(_name) or _call(*args))
+        streamed = {}
+        on_token = lambda index, token: streamed.setdefault(index, []).append(token)
+        first = [server.submit(p, params, on_token=on_token) for p, params in requests[:3]]
+        done, steps = [], 0
+        while not server.idle:
+            done += server.step()
+            steps += 1
+            if steps == 3:  # one more arrives while calls run ahead
+                first.append(server.submit(*requests[3][:1], requests[3][1], on_token=on_token))
+            server.manager.check()
+        ended = {c.request - first[0]: (c.tokens, c.logprobs, c.finish_reason) for c in done}
+        results[overlap] = ended, {i - first[0]: [(t.id, t.logprob, t.top) for t in got] for i, got in streamed.items()}
+        assert server.manager.num_live == 0
+    assert results[True] == results[False]
+    assert results[True][0][1][2] == "stop" and results[True][0][1][0][-1] == stop
+    # Overlapped, decode calls are dispatched while the one before is ahead, not yet read; in turn, never.
+    ahead = {overlap: sum(a == b == "dispatch_decode" for a, b in zip(run, run[1:])) for overlap, run in events.items()}
+    assert ahead[False] == 0 and ahead[True] >= 4, ahead  # the pool is tight: most steps preempt or admit
+
+
+def test_an_overlapped_call_that_fails_loses_no_request(monkeypatch):
+    """A decode call dispatched ahead fails when read: every request is recomputed and ends as if nothing failed."""
+    generated, _, _ = fixture_run("llama")
+    want = expected("llama")
+    model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
+    server = serving.Server(model, chunk=8, async_scheduling=True)
+    read, calls = server.runner.read, []
+
+    def failing(outputs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("device lost")
+        return read(outputs)
+
+    monkeypatch.setattr(server.runner, "read", failing)
+    for row, length in enumerate(want["lengths"]):
+        server.submit(want["prompts"][row, :length], SamplingParams(max_tokens=12))
+    with pytest.raises(RuntimeError, match="device lost"):
+        server.run()
+    assert server.manager.num_live == 0 and len(server.scheduler.queue) == len(want["lengths"])
+    completions = server.run()
+    for completion in completions:
+        np.testing.assert_array_equal(completion.tokens, generated[completion.request - completions[0].request])
+    server.manager.check()

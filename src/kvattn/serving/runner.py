@@ -58,8 +58,22 @@ class Runner:
 
     def decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling, adjustments: Adjustments):
         """One token for each active row: `(tokens, logprobs, top_ids, top_logprobs)`."""
-        return self._run(_decode_program, tokens, active, table, pos, batch.copy_from, batch.copy_to, rows,
-                         adjustments)
+        return self.read(self.dispatch_decode(tokens, active, table, pos, batch, rows, adjustments))
+
+    def dispatch_decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling,
+                        adjustments: Adjustments) -> list[jax.Array]:
+        """`decode`, without waiting: its outputs on the device, for `read` (`tokens` may be the new tokens of
+        the call before, still on the device). The next call runs after this one, on the pools it leaves."""
+        return self._dispatch(_decode_program, tokens, active, table, pos, batch.copy_from, batch.copy_to, rows,
+                              adjustments)
+
+    def read(self, outputs: list[jax.Array]) -> list[np.ndarray]:
+        """A dispatched call's outputs on the host, once it has run; a failed call replaces the pools (`_run`)."""
+        try:
+            return [np.asarray(output) for output in outputs]
+        except BaseException:
+            self._replace_deleted_pools()
+            raise
 
     def mixed(self, tokens, active, chunk, length, table, pos, batch: PageBatch, rows: RowSampling,
               adjustments: Adjustments, chunk_rows: RowSampling, chunk_adjustments: Adjustments):
@@ -128,15 +142,26 @@ class Runner:
 
     def _run(self, program, *args):
         """One device call on the pools; on any failure, pools that were donated are replaced before re-raising."""
+        return self.read(self._dispatch(program, *args))
+
+    def _dispatch(self, program, *args) -> list[jax.Array]:
         try:
             *outputs, pools = program(self._graphdef, self._params, self._pools, *args)
-            outputs = [np.asarray(output) for output in outputs]  # waits for the call to finish
         except BaseException:
-            if any(array.is_deleted() for array in jax.tree.leaves(self._pools)):  # donated to the failed call
-                self._pools = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._template)
+            self._replace_deleted_pools()
             raise
         self._pools = pools
         return outputs
+
+    def _replace_deleted_pools(self):
+        """After a failed call: pools donated to it (deleted), or left by it (never computed), become zeros."""
+        try:
+            jax.block_until_ready(self._pools)
+            failed = any(array.is_deleted() for array in jax.tree.leaves(self._pools))
+        except Exception:  # the pools of a call that failed on the device
+            failed = True
+        if failed:
+            self._pools = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._template)
 
 
 class _Static:

@@ -119,14 +119,18 @@ class Scheduler:
         return [s for s, r in enumerate(self.seqs)
                 if r is not None and r.leader is None and self.held(s) >= len(r.context)]
 
+    def admittable(self) -> bool:
+        """Whether the oldest queued request fits now (what `admit` would take first)."""
+        if not self.queue:
+            return False
+        request = self.queue[0]
+        return self.manager.admission(len(request.context), chunk=self.chunk, sequences=len(request.group)) == "now"
+
     def admit(self) -> None:
         """Admits queued requests, oldest first, while the manager says they fit now."""
-        while self.queue:
-            request = self.queue[0]
+        while self.admittable():
+            request = self.queue.popleft()
             group = request.group
-            if self.manager.admission(len(request.context), chunk=self.chunk, sequences=len(group)) != "now":
-                return
-            self.queue.popleft()
             now = time.perf_counter()
             for member in group:
                 member.admitted_at = now

@@ -31,6 +31,7 @@ by the next `step()` or `run()`. The model itself is never changed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -43,7 +44,7 @@ from kvattn.generation.drafters import DraftModel, PromptLookup
 from kvattn.generation.sampling import Adjustments, RowSampling, Sampling, SamplingParams
 from kvattn.models.decoder import CausalLM
 from kvattn.models.tokens import stop_ids, token_ids
-from kvattn.paging import PageManager
+from kvattn.paging import OutOfPagesError, PageManager
 from kvattn.serving.requests import Completion, Request, Stats, Token
 from kvattn.serving.runner import Runner
 from kvattn.serving.scheduler import Scheduler
@@ -89,6 +90,15 @@ class Server:
         in calls of their own before the decode call, `prefills_per_step`
         of them (on a CPU a whole chunk's dot is compute-bound, and decode
         rows inside it cost as much as their own call).
+      async_scheduling: run a decode step's device call while the host reads the
+        step before (vLLM's async scheduling): when nothing is admitted or
+        prefilled and every running request goes on, the next decode call is
+        dispatched, fed the new tokens still on the device, before this
+        step's tokens are read, so the device does not wait for the host's
+        bookkeeping. A request that stops meanwhile wastes its row of the
+        call ahead; the tokens are the same. Not with `speculative`,
+        `step_tokens`, or requests that adjust their logits (those steps run
+        as without it).
       donate_pools: hand the model's page pools to the server instead of
         letting it copy them: no second copy of the pools (a large share of
         a server's memory), but the first step deletes the model's caches,
@@ -115,7 +125,7 @@ class Server:
 
     def __init__(self, model: CausalLM, *, chunk: int | None = None, prefix_caching: bool = True, rng=None,
                  prefills_per_step: int | None = None, speculative: PromptLookup | None = None,
-                 step_tokens: int | None = None, donate_pools: bool = False):
+                 step_tokens: int | None = None, async_scheduling: bool = False, donate_pools: bool = False):
         config = model.blocks[0].attention.config
         if not config.cache.paged:
             raise ValueError("Server needs a paged model: build it with num_pages and page_size")
@@ -159,6 +169,8 @@ class Server:
         self._retired: list[Completion] = []  # finished, not yet handed out by step()
         self._ran: list[Completion] = []  # handed out by step() to a run() that has not returned yet
         self._neutral: dict[tuple, Adjustments] = {}  # on the device, by shape
+        self.async_scheduling = bool(async_scheduling) and speculative is None and step_tokens is None
+        self._ahead: _Ahead | None = None  # a decode call dispatched, its tokens not read yet
 
     @property
     def manager(self) -> PageManager:
@@ -257,7 +269,7 @@ class Server:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle
+        return self.scheduler.idle and self._ahead is None
 
     @property
     def stats(self) -> Stats:
@@ -271,6 +283,12 @@ class Server:
         """
         scheduler = self.scheduler
         try:
+            if self._ahead is not None:
+                chained = self._chained()
+                self._retired += scheduler.retire_finished()
+                if chained:  # this step's call is the one now ahead
+                    finished, self._retired = self._retired, []
+                    return finished
             scheduler.admit()
             decoding = scheduler.decoding() if self.step_tokens is not None else []
             if decoding:  # under a budget, a step that decodes is one call: its rows and at most one chunk
@@ -292,6 +310,7 @@ class Server:
                     self._decode(decoding)
             self._retired += scheduler.retire_finished()
         except BaseException:
+            self._ahead = None  # its tokens are recomputed with the rest
             scheduler.recover()
             raise
         # Handed out only now: a step that raises keeps what had finished for the next one.
@@ -413,9 +432,55 @@ class Server:
         self._decode_laid(*self._laid_out(seqs, counts))
 
     def _decode_laid(self, batch, seqs, rows, active, table, sampling, laid):
+        adjustments = self._adjustments(laid, len(rows))
+        if self.async_scheduling and not any(r is not None and r.adjuster is not None for r in laid):
+            outputs = self.runner.dispatch_decode(self._pending(rows, active), active, table, batch.pos[rows], batch,
+                                                  sampling, adjustments)
+            self._ahead = _Ahead(seqs, rows, active, [self.scheduler.seqs[s] for s in seqs], outputs)
+            return
         outputs = self.runner.decode(self._pending(rows, active), active, table, batch.pos[rows], batch, sampling,
-                                     self._adjustments(laid, len(rows)))
+                                     adjustments)
         self._decoded(seqs, *outputs)
+
+    def _chained(self) -> bool:
+        """With a decode call ahead: dispatches the next one behind it, fed its new tokens on the device, when the
+        same requests go on decoding (nothing to admit or prefill, none at its last token, none adjusting, pages
+        for one more token each without preempting); then reads the call ahead. Whether it chained: if not, the
+        call ahead is read and the step runs as usual."""
+        ahead, self._ahead = self._ahead, None
+        scheduler = self.scheduler
+        goes_on = (
+            ahead.requests == [scheduler.seqs[s] for s in ahead.seqs]
+            and all(len(r.generated) + 2 <= r.max_new_tokens and r.adjuster is None for r in ahead.requests)
+            and not any(scheduler.prefilling(s) for s in range(len(scheduler.seqs)))
+            and not scheduler.admittable()
+        )
+        batch = None
+        if goes_on:
+            counts = np.zeros(self.config.cache.batch_size, np.int32)
+            counts[ahead.seqs] = 1
+            try:
+                batch = self.manager.reserve(counts)  # all or nothing: no preemption here
+            except OutOfPagesError:
+                pass
+        if batch is not None:
+            rows, active = ahead.rows, ahead.active
+            sampling = RowSampling.of([(*r.settings()[:3], len(r.generated) + 1, r.top_logprobs)
+                                       for r in ahead.requests], len(rows))
+            table = np.where(active[:, None], batch.table[rows], 0)
+            outputs = self.runner.dispatch_decode(ahead.outputs[0], active, table, batch.pos[rows], batch, sampling,
+                                                  self._adjustments([None] * len(rows), len(rows)))
+            self._ahead = _Ahead(ahead.seqs, rows, active, ahead.requests, outputs)
+        self._read(ahead)
+        return batch is not None
+
+    def _read(self, ahead: _Ahead):
+        """The tokens of a decode call ahead, to the requests that still hold their sequences and have not ended."""
+        new, logprobs, top_ids, top_logprobs = self.runner.read(ahead.outputs)
+        for row, (seq, request) in enumerate(zip(ahead.seqs, ahead.requests, strict=True)):
+            if self.scheduler.seqs[seq] is request and not request.finished:
+                request.append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
+                self.scheduler.totals["generated_tokens"] += 1
 
     def _decoded(self, seqs: list[int], new, logprobs, top_ids, top_logprobs):
         for row, seq in enumerate(seqs):
@@ -517,3 +582,14 @@ class Server:
                 request.expected = float(policy.estimate(request.expected, int(kept[row])))
                 request.waited = 0
                 request.patience = int(policy.patience(request.expected, request.patience))
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A decode call dispatched and not read: its sequences, their rows and requests, and its outputs on the device."""
+
+    seqs: list[int]
+    rows: np.ndarray
+    active: np.ndarray
+    requests: list[Request]
+    outputs: list[jax.Array]

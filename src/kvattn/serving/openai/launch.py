@@ -119,6 +119,7 @@ def _bound_templates(tokenizer: Tokenizer) -> None:
 
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
           num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool, step_tokens: int | None,
+          async_scheduling: bool,
           speculative: PromptLookup | None, dtype: str, weights: str | None, chat_template: str | None, model_name: str | None,
           api_key: str | None, max_waiting: int, shutdown_seconds: float) -> int:
     """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM;
@@ -144,7 +145,7 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's vocabulary of "
                              f"{model.config.vocab_size}")
         server = Server(model, chunk=chunk, prefix_caching=prefix_caching, prefills_per_step=prefills_per_step,
-                        speculative=speculative, step_tokens=step_tokens,
+                        speculative=speculative, step_tokens=step_tokens, async_scheduling=async_scheduling,
                         donate_pools=True)  # the model is the server's alone
         say(f"loaded in {time.perf_counter() - start:.1f} s; compiling the engine's programs")
         start = time.perf_counter()
