@@ -94,14 +94,20 @@ def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
     server.manager.check()
 
 
-@pytest.mark.parametrize(("program", "fails_at", "step_tokens"), [("_decode_program", 3, None),
-                                                                   ("_mixed_program", 1, 7)])
-def test_a_failed_device_call_loses_no_request(monkeypatch, program, fails_at, step_tokens):
-    """A program consumes the pools, then fails: every request is recomputed and ends as if nothing failed."""
+@pytest.mark.parametrize(("fails", "fails_at", "options"), [
+    ("_decode_program", 3, {}),
+    ("_mixed_program", 1, {"step_tokens": 7}),
+    ("read", 6, {"async_scheduling": True}),  # a decode call dispatched ahead of the one being read
+])
+def test_a_failed_device_call_loses_no_request(monkeypatch, fails, fails_at, options):
+    """A program consumes the pools, then fails (or its outputs fail to read): every request is recomputed and
+    ends as if nothing failed."""
     generated, _, server = fixture_run("llama")
-    monkeypatch.setattr(server, "step_tokens", step_tokens)
+    for name, value in options.items():
+        monkeypatch.setattr(server, name, value)
     want = expected("llama")
-    run, calls = getattr(serving_programs, program), []
+    where = server.runner if fails == "read" else serving_programs
+    run, calls = getattr(where, fails), []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -110,7 +116,7 @@ def test_a_failed_device_call_loses_no_request(monkeypatch, program, fails_at, s
             raise RuntimeError("device lost")
         return result
 
-    monkeypatch.setattr(serving_programs, program, failing)
+    monkeypatch.setattr(where, fails, failing)
     for row, length in enumerate(want["lengths"]):
         server.submit(want["prompts"][row, :length], SamplingParams(max_tokens=12))
     with pytest.raises(RuntimeError, match="device lost"):
@@ -542,28 +548,3 @@ def test_overlapped_steps_give_the_tokens_of_steps_in_turn():
     ahead = {overlap: sum(a == b == "dispatch_decode" for a, b in zip(run, run[1:])) for overlap, run in events.items()}
     assert ahead[False] == 0 and ahead[True] >= 4, ahead  # the pool is tight: most steps preempt or admit
 
-
-def test_an_overlapped_call_that_fails_loses_no_request(monkeypatch):
-    """A decode call dispatched ahead fails when read: every request is recomputed and ends as if nothing failed."""
-    generated, _, _ = fixture_run("llama")
-    want = expected("llama")
-    model = models.from_pretrained(FIXTURES / "llama", max_len=48, batch_size=3, num_pages=10, page_size=4)
-    server = serving.Server(model, chunk=8, async_scheduling=True)
-    read, calls = server.runner.read, []
-
-    def failing(outputs):
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("device lost")
-        return read(outputs)
-
-    monkeypatch.setattr(server.runner, "read", failing)
-    for row, length in enumerate(want["lengths"]):
-        server.submit(want["prompts"][row, :length], SamplingParams(max_tokens=12))
-    with pytest.raises(RuntimeError, match="device lost"):
-        server.run()
-    assert server.manager.num_live == 0 and len(server.scheduler.queue) == len(want["lengths"])
-    completions = server.run()
-    for completion in completions:
-        np.testing.assert_array_equal(completion.tokens, generated[completion.request - completions[0].request])
-    server.manager.check()
