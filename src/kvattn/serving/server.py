@@ -476,15 +476,16 @@ class Server:
 
     def _read(self, ahead: _Ahead):
         """The tokens of a decode call ahead, to the requests that still hold their sequences and have not ended."""
-        new, logprobs, top_ids, top_logprobs = self.runner.read(ahead.outputs)
-        for row, (seq, request) in enumerate(zip(ahead.seqs, ahead.requests, strict=True)):
-            if self.scheduler.seqs[seq] is request and not request.finished:
-                request.append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
-                self.scheduler.totals["generated_tokens"] += 1
+        self._decoded(ahead.seqs, *self.runner.read(ahead.outputs), requests=ahead.requests)
 
-    def _decoded(self, seqs: list[int], new, logprobs, top_ids, top_logprobs):
+    def _decoded(self, seqs: list[int], new, logprobs, top_ids, top_logprobs, requests=None):
+        """Row r's token to the request of sequence `seqs[r]`; with `requests` (a call read after others ran),
+        only where that request still holds the sequence and has not ended."""
         for row, seq in enumerate(seqs):
-            self.scheduler.seqs[seq].append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
+            request = self.scheduler.seqs[seq]
+            if requests is not None and (request is not requests[row] or request.finished):
+                continue
+            request.append(int(new[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
             self.scheduler.totals["generated_tokens"] += 1
 
     def _mixed(self, seqs: list[int], seq: int):
