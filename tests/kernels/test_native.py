@@ -130,7 +130,10 @@ def _f32_case(rng, rows, inputs, panels, poison=None):
 
 
 def _f32_cases(rng):
-    shapes = {"0x5x16": (0, 5, 1), "1x24x48": (1, 24, 3), "9x70x128": (9, 70, 8), "21x1x32": (21, 1, 2)}
+    # One block of rows and several; a batch's few blocks read 64 k at a time (16 rows by 150 k: three tiles, the
+    # last ragged) over two groups of panels (15: 12 and 3); no rows, one k.
+    shapes = {"0x5x16": (0, 5, 1), "1x24x48": (1, 24, 3), "9x70x128": (9, 70, 8), "21x1x32": (21, 1, 2),
+              "16x150x240": (16, 150, 15)}
     return {name: _f32_case(rng, *shape) for name, shape in shapes.items()}
 
 
@@ -151,7 +154,7 @@ def _bf16_case(rng, rows, inputs, panels, poison=None):
 
 def _bf16_cases(rng):
     shapes = {"0x5x16": (0, 5, 1), "1x24x48": (1, 24, 3), "9x70x128": (9, 70, 8), "21x1x32": (21, 1, 2),
-              "3x100x592": (3, 100, 37)}
+              "3x100x592": (3, 100, 37), "16x150x240": (16, 150, 15)}
     return {name: _bf16_case(rng, *shape) for name, shape in shapes.items()}
 
 

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvattn/kernels/native/native.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,14 +48,17 @@ KVATTN_AVX512 inline __m512 Widen(const uint16_t* at) {  // bfloat16 bits: float
 
 // Rows [0, MR) of `a` (row stride K) by panels [t, t + NT), into out (row stride ldo).
 template <int MR, int NT, typename W>
-KVATTN_AVX512 void Panel(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo) {
+KVATTN_AVX512 void Panel(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo, int64_t k0,
+                         int64_t k1) {
   const W* panels[NT];
   __m512 acc[MR][NT];
   for (int j = 0; j < NT; ++j) {
     panels[j] = w + (t + j) * K * kLanes;
-    for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      acc[i][j] = k0 ? _mm512_loadu_ps(out + i * ldo + (t + j) * kLanes) : _mm512_setzero_ps();
+    }
   }
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     __m512 b[NT];
     for (int j = 0; j < NT; ++j) {
       const W* at = panels[j] + k * kLanes;
@@ -74,12 +78,14 @@ KVATTN_AVX512 void Panel(const float* a, int64_t K, const W* w, int64_t t, float
 // The AVX-512 body: blocks of up to eight rows, three panels side by side.
 struct Avx512Body {
   static constexpr int64_t kRows = 8;
+  static constexpr int64_t kTiledBlocks = 0;  // tiles not measured with AVX-512: its blocks read whole panels
   template <int MR, typename W>
-  static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+  static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1,
+                    int64_t k0, int64_t k1) {
     constexpr int kSideBySide = 3;  // 32 registers: MR * 3 accumulators, 3 panels' vectors, a broadcast
     int64_t t = t0;
-    for (; t + kSideBySide <= t1; t += kSideBySide) Panel<MR, kSideBySide>(a, K, w, t, out, ldo);
-    for (; t < t1; ++t) Panel<MR, 1>(a, K, w, t, out, ldo);
+    for (; t + kSideBySide <= t1; t += kSideBySide) Panel<MR, kSideBySide>(a, K, w, t, out, ldo, k0, k1);
+    for (; t < t1; ++t) Panel<MR, 1>(a, K, w, t, out, ldo, k0, k1);
   }
 };
 
@@ -96,14 +102,19 @@ KVATTN_AVX2 inline void Widen2(const uint16_t* at, __m256& low, __m256& high) {
 }
 
 template <int MR, int NT, typename W>
-KVATTN_AVX2 void Panel2(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo) {
+KVATTN_AVX2 void Panel2(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo, int64_t k0,
+                        int64_t k1) {
   const W* panels[NT];
   __m256 acc[MR][NT][2];
   for (int j = 0; j < NT; ++j) {
     panels[j] = w + (t + j) * K * kLanes;
-    for (int i = 0; i < MR; ++i) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      const float* sums = out + i * ldo + (t + j) * kLanes;
+      acc[i][j][0] = k0 ? _mm256_loadu_ps(sums) : _mm256_setzero_ps();
+      acc[i][j][1] = k0 ? _mm256_loadu_ps(sums + 8) : _mm256_setzero_ps();
+    }
   }
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     __m256 b[NT][2];
     for (int j = 0; j < NT; ++j) {
       const W* at = panels[j] + k * kLanes;
@@ -130,35 +141,51 @@ KVATTN_AVX2 void Panel2(const float* a, int64_t K, const W* w, int64_t t, float*
 // and a broadcast; six rows keep twelve chains of multiply-adds going, enough to hide their latency.
 struct Avx2Body {
   static constexpr int64_t kRows = 6;
+  static constexpr int64_t kTiledBlocks = 4;  // 7 to 24 rows
   template <int MR, typename W>
-  static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+  static void Block(const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1,
+                    int64_t k0, int64_t k1) {
     constexpr int kSideBySide = MR == 1 ? 3 : MR == 2 ? 2 : 1;
     int64_t t = t0;
-    for (; t + kSideBySide <= t1; t += kSideBySide) Panel2<MR, kSideBySide>(a, K, w, t, out, ldo);
-    for (; t < t1; ++t) Panel2<MR, 1>(a, K, w, t, out, ldo);
+    for (; t + kSideBySide <= t1; t += kSideBySide) Panel2<MR, kSideBySide>(a, K, w, t, out, ldo, k0, k1);
+    for (; t < t1; ++t) Panel2<MR, 1>(a, K, w, t, out, ldo, k0, k1);
   }
 };
 
-// A block of `rows` (at most Body::kRows) by panels [t0, t1), through the body's block of that many rows.
+// A block of `rows` (at most Body::kRows) by panels [t0, t1) over k in [k0, k1), through the body's block of
+// that many rows.
 template <typename Body, int MR = Body::kRows, typename W>
-void Rows(int64_t rows, const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1) {
+void Rows(int64_t rows, const float* a, int64_t K, const W* w, float* out, int64_t ldo, int64_t t0, int64_t t1,
+          int64_t k0, int64_t k1) {
   if constexpr (MR > 1) {
-    if (rows < MR) return Rows<Body, MR - 1>(rows, a, K, w, out, ldo, t0, t1);
+    if (rows < MR) return Rows<Body, MR - 1>(rows, a, K, w, out, ldo, t0, t1, k0, k1);
   }
-  Body::template Block<MR>(a, K, w, out, ldo, t0, t1);
+  Body::template Block<MR>(a, K, w, out, ldo, t0, t1, k0, k1);
 }
 
-// Every block of rows by panels [t0, t1), the rows split into blocks of at most Body::kRows: the blocks of a
-// panel group follow each other, so the group's panels stay in cache while every row reads them.
+// Every block of rows by panels [t0, t1), the rows split into blocks of at most Body::kRows, as even as they
+// go: the blocks of a panel group follow each other, so the group's panels stay in cache while every row reads
+// them. A few blocks over float32 panels (up to Body::kTiledBlocks: a decode step's batch) multiply a group in
+// less time than memory takes to deliver it, and read it again from L2 or beyond; they take the group kTileK
+// values of k at a time instead, each block's sums stored in `out` and taken up again at the next tile (the same
+// in-order sums), so the first block reads a tile from memory and the others from L1. More blocks, and
+// bfloat16 panels (widened in register), are bound by their arithmetic, which the carried sums would slow.
 template <typename Body, typename W>
 void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 256 k
+  constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 64 k
+  constexpr int64_t kTileK = 64;
+  const int64_t blocks = (M + Body::kRows - 1) / Body::kRows;
+  const int64_t tiled = std::is_same_v<W, float> ? Body::kTiledBlocks : 0;
+  const int64_t tile = blocks > 1 && blocks <= tiled ? kTileK : std::max<int64_t>(K, 1);
+  const int64_t tiles = std::max<int64_t>(1, (K + tile - 1) / tile);  // one where K is 0: its sums are zeros
   for (int64_t g = t0; g < t1; g += kGroup) {
     const int64_t g1 = std::min(t1, g + kGroup);
-    const int64_t blocks = (M + Body::kRows - 1) / Body::kRows;  // as even as they go: 8 rows are 4 + 4, not 6 + 2
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t m = M * b / blocks;
-      Rows<Body>(M * (b + 1) / blocks - m, a + m * K, K, w, out + m * N, N, g, g1);
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t k0 = i * tile, k1 = std::min(K, k0 + tile);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t m = M * b / blocks;
+        Rows<Body>(M * (b + 1) / blocks - m, a + m * K, K, w, out + m * N, N, g, g1, k0, k1);
+      }
     }
   }
 }
