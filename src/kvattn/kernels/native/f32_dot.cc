@@ -168,23 +168,27 @@ void Rows(int64_t rows, const float* a, int64_t K, const W* w, float* out, int64
 // them. A few blocks over float32 panels (up to Body::kTiledBlocks: a decode step's batch) multiply a group in
 // less time than memory takes to deliver it, and read it again from L2 or beyond; they take the group kTileK
 // values of k at a time instead, each block's sums stored in `out` and taken up again at the next tile (the same
-// in-order sums), so the first block reads a tile from memory and the others from L1. More blocks, and
-// bfloat16 panels (widened in register), are bound by their arithmetic, which the carried sums would slow.
+// in-order sums), so the first block reads a tile from memory and the others from L1. That first block is the
+// rest of the rows past full blocks (8 rows on AVX2 are 2 + 6): a short block reads panels side by side, which
+// memory delivers faster than one panel at a time. More blocks, and bfloat16 panels (widened in register), are
+// bound by their arithmetic, which the carried sums would slow.
 template <typename Body, typename W>
 void Part(const float* a, int64_t M, int64_t K, const W* w, float* out, int64_t N, int64_t t0, int64_t t1) {
   constexpr int64_t kGroup = 12;  // panels read by every block before the next ones: 48 KB per 64 k
   constexpr int64_t kTileK = 64;
   const int64_t blocks = (M + Body::kRows - 1) / Body::kRows;
-  const int64_t tiled = std::is_same_v<W, float> ? Body::kTiledBlocks : 0;
-  const int64_t tile = blocks > 1 && blocks <= tiled ? kTileK : std::max<int64_t>(K, 1);
+  const bool tiled = std::is_same_v<W, float> && blocks > 1 && blocks <= Body::kTiledBlocks;
+  const int64_t tile = tiled ? kTileK : std::max<int64_t>(K, 1);
   const int64_t tiles = std::max<int64_t>(1, (K + tile - 1) / tile);  // one where K is 0: its sums are zeros
+  const int64_t rest = M - Body::kRows * (blocks - 1);  // a tiled first block's rows: the rest, then full blocks
   for (int64_t g = t0; g < t1; g += kGroup) {
     const int64_t g1 = std::min(t1, g + kGroup);
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t k0 = i * tile, k1 = std::min(K, k0 + tile);
       for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t m = M * b / blocks;
-        Rows<Body>(M * (b + 1) / blocks - m, a + m * K, K, w, out + m * N, N, g, g1, k0, k1);
+        const int64_t m = tiled ? (b ? rest + (b - 1) * Body::kRows : 0) : M * b / blocks;
+        const int64_t m1 = tiled ? rest + b * Body::kRows : M * (b + 1) / blocks;
+        Rows<Body>(m1 - m, a + m * K, K, w, out + m * N, N, g, g1, k0, k1);
       }
     }
   }
