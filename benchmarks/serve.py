@@ -28,7 +28,9 @@ random 125M Llama and a tokenizer of its vocabulary.
 Workload, seeded: requests arrive as a Poisson process at each rate (`inf`:
 all at once). Prompt lengths and `max_tokens` are uniform in their ranges;
 the prompts are windows of the repository's text (the tokenizer's training
-text) cut to the drawn token count. A share of the requests (half by
+text, kept in the cache directory the first time: `kept_corpus`, so runs
+sharing a cache send the same prompts while the repository changes) cut
+to the drawn token count. A share of the requests (half by
 default), chosen at random, start with one shared system prompt, so prefix
 caching has something to hit. Each rate draws fresh requests (only the system
 prompt repeats), so no cache can hit a whole prompt sent at an earlier rate.
@@ -783,7 +785,7 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
     Returns:
       The results, as written to `serve.json`.
     """
-    from benchmarks.serve_checkpoint import SPECIAL_TOKENS, corpus, load_tokenizer, write_serve_checkpoint
+    from benchmarks.serve_checkpoint import SPECIAL_TOKENS, kept_corpus, load_tokenizer, write_serve_checkpoint
 
     cache = Path(cache_dir)
     if checkpoint is None:
@@ -796,8 +798,8 @@ def run_serve(*, contenders: Sequence[str] = CONTENDERS, config: LoadConfig = Lo
     transformers = transformers or shutil.which("transformers") or DEFAULT_TRANSFORMERS
 
     tokenizer = load_tokenizer(checkpoint)
-    # The repository's text names the special tokens; prompts never hold them.
-    stream = [i for i in tokenizer.encode("\n".join(corpus())).ids if i >= len(SPECIAL_TOKENS)]
+    # The repository's text (as the cache first kept it) names the special tokens; prompts never hold them.
+    stream = [i for i in tokenizer.encode(kept_corpus(cache)).ids if i >= len(SPECIAL_TOKENS)]
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids

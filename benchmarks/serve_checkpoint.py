@@ -35,7 +35,8 @@ from typing import Any
 
 from benchmarks.model import LLAMA_125M, write_llama_checkpoint
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "corpus", "load_tokenizer", "train_tokenizer", "write_serve_checkpoint"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "corpus", "kept_corpus", "load_tokenizer", "train_tokenizer",
+           "write_serve_checkpoint"]
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
@@ -55,6 +56,21 @@ def corpus(root: str | os.PathLike = REPO) -> list[str]:
     for folder in ("docs", "src", "benchmarks"):
         paths += sorted(p for p in (root / folder).rglob("*") if p.suffix in (".md", ".py") and p.is_file())
     return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+
+
+def kept_corpus(cache: str | os.PathLike) -> str:
+    """`corpus()` joined as it was when `cache` first asked for it, kept there (`corpus.txt`).
+
+    The benchmark's prompts are windows of this text: kept, the runs that share a cache send the same requests
+    however the repository's docs and code change between them.
+    """
+    path = Path(cache) / "corpus.txt"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text("\n".join(corpus()), encoding="utf-8")
+        os.replace(partial, path)
+    return path.read_text(encoding="utf-8")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

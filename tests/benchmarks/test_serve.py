@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import serve_generate
+from benchmarks import serve_checkpoint, serve_generate
 from benchmarks.report import write
 from benchmarks.serve import (
     LoadConfig,
@@ -78,6 +78,16 @@ def test_text_window_cuts_back_what_encodes_longer():
     for seed in range(20):
         text, count = text_window(STREAM, 8, splitting, decode, np.random.default_rng(seed))
         assert count in (7, 8) and len(splitting(text)) == count
+
+
+def test_the_prompts_text_is_kept_in_the_cache_as_first_read(tmp_path, monkeypatch):
+    """The repository's text the prompts are cut from is read once per cache, so later edits leave the workload."""
+    monkeypatch.setattr(serve_checkpoint, "corpus", lambda: ["first", "text"])
+    assert serve_checkpoint.kept_corpus(tmp_path / "cache") == "first\ntext"
+    monkeypatch.setattr(serve_checkpoint, "corpus", lambda: ["edited"])
+    assert serve_checkpoint.kept_corpus(tmp_path / "cache") == "first\ntext"
+    assert serve_checkpoint.kept_corpus(tmp_path / "other") == "edited"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["corpus.txt"]
 
 
 def test_workload_lengths_and_system_share():
