@@ -105,8 +105,25 @@ def aclient(server) -> openai.AsyncOpenAI:
 
 def metrics(server) -> dict[str, float]:
     """The server's Prometheus samples by name (labels included)."""
-    text = httpx.get(f"{server[1]}/metrics", timeout=10).text
+    return _samples(httpx.get(f"{server[1]}/metrics", timeout=10).text)
+
+
+def _samples(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in re.findall(r"^(kvattn_\S+) (\S+)$", text, re.MULTILINE)}
+
+
+def _finished(samples: dict[str, float]) -> float:
+    """Requests the server has finished, whatever their reason."""
+    return sum(value for name, value in samples.items() if name.startswith("kvattn_requests_total{"))
+
+
+async def _until(http, holds, what: str, timeout: float = 30.0) -> None:
+    """Polls the metrics (through the test's own async client) until `holds(samples)`; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not holds(_samples((await http.get("/metrics")).text)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        await asyncio.sleep(0.02)
 
 
 def test_models_and_health(server, client):
@@ -543,8 +560,7 @@ def test_liveness_answers_at_once_under_load(server):
         async with httpx.AsyncClient(base_url=server[1], headers={"Authorization": f"Bearer {KEY}"},
                                      timeout=120) as http:
             tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(BATCH + MAX_WAITING)]
-            while metrics(server)["kvattn_requests_waiting"] < MAX_WAITING // 2:
-                await asyncio.sleep(0.02)
+            await _until(http, lambda m: m["kvattn_requests_waiting"] >= MAX_WAITING // 2, "half the queue full")
             times = []
             for _ in range(5):
                 start = time.perf_counter()
@@ -835,9 +851,11 @@ def test_sigterm_under_load_finishes_or_ends_each_request_cleanly_and_exits_0(se
 
     async def load():
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+            before = _finished(metrics(server))
             tasks = [asyncio.create_task(one(http)) for _ in range(12)]
-            while sum(metrics(server)[f"kvattn_requests_{s}"] for s in ("running", "waiting")) < 12:
-                await asyncio.sleep(0.02)
+            # Every request in the server: running, waiting, or already finished (a fast one may be).
+            await _until(http, lambda m: m["kvattn_requests_running"] + m["kvattn_requests_waiting"]
+                         + _finished(m) - before >= 12, "the 12 requests in the server")
             process.send_signal(signal.SIGTERM)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
 
