@@ -46,7 +46,8 @@ KVATTN_AVX512 inline __m512 Widen(const uint16_t* at) {  // bfloat16 bits: float
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-// Rows [0, MR) of `a` (row stride K) by panels [t, t + NT), into out (row stride ldo).
+// Rows [0, MR) of `a` (row stride K) by panels [t, t + NT) over k in [k0, k1), into out (row stride ldo): sums
+// start from zero at k0 = 0, else from what `out` holds (a tile's sums carried to the next).
 template <int MR, int NT, typename W>
 KVATTN_AVX512 void Panel(const float* a, int64_t K, const W* w, int64_t t, float* out, int64_t ldo, int64_t k0,
                          int64_t k1) {
