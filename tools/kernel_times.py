@@ -8,7 +8,11 @@ shuffled order, random inputs made once:
 - `chunk`: `paged_prefill_attention`, a chunk of each of `--chunks` tokens
   over 8,192 cached ones;
 - `dot`: `f32_dot`, each of `--rows` rows by the up projection (768 x 2048)
-  and the down projection (2048 x 768).
+  and the down projection (2048 x 768);
+- `step's dots`: each of `--rows` rows through every float32 dot of a decode
+  step, chained (12 layers' fused query-key-value, output, fused gate-up
+  and down projections, then the 32,000-row head: 400 MB, read from
+  memory, unlike the single dots above).
 
 Each call is timed `--repeats` times in turn with the others (compile
 excluded, `block_until_ready`); medians in ms, and the machine's load. The
@@ -60,7 +64,7 @@ def calls(depths, chunks, rows) -> dict:
         k_pool, v_pool, table = paged_pools(next(keys), depth, kv_heads, head_dim, BATCH)
         filled = jnp.full((BATCH,), depth, jnp.int32)
         out[f"decode B={BATCH} depth {depth}"] = decode, (q, k_pool, v_pool, table, filled)
-    k_pool, v_pool, table = paged_pools(next(keys), CACHED + max(chunks), kv_heads, head_dim, 1)
+    k_pool, v_pool, table = paged_pools(next(keys), CACHED + max(chunks, default=0), kv_heads, head_dim, 1)
     for width in chunks:
         q = jax.random.normal(next(keys), (1, width, heads, head_dim))
         k_new, v_new = (jax.random.normal(next(keys), (1, width, kv_heads, head_dim)) for _ in range(2))
@@ -70,13 +74,34 @@ def calls(depths, chunks, rows) -> dict:
         panels = jax.random.normal(next(keys), (outputs // 16, inputs, 16))
         for m in rows:
             out[f"dot {m} x {inputs} x {outputs}"] = dot, (jax.random.normal(next(keys), (m, inputs)), panels)
+    step = step_panels(keys)
+    for m in rows:
+        out[f"step's dots, {m} rows"] = jax.jit(step_dots), (jax.random.normal(next(keys), (m, hidden)), step)
     return out
+
+
+def step_panels(keys) -> list:
+    """Random panels `(N / 16, K, 16)` of every float32 dot of the 125M Llama's decode step, in order."""
+    hidden, inner = LLAMA_125M["hidden_size"], LLAMA_125M["intermediate_size"]
+    head_dim = hidden // LLAMA_125M["num_heads"]
+    qkv = hidden + 2 * LLAMA_125M["num_kv_heads"] * head_dim
+    shapes = [(hidden, qkv), (hidden, hidden), (hidden, 2 * inner), (inner, hidden)] * LLAMA_125M["num_layers"]
+    shapes.append((hidden, LLAMA_125M["vocab_size"]))
+    return [0.03 * jax.random.normal(next(keys), (n // 16, k, 16)) for k, n in shapes]
+
+
+def step_dots(x, step: list):
+    """`x` through every dot of `step`, each taking the first inputs of the one before's outputs (the step's
+    other work, attention and norms, left out)."""
+    for panels in step:
+        x = native.f32_dot(x[:, : panels.shape[1]], panels)
+    return x
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="512,2048")
-    parser.add_argument("--chunks", default="1,8,16,64")
+    parser.add_argument("--depths", default="512,2048", help="decode depths (none: empty)")
+    parser.add_argument("--chunks", default="1,8,16,64", help="chunk widths (none: empty)")
     parser.add_argument("--rows", default="8,12,16,64")
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
