@@ -124,9 +124,9 @@ class Request:
         return Completion(self.index, self.generated[: self.max_new_tokens], self.logprobs[: self.max_new_tokens],
                           self.cached_tokens, self.preemptions, self.first_token_seconds, reason)
 
-    def settings(self) -> tuple[Sampling, int, int, int, int]:
-        """Its row of `RowSampling` for the next token."""
-        return self.sampling, self.seed, self.stream, len(self.generated), self.top_logprobs
+    def settings(self, ahead: int = 0) -> tuple[Sampling, int, int, int, int]:
+        """Its row of `RowSampling` for the next token (`ahead`: for a token that many past it)."""
+        return self.sampling, self.seed, self.stream, len(self.generated) + ahead, self.top_logprobs
 
     def append(self, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray):
         self.generated.append(token)

@@ -465,8 +465,7 @@ class Server:
                 pass
         if batch is not None:
             rows, active = ahead.rows, ahead.active
-            sampling = RowSampling.of([(*r.settings()[:3], len(r.generated) + 1, r.top_logprobs)
-                                       for r in ahead.requests], len(rows))
+            sampling = RowSampling.of([r.settings(ahead=1) for r in ahead.requests], len(rows))
             table = np.where(active[:, None], batch.table[rows], 0)
             outputs = self.runner.dispatch_decode(ahead.outputs[0], active, table, batch.pos[rows], batch, sampling,
                                                   self._adjustments([None] * len(rows), len(rows)))
