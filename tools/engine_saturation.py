@@ -14,7 +14,7 @@ Per repeat, the two in turn after a warm-up of each (compilation excluded):
 - `generate`'s prompts alone (`max_new_tokens=1`) and the whole, so its
   prefill and decode split too.
 
-    python -m tools.engine_saturation [--weights int8] [--chunk 128] [--prefills-per-step 1] [--async-scheduling]
+    python -m tools.engine_saturation [--weights int8] [--chunk 128] [--prefills-per-step 1] [--async-scheduling] [--step-tokens 136]
 
 from the repository root.
 """
@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_PAGES * PAGE, help="the engine's prefill chunk")
     parser.add_argument("--prefills-per-step", type=int, default=1, help="as kvattn serve's (default 1)")
     parser.add_argument("--async-scheduling", action="store_true", help="Server(async_scheduling=True)")
+    parser.add_argument("--step-tokens", type=int, help="Server(step_tokens=...): a chunk rides in the decode call")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -101,7 +102,7 @@ def main() -> None:
         paged = models.from_pretrained(checkpoint, max_len=MAX_LEN, batch_size=BATCH, weights=args.weights,
                                        num_pages=BATCH * blocks_spanned(MAX_LEN, PAGE) + 1, page_size=PAGE)
     server = Server(paged, chunk=args.chunk, prefills_per_step=args.prefills_per_step, prefix_caching=False,
-                    async_scheduling=args.async_scheduling, donate_pools=True)
+                    async_scheduling=args.async_scheduling, step_tokens=args.step_tokens, donate_pools=True)
     server.warm_up()
     timed = _Timed(server.runner)
     work = batches(requests, BATCH)
@@ -109,7 +110,7 @@ def main() -> None:
     tokens = REQUESTS * NEW
     print(f"{REQUESTS} requests of {PROMPT} prompt ids and {NEW} new tokens, {BATCH} at a time, "
           f"{args.weights or 'float32'} weights; engine chunk {args.chunk}, "
-          f"{args.prefills_per_step} prefill chunks a step, prefix caching off")
+          f"{args.prefills_per_step} prefill chunks a step, step tokens {args.step_tokens}, prefix caching off")
     for repeat in range(args.repeats):
         load = load_average()
         timed.clear()

@@ -206,16 +206,27 @@ class PagedKVCache:
 
 
 def apply_copies(cache: PagedKVCache) -> PagedKVCache:
-    """Makes the pending copy-on-write copies (`copy_to[i] <- copy_from[i]`) and clears them."""
+    """Makes the pending copy-on-write copies (`copy_to[i] <- copy_from[i]`) and clears them.
+
+    One page at a time, in a loop that runs once per real copy: most calls
+    have none, and a gather and scatter of every padding entry cost a decode
+    step more than its attention. A destination is a page fresh from the
+    pool, never another copy's source, so the order of the copies does not
+    matter.
+    """
     if cache.copy_from is None:
         return cache
+    real = cache.copy_to < cache.num_pages
+    order = jnp.argsort(~real, stable=True)  # the real copies first, wherever the padding lies
 
-    def copy(pool):
-        return pool.at[cache.copy_to].set(pool[cache.copy_from], mode="drop")
+    def copy(i, pools):
+        source, destination = cache.copy_from[order[i]], cache.copy_to[order[i]]
+        return jax.tree.map(
+            lambda pool: jax.lax.dynamic_update_index_in_dim(
+                pool, jax.lax.dynamic_index_in_dim(pool, source, keepdims=True), destination, 0), pools)
 
-    return cache.replace(
-        k=jax.tree.map(copy, cache.k), v=jax.tree.map(copy, cache.v), copy_from=None, copy_to=None
-    )
+    k, v = jax.lax.fori_loop(0, jnp.sum(real), copy, (cache.k, cache.v))
+    return cache.replace(k=k, v=v, copy_from=None, copy_to=None)
 
 
 def mapped(cache: PagedKVCache, lengths: Int[Array, " B"]) -> Bool[Array, " B"]:
