@@ -175,25 +175,31 @@ void Exact(const int8_t* a, const uint8_t* w, int64_t K, int32_t* out, int64_t t
 }
 
 // The AVX2 body's `Part`: runs of up to four rows without -128 (`clean`) by tiles [t0, t1), the others alone.
+// The tiles are taken eight at a time (96 KB at K = 768), every run of rows reading them before the next eight:
+// the first run fetches them from memory, the others find them in L2 (not so when each run read all the tiles).
 void HalfPart(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const bool* clean, int32_t* out, int64_t N,
               int64_t t0, int64_t t1) {
-  for (int64_t m = 0; m < M;) {
-    if (!clean[m]) {
-      Exact(a + m * K, w, K, out + m * N, t0, t1);
-      ++m;
-      continue;
+  constexpr int64_t kGroupTiles = 8;
+  for (int64_t g = t0; g < t1; g += kGroupTiles) {
+    const int64_t g1 = std::min(t1, g + kGroupTiles);
+    for (int64_t m = 0; m < M;) {
+      if (!clean[m]) {
+        Exact(a + m * K, w, K, out + m * N, g, g1);
+        ++m;
+        continue;
+      }
+      int64_t run = 1;
+      while (run < 4 && m + run < M && clean[m + run]) ++run;
+      const int8_t* rows = a + m * K;
+      int32_t* outs = out + m * N;
+      switch (run) {
+        case 1: HalfRows<1>(rows, K, w, K, outs, N, g, g1); break;
+        case 2: HalfRows<2>(rows, K, w, K, outs, N, g, g1); break;
+        case 3: HalfRows<3>(rows, K, w, K, outs, N, g, g1); break;
+        default: HalfRows<4>(rows, K, w, K, outs, N, g, g1); break;
+      }
+      m += run;
     }
-    int64_t run = 1;
-    while (run < 4 && m + run < M && clean[m + run]) ++run;
-    const int8_t* rows = a + m * K;
-    int32_t* outs = out + m * N;
-    switch (run) {
-      case 1: HalfRows<1>(rows, K, w, K, outs, N, t0, t1); break;
-      case 2: HalfRows<2>(rows, K, w, K, outs, N, t0, t1); break;
-      case 3: HalfRows<3>(rows, K, w, K, outs, N, t0, t1); break;
-      default: HalfRows<4>(rows, K, w, K, outs, N, t0, t1); break;
-    }
-    m += run;
   }
 }
 
