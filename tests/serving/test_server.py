@@ -389,6 +389,35 @@ def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_oldest_first():
         server.prefills_per_step = server.config.batch_size
 
 
+def test_prompts_that_arrive_together_are_prefilled_in_one_call_and_start_together(monkeypatch):
+    """Three one-choice prompts admitted together: each step's chunks in one call (a bucket of three rows), and
+    the two prompts of one chunk get their first tokens from the first call, together; a request of two choices
+    is prefilled alone (both sample from its one sequence). Greedy, every stream equals `generate`'s."""
+    generated, _, server = fixture_run("llama")
+    want = expected("llama")
+    calls = []  # each prefill call: its chunks' shape and its sampling rows
+    method = server.runner.prefills
+    monkeypatch.setattr(server.runner, "prefills", lambda *a: calls.append(
+        (np.shape(a[0]), np.shape(a[5].seed))) or method(*a))
+    salt = b"no hits on what earlier tests left in the prefix cache"
+    rows = range(len(want["lengths"]))
+    assert [want["lengths"][row] <= server.chunk for row in rows] == [True, False, True]
+    indices = [server.submit(want["prompts"][row, : want["lengths"][row]], SamplingParams(max_tokens=12), salt=salt)
+               for row in rows]
+    server.step()
+    assert calls == [((3, server.chunk), (3,))]  # a row each
+    generated_now = {request.index: len(request.generated) for request in server.scheduler.seqs}
+    assert generated_now == {indices[0]: 2, indices[1]: 0, indices[2]: 2}  # a first token, then a decode step
+    for completion in server.run():
+        np.testing.assert_array_equal(completion.tokens, generated[indices.index(completion.request)])
+    calls.clear()
+    server.submit(want["prompts"][0, : want["lengths"][0]], SamplingParams(max_tokens=3, n=2), salt=salt + b"2")
+    server.step()
+    assert calls == [((1, server.chunk), (server.config.cache.batch_size,))]  # its choices' rows, padded
+    server.run()
+    server.manager.check()
+
+
 # ------------------------------------------------------------- speculative decoding
 
 NEW = 12

@@ -2,7 +2,8 @@
 
 Five compiled programs with fixed shapes, so requests come and go without a
 recompilation: a prefill chunk `(1, chunk)` whose last logits every choice
-of a request samples from, a decode step over a bucket of rows, the two in
+of a request samples from (or a chunk of each of a bucket of one-choice
+requests, `(C, chunk)`), a decode step over a bucket of rows, the two in
 one call (`CausalLM.mixed`: a decode bucket and a chunk, the weights read
 once for both), a speculative verify over a bucket of rows of K + 1 tokens,
 and prompt lookup over the same buckets. Each samples with `kvattn.generation.sampling` and
@@ -53,8 +54,15 @@ class Runner:
     def prefill(self, tokens, length, batch: PageBatch, seq: int, rows: RowSampling, adjustments: Adjustments):
         """Chunk `tokens` `(1, chunk)` of sequence `seq`, `length` of them real; each row of `rows` samples from its
         last logits, after its row of `adjustments`: `(tokens, logprobs, top_ids, top_logprobs)` per row."""
-        return self._run(_prefill_program, tokens, np.int32([length]), batch.table[seq : seq + 1],
-                         batch.pos[seq : seq + 1], batch.copy_from, batch.copy_to, rows, adjustments)
+        return self.prefills(tokens, np.int32([length]), batch.table[seq : seq + 1], batch.pos[seq : seq + 1], batch,
+                             rows, adjustments)
+
+    def prefills(self, tokens, lengths, table, pos, batch: PageBatch, rows: RowSampling, adjustments: Adjustments):
+        """A chunk of each of C sequences in one call: `tokens` `(C, chunk)`, `lengths` real, their rows of the page
+        `table` and `pos`; row c of `rows` samples from sequence c's last logits (with C = 1, every row samples from
+        its one sequence's: the choices of a request): `(tokens, logprobs, top_ids, top_logprobs)` per row."""
+        return self._run(_prefill_program, tokens, lengths, table, pos, batch.copy_from, batch.copy_to, rows,
+                         adjustments)
 
     def decode(self, tokens, active, table, pos, batch: PageBatch, rows: RowSampling, adjustments: Adjustments):
         """One token for each active row: `(tokens, logprobs, top_ids, top_logprobs)`."""
@@ -97,7 +105,7 @@ class Runner:
 
     def warm_up(self, buckets: list[int], chunk: int, empty: PageBatch, vocab_size: int, speculative=None,
                 max_len: int = 0, on_program: Callable[[int, int], None] | None = None,
-                mixed_chunks: dict[int, int] | None = None) -> None:
+                mixed_chunks: dict[int, int] | None = None, prefill_buckets: list[int] = ()) -> None:
         """Compiles every program a step may run, by calling each idle: nothing is written (every row is
         inactive and maps only the null page of `empty`, a reservation of nothing).
 
@@ -110,6 +118,7 @@ class Runner:
           max_len: the width of lookup's histories, less one.
           on_program: called as `on_program(done, total)` after each program.
           mixed_chunks: the chunk a mixed call of each bucket carries (None: the server makes no mixed calls).
+          prefill_buckets: the sequence counts of calls that prefill several sequences' chunks together.
         """
         width = empty.table.shape[1]
         choices = max(buckets)  # a chunk's sampling rows: one per choice of its request
@@ -135,6 +144,11 @@ class Runner:
                     Adjustments.neutral((size, speculative.num_tokens + 1, vocab_size))))
         calls.append(functools.partial(self.prefill, np.zeros((1, chunk), np.int32), 0, empty, 0, chunk_rows,
                                        chunk_adjustments))
+        for size in prefill_buckets:
+            calls.append(functools.partial(
+                self.prefills, np.zeros((size, chunk), np.int32), np.zeros(size, np.int32),
+                np.zeros((size, width), np.int32), np.zeros(size, np.int32), empty, RowSampling.of([], size),
+                Adjustments.neutral((size, vocab_size))))
         for done, call in enumerate(calls, start=1):
             call()
             if on_program is not None:
@@ -185,10 +199,11 @@ _lookup = jax.jit(lookup, static_argnames=("num_tokens", "max_ngram"))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
-def _prefill_program(graphdef, params, pools, tokens, length, table, pos, copy_from, copy_to, rows, adjustments):
-    """A chunk of one sequence; every row of `rows` samples from its last logits (the choices of a request)."""
+def _prefill_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows, adjustments):
+    """A chunk of each of C sequences; row c of `rows` samples from sequence c's last logits, or, with one sequence,
+    every row does (the choices of a request)."""
     model = nnx.merge(graphdef.graphdef, params, pools)
-    logits = model.prefill(tokens, length, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
+    logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
     logits = jnp.broadcast_to(logits, (rows.seed.shape[0], logits.shape[-1]))
     return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
 

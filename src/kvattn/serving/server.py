@@ -71,7 +71,11 @@ class Server:
       prefills_per_step: prefill chunks a step runs at most, oldest request
         first (default: one for every request still prefilling). A bound
         keeps each step, and so every running request's time between
-        tokens, short while many requests arrive together.
+        tokens, short while many requests arrive together. The chunks of
+        one-choice requests run together, in one call: prompts that arrive
+        together are prefilled as a wave, their first tokens at once, and
+        the prefill time lies in their time to the first token, not in the
+        time between tokens of requests that started before the others.
       speculative: a `PromptLookup`: a step drafts up to K tokens per
         running request from its own prompt and output, and the model
         verifies them in one call over K + 1 tokens, each request keeping
@@ -298,9 +302,7 @@ class Server:
                 else:
                     self._decode(decoding)
             else:
-                for seq in scheduler.prefills():
-                    if scheduler.prefilling(seq):  # an earlier chunk may have preempted it
-                        self._prefill_chunk(seq)
+                self._prefill_chunks(scheduler.prefills())
                 self._retired += scheduler.retire_finished()  # a first token may already end a request
                 decoding = scheduler.decoding()
                 offers = self._offers(decoding) if self.speculative else {}
@@ -338,7 +340,8 @@ class Server:
         empty = self.manager.reserve(np.zeros(self.config.cache.batch_size, np.int32))
         self.runner.warm_up(buckets, self.chunk, empty, self.vocab_size, self.speculative, self.config.cache.max_len,
                             on_program, mixed_chunks=None if self.step_tokens is None else {
-                                size: self._mixed_width(size) for size in buckets})
+                                size: self._mixed_width(size) for size in buckets},
+                            prefill_buckets=sorted({self._bucket(n) for n in range(2, self.prefills_per_step + 1)}))
 
     # ---------------------------------------------------------------- internal
 
@@ -371,28 +374,77 @@ class Server:
         """The prefill chunk a decode call of `bucket` rows carries: what `step_tokens` leaves, at most `chunk`."""
         return min(self.chunk, self.step_tokens - bucket)
 
-    def _chunk(self, seq: int, width: int | None = None):
-        """Sequence `seq`'s next prefill chunk, at most `width` tokens (default `chunk`), as a call takes it (before
-        its reservation): `(tokens (1, width), length, sampling rows, adjustments)`, a row for each choice of its
-        request."""
+    def _chunk_tokens(self, seq: int, width: int | None = None) -> tuple[np.ndarray, int, bool]:
+        """Sequence `seq`'s next prefill chunk, at most `width` tokens (default `chunk`), before its reservation:
+        `(tokens (1, width), length, whether it ends the prompt)`."""
         request, width = self.scheduler.seqs[seq], width or self.chunk
         start, end = self.scheduler.next_chunk(seq)
         end = min(end, start + width)
         tokens = np.zeros((1, width), np.int32)
         tokens[0, : end - start] = request.context[start:end]
-        last = end >= len(request.context)  # only the last chunk's tokens are kept: adjust only those
-        adjustments = self._adjustments(request.group if last else [], self.config.cache.batch_size)
-        return tokens, end - start, self._rows(request.group), adjustments
+        return tokens, end - start, end >= len(request.context)
+
+    def _chunk(self, seq: int, width: int | None = None):
+        """Sequence `seq`'s next prefill chunk as a call takes it (`_chunk_tokens`): `(tokens (1, width), length,
+        sampling rows, adjustments)`, a row for each choice of its request."""
+        tokens, length, last = self._chunk_tokens(seq, width)
+        return tokens, length, *self._choices(self.scheduler.seqs[seq], last)
+
+    def _choices(self, request: Request, last: bool) -> tuple[RowSampling, Adjustments]:
+        """The sampling rows of `request`'s choices (padded to the batch size), sampling from one sequence's logits,
+        and their adjustments if its chunk is the `last` (only the last chunk's tokens are kept: adjust only
+        those)."""
+        return self._rows(request.group), self._adjustments(request.group if last else [], self.config.cache.batch_size)
+
+    def _prefill_chunks(self, seqs: list[int]):
+        """The next chunk of each of `seqs`: those of one-choice requests together in one call
+        (`_prefill_together`), the others alone (all of a request's choices sample from its one sequence's
+        logits)."""
+        scheduler = self.scheduler
+        together = [s for s in seqs if len(scheduler.seqs[s].group) == 1]
+        for seq in seqs:
+            if seq not in together and scheduler.prefilling(seq):  # an earlier chunk may have preempted it
+                self._prefill_chunk(seq)
+        together = [s for s in together if scheduler.prefilling(s)]
+        if together:
+            self._prefill_together(together)
 
     def _prefill_chunk(self, seq: int):
         """The next chunk of sequence `seq`, alone in a call."""
-        scheduler, request = self.scheduler, self.scheduler.seqs[seq]
-        tokens, length, rows, adjustments = self._chunk(seq)
+        self._prefill_together([seq])
+
+    def _prefill_together(self, seqs: list[int]):
+        """The next chunk of each of `seqs` in one call: of one sequence (its request's choices all sample from its
+        logits), or of several one-choice requests over the smallest bucket that holds them, so that prompts that
+        arrive together are prefilled together and their first tokens come together, as a wave. A sequence
+        preempted to make room for the others is left out."""
+        scheduler = self.scheduler
+        requests = [scheduler.seqs[s] for s in seqs]
+        chunks = [self._chunk_tokens(s) for s in seqs]
         counts = np.zeros(self.config.cache.batch_size, np.int32)
-        counts[seq] = length
+        counts[seqs] = [length for _, length, _ in chunks]
         batch = scheduler.reserve(counts)
-        if scheduler.seqs[seq] is request:  # else it was the youngest, preempted to make room for the others
-            self._chunked(seq, *self.runner.prefill(tokens, length, batch, seq, rows, adjustments))
+        kept = [i for i, s in enumerate(seqs) if scheduler.seqs[s] is requests[i]]
+        if len(kept) == 1:
+            (i,) = kept
+            tokens, length, last = chunks[i]
+            outputs = self.runner.prefill(tokens, length, batch, seqs[i], *self._choices(requests[i], last))
+            self._chunked(seqs[i], *outputs)
+        elif kept:
+            size = self._bucket(len(kept))
+            tokens, lengths = np.zeros((size, self.chunk), np.int32), np.zeros(size, np.int32)
+            rows = np.zeros(size, np.int64)
+            for r, i in enumerate(kept):
+                tokens[r], lengths[r], rows[r] = chunks[i][0][0], chunks[i][1], seqs[i]
+            active = np.arange(size) < len(kept)
+            padding = [None] * (size - len(kept))
+            ending = [requests[i] if chunks[i][2] else None for i in kept] + padding  # adjust only a last chunk
+            outputs = self.runner.prefills(tokens, lengths, np.where(active[:, None], batch.table[rows], 0),
+                                           np.where(active, batch.pos[rows], 0), batch,
+                                           self._rows([requests[i] for i in kept] + padding, size),
+                                           self._adjustments(ending, size))
+            for r, i in enumerate(kept):
+                self._chunked(seqs[i], *(output[r : r + 1] for output in outputs))
 
     def _chunked(self, seq: int, new, logprobs, top_ids, top_logprobs):
         """After a chunk of sequence `seq`: its last registers the prompt and gives each choice its first token."""
