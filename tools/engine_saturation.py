@@ -8,7 +8,7 @@ on the model benchmark's random 125M Llama (`benchmarks.model.LLAMA_125M`).
 Per repeat, the two in turn after a warm-up of each (compilation excluded):
 
 - the engine's wall time split into its device calls (decode calls, with
-  their mean active rows; prefill chunk calls) and the host time between
+  their mean active rows; prefill calls, of one or more chunks) and the host time between
   them (scheduling, bookkeeping, sampling rows: what overlapping the next
   step with this one could win at most);
 - `generate`'s prompts alone (`max_new_tokens=1`) and the whole, so its
@@ -45,7 +45,7 @@ class _Timed:
 
     def __init__(self, runner):
         self.seconds, self.calls, self.rows = collections.Counter(), collections.Counter(), []
-        for name in ("decode", "prefill", "mixed"):
+        for name in ("decode", "prefills", "mixed"):  # `Runner.prefill` calls `prefills`
             setattr(runner, name, self._wrap(name, getattr(runner, name)))
 
     def _wrap(self, name, call):
@@ -88,7 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", choices=("int8",), help="int8 weights (default float32)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_PAGES * PAGE, help="the engine's prefill chunk")
-    parser.add_argument("--prefills-per-step", type=int, default=1, help="as kvattn serve's (default 1)")
+    parser.add_argument("--prefills-per-step", type=int, help="as kvattn serve's (default: every request still "
+                        "prefilling, in one call)")
     parser.add_argument("--async-scheduling", action="store_true", help="Server(async_scheduling=True)")
     parser.add_argument("--step-tokens", type=int, help="Server(step_tokens=...): a chunk rides in the decode call")
     parser.add_argument("--repeats", type=int, default=2)
@@ -110,7 +111,8 @@ def main() -> None:
     tokens = REQUESTS * NEW
     print(f"{REQUESTS} requests of {PROMPT} prompt ids and {NEW} new tokens, {BATCH} at a time, "
           f"{args.weights or 'float32'} weights; engine chunk {args.chunk}, "
-          f"{args.prefills_per_step} prefill chunks a step, step tokens {args.step_tokens}, prefix caching off")
+          f"{args.prefills_per_step or 'all'} prefill chunks a step, step tokens {args.step_tokens}, "
+          "prefix caching off")
     for repeat in range(args.repeats):
         load = load_average()
         timed.clear()
@@ -119,7 +121,7 @@ def main() -> None:
         device = sum(timed.seconds.values())
         print(f"repeat {repeat + 1} (load {load[0]:.2f}): engine {engine:.2f} s ({tokens / engine:.1f} tok/s), generate "
               f"{whole:.2f} s ({tokens / whole:.1f} tok/s): engine / generate throughput {whole / engine:.3f}")
-        for name in ("decode", "mixed", "prefill"):
+        for name in ("decode", "mixed", "prefills"):
             if timed.calls[name]:
                 rows = f", {np.mean(timed.rows):.2f} active rows on average" if name == "decode" else ""
                 print(f"  engine {name}: {timed.calls[name]} calls, {timed.seconds[name]:.2f} s, "

@@ -118,8 +118,8 @@ def _bound_templates(tokenizer: Tokenizer) -> None:
 
 
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
-          num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool, step_tokens: int | None,
-          async_scheduling: bool,
+          num_pages: int | None, chunk: int, prefills_per_step: int | None, prefix_caching: bool,
+          step_tokens: int | None, async_scheduling: bool,
           speculative: PromptLookup | None, dtype: str, weights: str | None, chat_template: str | None, model_name: str | None,
           api_key: str | None, max_waiting: int, shutdown_seconds: float) -> int:
     """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM;
