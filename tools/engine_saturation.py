@@ -88,8 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", choices=("int8",), help="int8 weights (default float32)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_PAGES * PAGE, help="the engine's prefill chunk")
-    parser.add_argument("--prefills-per-step", type=int, help="as kvattn serve's (default: every request still "
-                        "prefilling, in one call)")
+    parser.add_argument("--prefills-per-step", type=int, default=1, help="as kvattn serve's (default 1)")
     parser.add_argument("--async-scheduling", action="store_true", help="Server(async_scheduling=True)")
     parser.add_argument("--step-tokens", type=int, help="Server(step_tokens=...): a chunk rides in the decode call")
     parser.add_argument("--repeats", type=int, default=2)
@@ -111,7 +110,7 @@ def main() -> None:
     tokens = REQUESTS * NEW
     print(f"{REQUESTS} requests of {PROMPT} prompt ids and {NEW} new tokens, {BATCH} at a time, "
           f"{args.weights or 'float32'} weights; engine chunk {args.chunk}, "
-          f"{args.prefills_per_step or 'all'} prefill chunks a step, step tokens {args.step_tokens}, "
+          f"{args.prefills_per_step} prefill chunks a step, step tokens {args.step_tokens}, "
           "prefix caching off")
     for repeat in range(args.repeats):
         load = load_average()

@@ -148,9 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-pages", type=_POSITIVE, help="pages in the pool (default: every sequence at full "
                        "length, plus one)")
     serve.add_argument("--chunk", type=_POSITIVE, help="prefill chunk, a multiple of --page-size (default: 8 pages)")
-    serve.add_argument("--prefills-per-step", type=_POSITIVE,
-                       help="prefill chunks an engine step runs at most, in one call (bounds the time between "
-                            "tokens; default: one for every request still prefilling)")
+    serve.add_argument("--prefills-per-step", type=_POSITIVE, default=1,
+                       help="prefill chunks an engine step runs at most while requests decode, in one call (bounds "
+                            "their time between tokens; a step with none decoding prefills every admitted prompt)")
     serve.add_argument("--step-tokens", type=_POSITIVE,
                        help="tokens a step that decodes runs at most: its decode rows and one prefill chunk of the "
                             "rest, in one call (more than --max-batch; default: chunks in calls of their own)")

@@ -45,18 +45,18 @@ def test_admission_follows_the_page_manager_oldest_first():
     assert plan.stats().waiting == 2 and plan.stats().running == 1
 
 
-def test_the_prefill_budget_takes_the_oldest_admitted_first():
+def test_the_prefill_budget_takes_the_oldest_admitted_first_while_a_request_decodes():
     plan = scheduler(num_pages=13, prefills_per_step=1)
     for index in range(3):
         plan.add(request(index, [1, 2, 3 + index]))
     plan.admit()
     first = plan.prefills()
-    assert len(first) == 1 and plan.seqs[first[0]].index == 0
+    assert [plan.seqs[s].index for s in first] == [0, 1, 2]  # nothing decodes: every one, the oldest first
     counts = np.zeros(3, np.int32)
     counts[first[0]] = 3
     plan.reserve(counts)
-    assert plan.held(first[0]) == 3 and not plan.prefilling(first[0])
-    assert [plan.seqs[s].index for s in plan.prefills()] == [1]
+    assert plan.held(first[0]) == 3 and not plan.prefilling(first[0]) and plan.decoding() == [first[0]]
+    assert [plan.seqs[s].index for s in plan.prefills()] == [1]  # one decodes: the budget
 
 
 def test_running_short_of_pages_preempts_the_youngest_request():

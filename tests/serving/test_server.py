@@ -373,18 +373,26 @@ def test_a_run_that_fails_midway_loses_no_request_that_had_finished(monkeypatch)
     server.manager.check()
 
 
-def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_oldest_first():
+def test_prefills_per_step_bounds_the_prefill_chunks_of_a_step_while_requests_decode_oldest_first():
     _, _, server = fixture_run("llama")
     server.prefills_per_step = 1
     try:
         seen = []
-        a, b, c = (server.submit(prompt, SamplingParams(max_tokens=3), on_token=lambda index, token: seen.append(index))
-                   for prompt in ([1, 2, 3], [4, 5, 6], [7, 8, 9]))
+        a = server.submit([1, 2, 3], SamplingParams(max_tokens=4), on_token=lambda index, token: seen.append(index))
+        done = server.step()  # nothing decoding: its prompt, then its first decode step
+        b, c = (server.submit(prompt, SamplingParams(max_tokens=3), on_token=lambda index, token: seen.append(index))
+                for prompt in ([4, 5, 6], [7, 8, 9]))
+        done += server.step()
+        assert set(seen) == {a, b}  # a decodes: one prompt prefilled beside it
+        done += server.step()
+        assert set(seen) == {a, b, c}
+        assert sorted(completion.request for completion in done + server.run()) == [a, b, c]
+        seen.clear()
+        d, e = (server.submit(prompt, SamplingParams(max_tokens=2), on_token=lambda index, token: seen.append(index))
+                for prompt in ([1, 5, 9], [2, 6, 7]))
         server.step()
-        assert set(seen) == {a}  # one prompt prefilled, then its first decode step
-        server.step()
-        assert set(seen) == {a, b}
-        assert [done.request for done in server.run()] == [b, c]  # a finished in the second step
+        assert set(seen) == {d, e}  # nothing decoding: both prompts in the first step, whatever the bound
+        server.run()
     finally:
         server.prefills_per_step = server.config.batch_size
 

@@ -145,10 +145,12 @@ class Scheduler:
             self.totals["cached_tokens"] += request.cached_tokens
 
     def prefills(self) -> list[int]:
-        """The sequences to prefill a chunk of this step: the oldest admitted first, within `prefills_per_step`."""
+        """The sequences to prefill a chunk of this step, the oldest admitted first: within `prefills_per_step`
+        while any request decodes (the bound keeps its time between tokens short), every one when none does (no
+        one waits on them, and they start together)."""
         waiting = sorted((s for s in range(len(self.seqs)) if self.prefilling(s)),
                          key=lambda s: self.seqs[s].first_admitted)
-        return waiting[: self.prefills_per_step]
+        return waiting[: self.prefills_per_step] if self.decoding() else waiting
 
     def next_chunk(self, seq: int) -> tuple[int, int]:
         """The context positions `(start, end)` of sequence `seq`'s next prefill chunk (chunk-aligned)."""

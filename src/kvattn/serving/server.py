@@ -68,14 +68,16 @@ class Server:
         sliding window, whose early pages are freed).
       rng: a `jax.random.key` that draws the seed of each request that
         brings none (default: fresh entropy).
-      prefills_per_step: prefill chunks a step runs at most, oldest request
-        first (default: one for every request still prefilling). A bound
-        keeps each step, and so every running request's time between
-        tokens, short while many requests arrive together. The chunks of
-        one-choice requests run together, in one call: prompts that arrive
-        together are prefilled as a wave, their first tokens at once, and
-        the prefill time lies in their time to the first token, not in the
-        time between tokens of requests that started before the others.
+      prefills_per_step: prefill chunks a step runs at most while any
+        request decodes, oldest request first (default: one for every
+        request still prefilling). A bound keeps each step, and so every
+        running request's time between tokens, short while many requests
+        arrive together. A step with nothing decoding prefills every
+        admitted request's chunk. The chunks of one-choice requests run
+        together, in one call: prompts that arrive together are prefilled
+        as a wave, their first tokens at once, and their prefill lies in
+        their time to the first token, not in the time between tokens of
+        requests that started a step before the others.
       speculative: a `PromptLookup`: a step drafts up to K tokens per
         running request from its own prompt and output, and the model
         verifies them in one call over K + 1 tokens, each request keeping
@@ -331,7 +333,8 @@ class Server:
         return sorted(done, key=lambda c: c.request)
 
     def warm_up(self, on_program: Callable[[int, int], None] | None = None) -> None:
-        """Compiles every program the server may run (each decode bucket, the prefill chunk) by calling it idle.
+        """Compiles every program the server may run (each decode bucket, the prefill chunk of one sequence and of
+        each bucket of sequences) by calling it idle.
 
         Args:
           on_program: called as `on_program(done, total)` after each program compiles (a progress display).
@@ -341,7 +344,7 @@ class Server:
         self.runner.warm_up(buckets, self.chunk, empty, self.vocab_size, self.speculative, self.config.cache.max_len,
                             on_program, mixed_chunks=None if self.step_tokens is None else {
                                 size: self._mixed_width(size) for size in buckets},
-                            prefill_buckets=sorted({self._bucket(n) for n in range(2, self.prefills_per_step + 1)}))
+                            prefill_buckets=buckets[1:])
 
     # ---------------------------------------------------------------- internal
 
