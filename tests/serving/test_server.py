@@ -96,6 +96,7 @@ def test_a_stop_token_or_a_single_new_token_ends_a_request_at_its_prefill():
 
 @pytest.mark.parametrize(("fails", "fails_at", "options"), [
     ("_decode_program", 3, {}),
+    ("_prefill_program", 1, {}),  # the three prompts' chunks, in one call
     ("_mixed_program", 1, {"step_tokens": 7}),
     ("read", 6, {"async_scheduling": True}),  # a decode call dispatched ahead of the one being read
 ])
