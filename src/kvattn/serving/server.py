@@ -418,36 +418,26 @@ class Server:
 
     def _prefill_together(self, seqs: list[int]):
         """The next chunk of each of `seqs` in one call: of one sequence (its request's choices all sample from its
-        logits), or of several one-choice requests over the smallest bucket that holds them, so that prompts that
-        arrive together are prefilled together and their first tokens come together, as a wave. A sequence
-        preempted to make room for the others is left out."""
-        scheduler = self.scheduler
-        requests = [scheduler.seqs[s] for s in seqs]
-        chunks = [self._chunk_tokens(s) for s in seqs]
+        logits), or of several one-choice requests laid over the smallest bucket of rows that holds them
+        (`_laid_out`), so that prompts that arrive together are prefilled together and their first tokens come
+        together, as a wave. A sequence preempted to make room for the others is left out."""
+        chunks = {s: self._chunk_tokens(s) for s in seqs}  # before the reservation moves the sequences on
         counts = np.zeros(self.config.cache.batch_size, np.int32)
-        counts[seqs] = [length for _, length, _ in chunks]
-        batch = scheduler.reserve(counts)
-        kept = [i for i, s in enumerate(seqs) if scheduler.seqs[s] is requests[i]]
-        if len(kept) == 1:
-            (i,) = kept
-            tokens, length, last = chunks[i]
-            outputs = self.runner.prefill(tokens, length, batch, seqs[i], *self._choices(requests[i], last))
-            self._chunked(seqs[i], *outputs)
-        elif kept:
-            size = self._bucket(len(kept))
-            tokens, lengths = np.zeros((size, self.chunk), np.int32), np.zeros(size, np.int32)
-            rows = np.zeros(size, np.int64)
-            for r, i in enumerate(kept):
-                tokens[r], lengths[r], rows[r] = chunks[i][0][0], chunks[i][1], seqs[i]
-            active = np.arange(size) < len(kept)
-            padding = [None] * (size - len(kept))
-            ending = [requests[i] if chunks[i][2] else None for i in kept] + padding  # adjust only a last chunk
-            outputs = self.runner.prefills(tokens, lengths, np.where(active[:, None], batch.table[rows], 0),
-                                           np.where(active, batch.pos[rows], 0), batch,
-                                           self._rows([requests[i] for i in kept] + padding, size),
-                                           self._adjustments(ending, size))
-            for r, i in enumerate(kept):
-                self._chunked(seqs[i], *(output[r : r + 1] for output in outputs))
+        counts[seqs] = [chunks[s][1] for s in seqs]
+        batch, seqs, rows, active, table, sampling, laid = self._laid_out(seqs, counts)
+        if len(seqs) == 1:
+            tokens, length, last = chunks[seqs[0]]
+            outputs = self.runner.prefill(tokens, length, batch, seqs[0], *self._choices(laid[0], last))
+            self._chunked(seqs[0], *outputs)
+        elif seqs:
+            tokens, lengths = np.zeros((len(rows), self.chunk), np.int32), np.zeros(len(rows), np.int32)
+            for r, seq in enumerate(seqs):
+                tokens[r], lengths[r] = chunks[seq][0][0], chunks[seq][1]
+            ending = [request if chunks[seq][2] else None for seq, request in zip(seqs, laid)]  # adjust a last chunk
+            outputs = self.runner.prefills(tokens, lengths, table, np.where(active, batch.pos[rows], 0), batch,
+                                           sampling, self._adjustments(ending + laid[len(seqs):], len(rows)))
+            for r, seq in enumerate(seqs):
+                self._chunked(seq, *(output[r : r + 1] for output in outputs))
 
     def _chunked(self, seq: int, new, logprobs, top_ids, top_logprobs):
         """After a chunk of sequence `seq`: its last registers the prompt and gives each choice its first token."""
@@ -464,10 +454,10 @@ class Server:
 
     def _laid_out(self, seqs: list[int], counts: np.ndarray):
         """Reserves `counts` tokens per sequence, then lays `sequences` over the smallest bucket of rows (padding rows:
-        sequence 0, inactive): `(batch, the sequences still decoding, rows, active, page table, sampling rows,
-        each row's request or None)`."""
+        sequence 0, inactive): `(batch, the sequences not preempted meanwhile, rows, active, page table, sampling
+        rows, each row's request or None)`."""
         batch = self.scheduler.reserve(counts)
-        seqs = [s for s in seqs if counts[s]]  # a preempted one is no longer decoding
+        seqs = [s for s in seqs if counts[s]]  # reserve zeroes a preempted one's count
         rows = np.zeros(self._bucket(len(seqs)), np.int64)
         rows[: len(seqs)] = seqs
         active = np.arange(len(rows)) < len(seqs)
