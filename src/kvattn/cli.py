@@ -157,6 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--async-scheduling", action="store_true",
                        help="dispatch a decode step's device call before reading the step ahead of it (the same "
                             "tokens; not with --step-tokens or --speculative, which run as without it)")
+    serve.add_argument("--burst-gap", type=_SECONDS, default=5.0, metavar="MS",
+                       help="a request arriving at an idle server waits while others follow it, each within MS "
+                            "milliseconds of the one before (until they fill --max-batch, at most 8 MS in all), so a "
+                            "burst starts and decodes as one batch; 0: no wait")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="recompute every prompt rather than reuse the cached pages of a shared prefix")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
@@ -323,6 +327,7 @@ def _load_and_serve(args: argparse.Namespace, usage: argparse.ArgumentParser, ch
     return launch.serve(checkpoint, sock=sock, max_len=max_len, max_batch=args.max_batch, page_size=args.page_size,
                         num_pages=args.num_pages, chunk=chunk, prefills_per_step=args.prefills_per_step,
                         step_tokens=args.step_tokens, async_scheduling=args.async_scheduling,
+                        burst_gap_s=args.burst_gap / 1000,
                         prefix_caching=args.prefix_caching, speculative=args.speculative, dtype=args.dtype,
                         weights=args.weights, chat_template=template, model_name=args.model_name, api_key=args.api_key,
                         max_waiting=args.max_waiting, shutdown_seconds=args.shutdown_timeout)

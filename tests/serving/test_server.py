@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -350,6 +351,51 @@ def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_fai
         assert [event[0] for event in outcomes] == ["error"] * 3 and "device failed 3 times" in outcomes[0][2]
     finally:
         engine.stop()
+    assert server.idle
+    server.manager.check()
+
+
+def test_a_burst_that_reaches_an_idle_engine_starts_in_one_step_when_it_may_wait_for_it():
+    """`burst_gap_s`: the first request waits while others keep arriving, each within the gap of the one before,
+    until they fill every sequence; then the first step runs them together. Without a gap it runs alone."""
+    import asyncio
+
+    from kvattn.serving.engine import Engine
+
+    _, _, server = fixture_run("llama")
+
+    def first_step(gap: float, pauses: list[float]):
+        """The `Stats` after the first step when a request arrives after each pause, and the seconds it all took."""
+        steps = []
+        engine = Engine(server, burst_gap_s=gap, on_step=steps.append)
+
+        async def run():
+            handles = []
+            for i, pause in enumerate(pauses):
+                await asyncio.sleep(pause)
+                handles.append(await engine.submit([1, 2, 3 + i], SamplingParams(max_tokens=4)))
+            for handle in handles:
+                while (event := await asyncio.wait_for(handle.events.get(), timeout=60))[0] == "token":
+                    pass
+                assert event[0] == "done" and len(event[2].tokens) == 4
+
+        engine.start()
+        try:
+            start = time.monotonic()
+            asyncio.run(run())
+            took = time.monotonic() - start
+        finally:
+            engine.stop()
+        return steps[0], took
+
+    # 0.3 s: far longer than a step of this model, far shorter than the gap
+    together, took = first_step(gap=30.0, pauses=[0, 0.3, 0])
+    assert (together.running, together.waiting) == (3, 0)
+    assert took < 15, "three requests fill the server's three sequences: the wait ends then, not a gap later"
+    two, _ = first_step(gap=1.0, pauses=[0, 0.3, 2.0])  # the third comes a second after the wait ended
+    assert (two.running, two.waiting) == (2, 0)
+    alone, _ = first_step(gap=0.0, pauses=[0, 0.3, 0])
+    assert alone.running == 1
     assert server.idle
     server.manager.check()
 

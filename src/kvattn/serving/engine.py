@@ -18,6 +18,12 @@ the device.
   holds and ends each with an error event, and keeps serving new ones.
 - `shutdown(deadline)` stops admission; running and queued requests go on
   until the deadline, and whatever is left then ends with an error event.
+- A request that finds the engine idle waits for those behind it while they
+  keep arriving, each within `burst_gap_s` of the one before, until they
+  fill every sequence: a burst's requests, which reach the thread
+  milliseconds apart, then start in one step, are prefilled in one call and
+  decode in step from their first token, instead of the first running alone
+  and each later one's prefill landing between the earlier ones' tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ from kvattn.serving.requests import Stats, Token
 from kvattn.serving.server import Server
 
 __all__ = ["Engine", "Full", "Handle", "ShuttingDown"]
+
+BURST_GAPS = 8
+"""The longest an idle engine's first request waits for others, in gaps (`burst_gap_s`): a stream of commands that
+never fills the batch (refused requests, aborts) holds it no longer."""
 
 log = logging.getLogger("kvattn.serve")
 
@@ -111,15 +121,17 @@ class Engine:
       server: the `Server` it owns from now on; nothing else may call it.
       max_waiting: requests queued, not yet running, before `submit` raises `Full`.
       max_failures: failed steps in a row after which the held requests end with an error.
+      burst_gap_s: the longest gap between requests arriving at an idle engine that still starts them in one step.
       on_step: called on the engine thread with the server's `Stats` after each step and each abort (metrics).
       on_error: called on the engine thread with the exception of each failed step.
     """
 
-    def __init__(self, server: Server, *, max_waiting: int = 64, max_failures: int = 3,
+    def __init__(self, server: Server, *, max_waiting: int = 64, max_failures: int = 3, burst_gap_s: float = 0.0,
                  on_step: Callable[[Stats], None] | None = None, on_error: Callable[[Exception], None] | None = None):
         self.server = server
         self.max_waiting = max_waiting
         self.max_failures = max_failures
+        self.burst_gap_s = burst_gap_s
         self._on_step = on_step
         self._on_error = on_error
         self._commands: queue.Queue[_Command] = queue.Queue()
@@ -175,7 +187,10 @@ class Engine:
 
     def _loop(self):
         while not self._stopped.is_set():
-            self._take_commands(block=self.server.idle)
+            idle = self.server.idle
+            self._take_commands(block=idle)
+            if idle and not self.server.idle:
+                self._gather()
             if self._deadline is not None and time.monotonic() >= self._deadline and self._routes:
                 self._end_all("the server is shutting down and this request ran past its deadline")
             if self.server.idle:
@@ -207,6 +222,22 @@ class Engine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _gather(self):
+        """Takes commands while they keep coming, each within `burst_gap_s` of the one before (at most `BURST_GAPS`
+        gaps in all), until the queued requests fill every sequence."""
+        start = last = time.monotonic()
+        sequences = self.server.config.cache.batch_size
+        while self.server.stats.waiting < sequences:
+            left = min(last + self.burst_gap_s, start + BURST_GAPS * self.burst_gap_s) - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                command = self._commands.get(timeout=left)
+            except queue.Empty:
+                return
+            self._do(command)
+            last = time.monotonic()
 
     def _do(self, command: _Command):
         match command:
@@ -272,3 +303,4 @@ class Engine:
             self.server.abort(index)
             self._send(index, ("error", index, message))
         self.failures = 0
+

@@ -119,7 +119,7 @@ def _bound_templates(tokenizer: Tokenizer) -> None:
 
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
           num_pages: int | None, chunk: int, prefills_per_step: int | None, prefix_caching: bool,
-          step_tokens: int | None, async_scheduling: bool,
+          step_tokens: int | None, async_scheduling: bool, burst_gap_s: float,
           speculative: PromptLookup | None, dtype: str, weights: str | None, chat_template: str | None, model_name: str | None,
           api_key: str | None, max_waiting: int, shutdown_seconds: float) -> int:
     """Loads `checkpoint` as a paged model, compiles every program, and serves it on `sock` until SIGTERM;
@@ -152,7 +152,7 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
         server.warm_up(on_program=lambda done, total: say(
             f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)"))
         metrics = Metrics()
-        engine = Engine(server, max_waiting=max_waiting, on_step=metrics.on_step,
+        engine = Engine(server, max_waiting=max_waiting, burst_gap_s=burst_gap_s, on_step=metrics.on_step,
                         on_error=lambda _: metrics.engine_errors.inc())
         app = create_app(engine, tokenizer, metrics, model_name=model_name or checkpoint.resolve().name,
                          max_len=max_len, api_key=api_key)
