@@ -91,13 +91,14 @@ def test_every_face_draws_through_one_sampler():
 SAMPLE_ROWS = jax.jit(sample_rows)
 
 
+@pytest.mark.parametrize("temperatures", [(0.0, 0.7, 1.3), (0.0, 0.0, 0.0)])  # the second: no row draws
 @pytest.mark.parametrize("asked", [(0, 0, 0), (0, 3, 0), (20, 20, 20)])
-def test_alternatives_are_log_softmax_and_made_only_when_a_row_asks(asked):
+def test_alternatives_are_log_softmax_and_made_only_when_a_row_asks(asked, temperatures):
     """The chosen token's and the top alternatives' log-probabilities are log_softmax of the scaled logits, to
     float32 rounding: the sampler's program and a separate one may sum the exponentials in another order."""
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((3, 50)).astype(np.float32) * 4)
     logits = logits.at[0, 7].set(-jnp.inf)
-    rows = RowSampling.of([(Sampling(t), 3, 0, 1, top) for t, top in zip((0.0, 0.7, 1.3), asked)], 3)
+    rows = RowSampling.of([(Sampling(t), 3, 0, 1, top) for t, top in zip(temperatures, asked)], 3)
     tokens, chosen, top_ids, top_logprobs = SAMPLE_ROWS(logits, rows)
     log_softmax = jax.jit(lambda x: jax.nn.log_softmax(scaled_rows(x, rows)[0], axis=-1))(logits)
     close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)

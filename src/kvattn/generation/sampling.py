@@ -465,16 +465,21 @@ def sample_rows(logits: jax.Array, settings: RowSampling, adjustments: Adjustmen
       log-probabilities, `(B, MAX_TOP_LOGPROBS)` (zeros when no row's
       `settings.top_logprobs` asks for them).
 
-    A batch whose rows are all greedy skips the draw, and one where no row
-    asks for alternatives skips their top-k: a step pays only for what its
-    rows use.
+    A batch whose rows are all greedy skips the scaling, the filters and the
+    draw, and one where no row asks for alternatives skips their top-k: a step
+    pays only for what its rows use.
     """
     logits = adjusted(logits, adjustments)
-    scaled, candidates = scaled_rows(logits, settings)
     sampling = settings.temperature > 0
-    greedy = greedy_tokens(logits)
-    tokens = jax.lax.cond(jnp.any(sampling),  # an all-greedy batch draws no random numbers
-                          lambda: jnp.where(sampling, draw(candidates, row_keys(settings)), greedy), lambda: greedy)
+
+    def drawn(logits):
+        scaled, candidates = scaled_rows(logits, settings)
+        return jnp.where(sampling, draw(candidates, row_keys(settings)), greedy_tokens(logits)), scaled
+
+    def greedy(logits):  # every row's temperature is 0, so its scale 1: `scaled` is `logits`, to the bit
+        return greedy_tokens(logits), logits
+
+    tokens, scaled = jax.lax.cond(jnp.any(sampling), drawn, greedy, logits)
     return tokens, *token_logprobs(scaled, tokens, jnp.any(settings.top_logprobs > 0))
 
 
