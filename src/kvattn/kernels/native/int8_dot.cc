@@ -116,9 +116,11 @@ inline bool Vnni() {
 }
 
 // The AVX2 body's `Tiles`: rows [0, MR) (none holding -128) by tiles [t, t + NT), two vectors a tile.
+// `ahead`: bytes past each tile to prefetch as it is read (0: none), so the next group of tiles is on its way
+// while the last run of rows multiplies this one, which it reads from L2.
 template <int MR, int NT>
 KVATTN_AVX2 void HalfTiles(const int8_t* a, int64_t lda, const uint8_t* w, int64_t K, int32_t* out, int64_t ldo,
-                           int64_t t) {
+                           int64_t t, int64_t ahead) {
   constexpr int kVectors = 2 * NT;
   const int64_t groups = K / kGroup;
   const int64_t tile_bytes = K * kTileOutputs;
@@ -130,6 +132,9 @@ KVATTN_AVX2 void HalfTiles(const int8_t* a, int64_t lda, const uint8_t* w, int64
     for (int v = 0; v < kVectors; ++v) acc[i][v] = _mm256_setzero_si256();
   }
   for (int64_t g = 0; g < groups; ++g) {
+    if (ahead) {
+      for (int j = 0; j < NT; ++j) _mm_prefetch(reinterpret_cast<const char*>(tiles[j] + g * 64 + ahead), _MM_HINT_T0);
+    }
     __m256i x[MR];
     for (int i = 0; i < MR; ++i) {
       int32_t four;
@@ -152,13 +157,17 @@ KVATTN_AVX2 void HalfTiles(const int8_t* a, int64_t lda, const uint8_t* w, int64
   }
 }
 
+// Rows by tiles [t0, t1), prefetching the tiles `ahead` tiles on while they lie before `end` (ahead 0: none).
 template <int MR>
 void HalfRows(const int8_t* a, int64_t lda, const uint8_t* w, int64_t K, int32_t* out, int64_t ldo, int64_t t0,
-              int64_t t1) {
+              int64_t t1, int64_t ahead, int64_t end) {
   constexpr int kSideBySide = MR == 1 ? 4 : MR == 2 ? 2 : 1;  // 16 registers: MR * 2NT accumulators, MR rows
+  const auto bytes = [&](int64_t t, int64_t n) { return ahead && t + n + ahead <= end ? ahead * K * kTileOutputs : 0; };
   int64_t t = t0;
-  for (; t + kSideBySide <= t1; t += kSideBySide) HalfTiles<MR, kSideBySide>(a, lda, w, K, out, ldo, t);
-  for (; t < t1; ++t) HalfTiles<MR, 1>(a, lda, w, K, out, ldo, t);
+  for (; t + kSideBySide <= t1; t += kSideBySide) {
+    HalfTiles<MR, kSideBySide>(a, lda, w, K, out, ldo, t, bytes(t, kSideBySide));
+  }
+  for (; t < t1; ++t) HalfTiles<MR, 1>(a, lda, w, K, out, ldo, t, bytes(t, 1));
 }
 
 // One row by tiles [t0, t1), a product at a time: a row holding -128.
@@ -176,7 +185,9 @@ void Exact(const int8_t* a, const uint8_t* w, int64_t K, int32_t* out, int64_t t
 
 // The AVX2 body's `Part`: runs of up to four rows without -128 (`clean`) by tiles [t0, t1), the others alone.
 // The tiles are taken eight at a time (96 KB at K = 768), every run of rows reading them before the next eight:
-// the first run fetches them from memory, the others find them in L2 (not so when each run read all the tiles).
+// the first run fetches them from memory, the others find them in L2 (not so when each run read all the tiles),
+// and with more than one row the last prefetches the next eight, so that the next first run finds them in cache
+// too instead of waiting on memory while it multiplies (one row streams as fast without it).
 void HalfPart(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const bool* clean, int32_t* out, int64_t N,
               int64_t t0, int64_t t1) {
   constexpr int64_t kGroupTiles = 8;
@@ -192,11 +203,12 @@ void HalfPart(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const boo
       while (run < 4 && m + run < M && clean[m + run]) ++run;
       const int8_t* rows = a + m * K;
       int32_t* outs = out + m * N;
+      const int64_t ahead = M > 1 && m + run == M ? kGroupTiles : 0;  // the last run fetches the next group
       switch (run) {
-        case 1: HalfRows<1>(rows, K, w, K, outs, N, g, g1); break;
-        case 2: HalfRows<2>(rows, K, w, K, outs, N, g, g1); break;
-        case 3: HalfRows<3>(rows, K, w, K, outs, N, g, g1); break;
-        default: HalfRows<4>(rows, K, w, K, outs, N, g, g1); break;
+        case 1: HalfRows<1>(rows, K, w, K, outs, N, g, g1, ahead, t1); break;
+        case 2: HalfRows<2>(rows, K, w, K, outs, N, g, g1, ahead, t1); break;
+        case 3: HalfRows<3>(rows, K, w, K, outs, N, g, g1, ahead, t1); break;
+        default: HalfRows<4>(rows, K, w, K, outs, N, g, g1, ahead, t1); break;
       }
       m += run;
     }
