@@ -157,10 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--async-scheduling", action="store_true",
                        help="dispatch a decode step's device call before reading the step ahead of it (the same "
                             "tokens; not with --step-tokens or --speculative, which run as without it)")
-    serve.add_argument("--burst-gap", type=_SECONDS, default=5.0, metavar="MS",
+    serve.add_argument("--burst-gap", type=_SECONDS, default=10.0, metavar="MS",
                        help="a request arriving at an idle server waits while others follow it, each within MS "
-                            "milliseconds of the one before (until they fill --max-batch, at most 8 MS in all), so a "
-                            "burst starts and decodes as one batch; 0: no wait")
+                            "milliseconds of the one before, until they fill --max-batch (for at most 8 gaps in all), so "
+                            "a burst starts and decodes as one batch; 0: no wait")
     serve.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                        help="recompute every prompt rather than reuse the cached pages of a shared prefix")
     serve.add_argument("--max-waiting", type=_POSITIVE, default=256, help="queued requests before 429")
