@@ -214,12 +214,15 @@ def documented_names() -> tuple[set[str], set[str]]:
             if not line.startswith("::: "):
                 continue
             target = line[4:].strip()
-            members = next((ln.split(":", 1)[1] for ln in lines[i + 1 : i + 4] if ln.strip().startswith("members:")),
-                           None)
-            if members is None:
+            at = next((j for j in range(i + 1, min(i + 4, len(lines))) if lines[j].strip().startswith("members:")), None)
+            if at is None:
                 names.add(target)
                 whole.add(target)
             else:
+                members = lines[at].split(":", 1)[1]
+                while "]" not in members and at + 1 < len(lines):  # a list that goes on over more lines
+                    at += 1
+                    members += lines[at]
                 names.update(f"{target}.{m.strip()}" for m in members.strip().strip("[]").split(",") if m.strip())
     return names, whole
 
