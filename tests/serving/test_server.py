@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -357,23 +358,29 @@ def test_the_engine_thread_survives_a_failed_step_and_reports_one_that_keeps_fai
 
 def test_a_burst_that_reaches_an_idle_engine_starts_in_one_step_when_it_may_wait_for_it():
     """`burst_gap_s`: the first request waits while others keep arriving, each within the gap of the one before,
-    until they fill every sequence; then the first step runs them together. Without a gap it runs alone."""
+    or while the HTTP side holds some on their way (`arriving`), until they fill every sequence; then the first
+    step runs them together. Without a gap it runs alone."""
     import asyncio
 
     from kvattn.serving.engine import Engine
 
     _, _, server = fixture_run("llama")
 
-    def first_step(gap: float, pauses: list[float]):
-        """The `Stats` after the first step when a request arrives after each pause, and the seconds it all took."""
+    def first_step(gap: float, pauses: list[float], on_the_way: bool = False):
+        """The `Stats` after the first step when a request arrives after each pause (on its way meanwhile, if
+        `on_the_way`), and the seconds it all took."""
         steps = []
         engine = Engine(server, burst_gap_s=gap, on_step=steps.append)
 
-        async def run():
-            handles = []
-            for i, pause in enumerate(pauses):
+        async def arrive(i: int, pause: float):
+            with engine.arriving() if on_the_way else contextlib.nullcontext():
                 await asyncio.sleep(pause)
-                handles.append(await engine.submit([1, 2, 3 + i], SamplingParams(max_tokens=4)))
+                return await engine.submit([1, 2, 3 + i], SamplingParams(max_tokens=4))
+
+        async def run():
+            handles = [await arrive(0, pauses[0])]
+            later = [asyncio.create_task(arrive(i, sum(pauses[1 : i + 1]))) for i in range(1, len(pauses))]
+            handles += [await task for task in later]
             for handle in handles:
                 while (event := await asyncio.wait_for(handle.events.get(), timeout=60))[0] == "token":
                     pass
@@ -394,8 +401,10 @@ def test_a_burst_that_reaches_an_idle_engine_starts_in_one_step_when_it_may_wait
     assert took < 15, "three requests fill the server's three sequences: the wait ends then, not a gap later"
     two, _ = first_step(gap=1.0, pauses=[0, 0.3, 2.0])  # the third comes a second after the wait ended
     assert (two.running, two.waiting) == (2, 0)
-    alone, _ = first_step(gap=0.0, pauses=[0, 0.3, 0])
+    alone, _ = first_step(gap=0.1, pauses=[0, 0.3, 0])  # the others come after the gap: not waited for
     assert alone.running == 1
+    on_the_way, _ = first_step(gap=0.1, pauses=[0, 0.3, 0], on_the_way=True)  # the same, but on their way
+    assert on_the_way.running == 3
     assert server.idle
     server.manager.check()
 

@@ -19,16 +19,18 @@ the device.
 - `shutdown(deadline)` stops admission; running and queued requests go on
   until the deadline, and whatever is left then ends with an error event.
 - A request that finds the engine idle waits for those behind it while they
-  keep arriving, each within `burst_gap_s` of the one before, until they
-  fill every sequence: a burst's requests, which reach the thread
-  milliseconds apart, then start in one step, are prefilled in one call and
-  decode in step from their first token, instead of the first running alone
-  and each later one's prefill landing between the earlier ones' tokens.
+  keep arriving, each within `burst_gap_s` of the one before, or while the
+  HTTP side still holds some on their way (`arriving`), until they fill
+  every sequence: a burst's requests, which reach the thread milliseconds
+  apart, then start in one step, are prefilled in one call and decode in
+  step from their first token, instead of the first running alone and each
+  later one's prefill landing between the earlier ones' tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -45,7 +47,10 @@ __all__ = ["Engine", "Full", "Handle", "ShuttingDown"]
 
 BURST_GAPS = 8
 """The longest an idle engine's first request waits for others, in gaps (`burst_gap_s`): a stream of commands that
-never fills the batch (refused requests, aborts) holds it no longer."""
+never fills the batch (refused requests, aborts), or requests slow on their way, hold it no longer."""
+
+_POLL_S = 0.001
+"""How often a gathering engine looks again at the requests on their way."""
 
 log = logging.getLogger("kvattn.serve")
 
@@ -121,7 +126,8 @@ class Engine:
       server: the `Server` it owns from now on; nothing else may call it.
       max_waiting: requests queued, not yet running, before `submit` raises `Full`.
       max_failures: failed steps in a row after which the held requests end with an error.
-      burst_gap_s: the longest gap between requests arriving at an idle engine that still starts them in one step.
+      burst_gap_s: the longest gap between requests arriving at an idle engine that still starts them in one step
+        (0: none, and no wait for requests on their way either).
       on_step: called on the engine thread with the server's `Stats` after each step and each abort (metrics).
       on_error: called on the engine thread with the exception of each failed step.
     """
@@ -138,6 +144,7 @@ class Engine:
         self._routes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._deadline: float | None = None
         self._stopped = threading.Event()
+        self._arriving = 0  # requests between the HTTP side's receipt and their submit (written on the event loop)
         self._thread = threading.Thread(target=self._loop, name="kvattn-engine", daemon=True)
         self.failures = 0
 
@@ -156,6 +163,16 @@ class Engine:
         self._commands.put(command)
         indices = await command.future
         return Handle(indices, command.events)
+
+    @contextlib.contextmanager
+    def arriving(self):
+        """Marks a request on its way to `submit` (read, its prompt being built): an idle engine that has taken the
+        first request of a burst waits for those still on their way, at most `BURST_GAPS` gaps in all."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
 
     async def check(self) -> None:
         """Runs the page manager's invariant check on the engine thread; raises what it finds."""
@@ -224,18 +241,21 @@ class Engine:
                 return
 
     def _gather(self):
-        """Takes commands while they keep coming, each within `burst_gap_s` of the one before (at most `BURST_GAPS`
-        gaps in all), until the queued requests fill every sequence."""
+        """Takes commands while they keep coming, each within `burst_gap_s` of the one before, or while requests are
+        on their way (`arriving`), at most `BURST_GAPS` gaps in all, until the queued requests fill every
+        sequence."""
         start = last = time.monotonic()
+        end = start + BURST_GAPS * self.burst_gap_s
         sequences = self.server.config.cache.batch_size
         while self.server.stats.waiting < sequences:
-            left = min(last + self.burst_gap_s, start + BURST_GAPS * self.burst_gap_s) - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            until = min(end, max(last + self.burst_gap_s, now + _POLL_S if self._arriving else now))
+            if until <= now:
                 return
             try:
-                command = self._commands.get(timeout=left)
+                command = self._commands.get(timeout=until - now)
             except queue.Empty:
-                return
+                continue  # look again: the gap may have passed, or the requests on their way arrived
             self._do(command)
             last = time.monotonic()
 

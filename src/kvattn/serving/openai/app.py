@@ -317,8 +317,9 @@ async def _health_generation(engine: Engine) -> None:
 
 async def _respond(state: _App, request: Request, body, chat: bool):
     arrived = time.perf_counter()
-    job = await state.off_loop(protocol.job, body, state.tokenizer, model_name=state.model_name, max_len=state.max_len,
-                               grammars=state.grammars)
+    with state.engine.arriving():  # an idle engine taking a burst's first request waits for this one too
+        job = await state.off_loop(protocol.job, body, state.tokenizer, model_name=state.model_name,
+                                   max_len=state.max_len, grammars=state.grammars)
     created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": state.model_name}

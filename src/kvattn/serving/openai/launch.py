@@ -8,6 +8,7 @@ on stderr; `run` serves an app on a socket the caller took before loading.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -151,6 +152,10 @@ def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int
         start = time.perf_counter()
         server.warm_up(on_program=lambda done, total: say(
             f"compiled {done}/{total} programs ({time.perf_counter() - start:.1f} s)"))
+        # What lives now lives as long as the server (the model, its programs, the libraries): frozen, the
+        # collector's full passes no longer walk it, and a pass stops both threads for milliseconds, not ~90.
+        gc.collect()
+        gc.freeze()
         metrics = Metrics()
         engine = Engine(server, max_waiting=max_waiting, burst_gap_s=burst_gap_s, on_step=metrics.on_step,
                         on_error=lambda _: metrics.engine_errors.inc())
