@@ -5,7 +5,7 @@ float32 or int8 weights), a `kvattn.serving.Server` of 9 sequences, pages of
 16: 8 requests decode from 512-token prompts while a 4,096-token prompt is
 prefilled 64 tokens at a time (`--chunk`). In turn within each repeat: the 8 rows' decode
 call alone, one chunk alone, and both in one mixed call (`Server._decode`,
-`_prefill_chunk`, `_mixed`, host work included; each call advances the
+`_prefill_together`, `_mixed`, host work included; each call advances the
 requests, so the chunk's depth grows through the run). Medians after two
 repeats of warm-up; the machine's load average is printed.
 
@@ -54,7 +54,7 @@ def main() -> None:
     server.scheduler.admit()
     seq = next(s for s, r in enumerate(server.scheduler.seqs) if r is not None and r.index == long)
     decoding = server.scheduler.decoding()
-    calls = {"decode": lambda: server._decode(decoding), "chunk": lambda: server._prefill_chunk(seq),
+    calls = {"decode": lambda: server._decode(decoding), "chunk": lambda: server._prefill_together([seq]),
              "mixed": lambda: server._mixed(decoding, seq)}
     times = {name: [] for name in calls}
     print(f"load average before: {load_average()}")

@@ -323,4 +323,3 @@ class Engine:
             self.server.abort(index)
             self._send(index, ("error", index, message))
         self.failures = 0
-

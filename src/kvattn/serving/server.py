@@ -407,14 +407,10 @@ class Server:
         together = [s for s in seqs if len(scheduler.seqs[s].group) == 1]
         for seq in seqs:
             if seq not in together and scheduler.prefilling(seq):  # an earlier chunk may have preempted it
-                self._prefill_chunk(seq)
+                self._prefill_together([seq])
         together = [s for s in together if scheduler.prefilling(s)]
         if together:
             self._prefill_together(together)
-
-    def _prefill_chunk(self, seq: int):
-        """The next chunk of sequence `seq`, alone in a call."""
-        self._prefill_together([seq])
 
     def _prefill_together(self, seqs: list[int]):
         """The next chunk of each of `seqs` in one call: of one sequence (its request's choices all sample from its

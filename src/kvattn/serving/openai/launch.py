@@ -119,7 +119,7 @@ def _bound_templates(tokenizer: Tokenizer) -> None:
 
 
 def serve(checkpoint: Path, *, sock: socket.socket, max_len: int, max_batch: int, page_size: int,
-          num_pages: int | None, chunk: int, prefills_per_step: int | None, prefix_caching: bool,
+          num_pages: int | None, chunk: int, prefills_per_step: int, prefix_caching: bool,
           step_tokens: int | None, async_scheduling: bool, burst_gap_s: float,
           speculative: PromptLookup | None, dtype: str, weights: str | None, chat_template: str | None, model_name: str | None,
           api_key: str | None, max_waiting: int, shutdown_seconds: float) -> int:
