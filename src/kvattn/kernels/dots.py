@@ -1,10 +1,10 @@
 """The weight dots: `dense(x, kernel)` over any form `kvattn.math.quant` stores, on the kernel that runs here.
 
 A float kernel is XLA's dot; float32 panels run `kvattn.kernels.native`'s
-float32 dot on the CPU; an int8 kernel quantizes `x` per row and multiplies
-int8 by int8 into int32, tiled on the native int8 dot where it runs; an
-int4 kernel does the same a group of inputs at a time, each group's sum
-scaled by its own scale.
+float32 dot on the CPU; an int8 kernel quantizes `x` per row, multiplies
+int8 by int8 into int32 and scales the sums back (tiled weights: all three
+in one native kernel where it runs); an int4 kernel does the same a group
+of inputs at a time, each group's sum scaled by its own scale.
 Which runs, and which forms models store here (`use_panels`, `use_tiles`),
 `kvattn.kernels.route` decides.
 """
@@ -48,18 +48,17 @@ def _panel_dense(x, kernel: quant.PanelWeights):
 
 def _int8_dense(x, kernel: quant.Int8Weights | quant.TiledInt8Weights):
     flat = x.reshape(-1, x.shape[-1])
-    if isinstance(kernel, quant.TiledInt8Weights):
-        values, row_scale = quant.quantize_rows(flat)
-        products = route.tiled_dot(values, kernel.tiles)
-    else:
-        single = flat.shape[0] == 1
-        if single:  # one row: pad to two; XLA:CPU runs a one-row int8 dot on its slow generic emitter
-            flat = jnp.concatenate([flat, jnp.zeros_like(flat)])
-        values, row_scale = quant.quantize_rows(flat)
-        products = lax.dot_general(values, kernel.values.reshape(-1, kernel.inputs), (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.int32)
-        if single:
-            products, row_scale = products[:1], row_scale[:1]
+    if isinstance(kernel, quant.TiledInt8Weights):  # quantized, multiplied and scaled back in one kernel
+        y = route.tiled_dense(flat.astype(jnp.float32), kernel.tiles, kernel.scale.reshape(-1).astype(jnp.float32))
+        return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
+    single = flat.shape[0] == 1
+    if single:  # one row: pad to two; XLA:CPU runs a one-row int8 dot on its slow generic emitter
+        flat = jnp.concatenate([flat, jnp.zeros_like(flat)])
+    values, row_scale = quant.quantize_rows(flat)
+    products = lax.dot_general(values, kernel.values.reshape(-1, kernel.inputs), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.int32)
+    if single:
+        products, row_scale = products[:1], row_scale[:1]
     y = products.astype(jnp.float32) * row_scale * kernel.scale.reshape(1, -1)
     return y.reshape(*x.shape[:-1], *kernel.features).astype(x.dtype)
 

@@ -20,7 +20,7 @@ as `cache_kernel` passes it on) and from what the call asks:
   refusing them; a paged chunk takes the native paged prefill kernel under
   the same rule (`native_paged_limits`).
 - **a weight dot** (`use_panels`, `use_tiles`, `use_int4_tiles`: which form a model stores;
-  `panel_dot`, `tiled_dot`, `int4_dot`: what `kvattn.kernels.dots.dense` runs): the
+  `panel_dot`, `tiled_dense`, `int4_dot`: what `kvattn.kernels.dots.dense` runs): the
   native dots where they are available on the CPU backend, XLA's dot of the
   same values everywhere else (chosen per platform at lowering).
 
@@ -46,7 +46,7 @@ from kvattn.math import quant
 __all__ = [
     "bfloat16_weights", "cache_kernel", "chunk_path", "contiguous_attention", "contiguous_limits", "int4_dot",
     "native_limits", "native_paged_limits", "on_gpu", "paged_limits", "paged_path", "panel_dot", "step_path",
-    "tiled_dot", "use_int4_tiles", "use_panels", "use_tiles",
+    "tiled_dense", "use_int4_tiles", "use_panels", "use_tiles",
 ]
 
 
@@ -349,7 +349,7 @@ def use_int4_tiles(outputs: int) -> bool:
 
 def use_tiles(outputs: int, inputs: int) -> bool:
     """Whether an int8 kernel of this shape is best stored tiled here: it fits, and the native dot runs here."""
-    return quant.can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available(native.INT8_DOT)
+    return quant.can_tile(outputs, inputs) and jax.default_backend() == "cpu" and native.available(native.INT8_DENSE)
 
 
 def panel_dot(rows: Float[Array, "M D"], panels: Shaped[Array, "Np D 16"]) -> Float[Array, "M N"]:
@@ -369,8 +369,10 @@ def int4_dot(values: Int8[Array, "M D"], packed: UInt8[Array, "..."], scale) -> 
     return lax.platform_dependent(values, packed, scale, cpu=native.int4_dot, default=native.int4_dot_on_xla)
 
 
-def tiled_dot(values: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"]) -> Int[Array, "M N"]:
-    """`values @ untiled.T` in int32: the native dot on the CPU, XLA's dot of the untiled values elsewhere."""
-    if not native.available(native.INT8_DOT):
-        return native.int8_dot_on_xla(values, tiles)
-    return lax.platform_dependent(values, tiles, cpu=native.int8_dot, default=native.int8_dot_on_xla)
+def tiled_dense(rows: Float[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"], scale: Float[Array, " N"]
+                ) -> Float[Array, "M N"]:
+    """The int8 dense of float32 `rows` by tiled int8 weights with their float32 `scale` (`native.int8_dense`):
+    the native kernel on the CPU, its XLA twin elsewhere."""
+    if not native.available(native.INT8_DENSE):
+        return native.int8_dense_on_xla(rows, tiles, scale)
+    return lax.platform_dependent(rows, tiles, scale, cpu=native.int8_dense, default=native.int8_dense_on_xla)

@@ -4,6 +4,9 @@
   rows by int8 weights laid out once in AVX512-VNNI's tile order
   (`kvattn.math.quant.tile`), into exact int32; on AVX512-VNNI, else on
   AVX2 (the same bits).
+- `int8_dense` (`int8_dot.cc`): the whole int8 dense of `kvattn.kernels.dots`
+  in one call: float32 rows quantized per row (`kvattn.math.quant.quantize_rows`),
+  the same dot, each sum scaled back by its row's and its output's scale.
 - `int4_dot` (`int4_dot.cc`): the 4-bit dot of `kvattn.kernels.dots`, int8
   rows by 4-bit weights with a bfloat16 scale per group of inputs
   (`kvattn.math.int4`, as an output's blocks one after another or tiled
@@ -82,6 +85,8 @@ __all__ = [
     "f32_dot_on_xla",
     "int4_dot",
     "int4_dot_on_xla",
+    "int8_dense",
+    "int8_dense_on_xla",
     "int8_dot",
     "int8_dot_on_xla",
     "kernel",
@@ -98,6 +103,7 @@ __all__ = [
 
 # The FFI targets' names ("kvattn_" and the kernel's name), registered for the CPU platform on first use.
 INT8_DOT = "kvattn_int8_dot"
+INT8_DENSE = "kvattn_int8_dense"
 INT4_DOT = "kvattn_int4_dot"
 F32_DOT = "kvattn_f32_dot"
 BF16_DOT = "kvattn_bf16_dot"
@@ -255,6 +261,31 @@ def int8_dot(
             "int8_dot", "rows (M, D) and tiles (N / 16, D / 4, 16, 4)", rows, tiles)
     _ready(INT8_DOT, "int8_dot")
     return _call(INT8_DOT)(rows, tiles)
+
+
+def int8_dense(
+    rows: Float[Array, "M D"] | Float[np.ndarray, "M D"],
+    tiles: UInt8[Array, "Nt Dg 16 4"] | UInt8[np.ndarray, "Nt Dg 16 4"],
+    scale: Float[Array, " N"] | Float[np.ndarray, " N"],
+) -> Float[Array, "M N"]:
+    """`x @ dequantized` as the int8 dense computes it: each float32 row quantized, multiplied by the int8 values
+    `tiles` lays out, and scaled back by its row's scale and each output's `scale`, in one call.
+
+    Bit for bit `int8_dense_on_xla`. Lowers to the native kernel's FFI call,
+    so only for the CPU and only when `available(INT8_DENSE)`.
+
+    Raises:
+      TypeError: rows or scale not float32, or tiles not uint8.
+      ValueError: shapes other than rows `(M, D)`, tiles `(N / 16, D / 4, 16, 4)` and scale `(N,)`.
+      RuntimeError: the kernel cannot run here.
+    """
+    _expect_dtype("int8_dense", jnp.float32, rows=rows, scale=scale)
+    _expect_dtype("int8_dense", jnp.uint8, tiles=tiles)
+    _expect(rows.ndim == 2 and tiles.ndim == 4 and tiles.shape[2:] == (16, 4) and rows.shape[1] == 4 * tiles.shape[1]
+            and scale.shape == (16 * tiles.shape[0],),
+            "int8_dense", "rows (M, D), tiles (N / 16, D / 4, 16, 4) and scale (N,)", rows, tiles, scale)
+    _ready(INT8_DENSE, "int8_dense")
+    return _call(INT8_DENSE)(rows, tiles, scale)
 
 
 def int4_dot(
@@ -505,6 +536,14 @@ def int8_dot_on_xla(rows: Int8[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"])
     return jax.lax.dot_general(rows, weights, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
 
 
+def int8_dense_on_xla(rows: Float[Array, "M D"], tiles: UInt8[Array, "Nt Dg 16 4"], scale: Float[Array, " N"]
+                      ) -> Float[Array, "M N"]:
+    """What `int8_dense` computes, on any backend: `quantize_rows`, `int8_dot_on_xla`, then each sum in float32 times
+    its row's scale, times its output's."""
+    values, row_scale = quant.quantize_rows(rows)
+    return int8_dot_on_xla(values, tiles).astype(jnp.float32) * row_scale * scale[None]
+
+
 def int4_dot_on_xla(rows: Int8[Array, "M D"], packed: UInt8[Array, "..."], scale: BFloat16[Array, "..."]
                     ) -> Float[Array, "M N"]:
     """What `int4_dot` computes, as XLA's int32 dots of each group of the unpacked values, on any backend."""
@@ -591,6 +630,11 @@ def _int8_example(rng):
     return rows, quant.tile(quant.Int8Weights(values, None)).tiles
 
 
+def _int8_dense_example(rng):
+    rows, tiles = _int8_example(rng)
+    return rows.astype(np.float32) / 7, tiles, rng.uniform(0.5, 2, 16).astype(np.float32)
+
+
 def _int4_example(rng):
     rows = rng.integers(-128, 128, (3, 64), dtype=np.int8)
     weights = int4.quantize_groups(rng.standard_normal((64, 12)).astype(np.float32))
@@ -640,6 +684,7 @@ KERNELS = (
     # The dots, both attentions and the streaming read have an AVX-512 body and an AVX2 one (`native.h`'s
     # `Avx512`; the int8 dot's first needs AVX512-VNNI too, which it asks for itself).
     Kernel("int8_dot", int8_dot, int8_dot_on_xla, ("avx2",), _int8_example, differentiable=False, tolerance=0.0),
+    Kernel("int8_dense", int8_dense, int8_dense_on_xla, ("avx2",), _int8_dense_example, tolerance=0.0),
     Kernel("int4_dot", int4_dot, int4_dot_on_xla, ("avx2",), _int4_example, differentiable=False),
     Kernel("f32_dot", f32_dot, f32_dot_on_xla, ("avx2", "fma"), _f32_example),
     Kernel("bf16_dot", bf16_dot, bf16_dot_on_xla, ("avx2", "fma"), _bf16_example),

@@ -21,8 +21,15 @@
 // each 64-byte group their four consecutive k (`kvattn.math.quant.tile` lays them
 // out). Rows: int8 `(..., K)`. Work is split over XLA's intra-op thread pool
 // by output tiles; the handler returns a future completed by the last part.
+//
+// `int8_dense` is the whole int8 dense of `kvattn.kernels.dots` in one call:
+// float32 rows quantized here as `kvattn.math.quant.quantize_rows` does it,
+// the same dot, and each sum taken to float32 times its row's scale and its
+// output's, bit for bit what XLA computes around `int8_dot` (where those
+// steps were some twenty small programs of a decode step's layer).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -215,22 +222,19 @@ void HalfPart(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const boo
   }
 }
 
-ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
-  const auto dims = w.dimensions();
-  const int64_t tiles = dims[0], K = dims[1] * kGroup, N = tiles * kTileOutputs;
-  if (dims[2] != kTileOutputs || dims[3] != kGroup || a.dimensions().size() == 0 || a.dimensions().back() != K ||
-      out->element_count() != a.element_count() / std::max<int64_t>(K, 1) * N) {
-    return Failed("kvattn's int8 dot: rows (..., K) and tiles (N / 16, K / 4, 16, 4) into (..., N) expected");
-  }
-  const int64_t M = K ? a.element_count() / K : 0;
-  const int8_t* rows = a.typed_data();
-  const uint8_t* weights = w.typed_data();
-  int32_t* result = out->typed_data();
+// Rows `(M, K)` by every tile into `sums (M, N)`, split over the pool by tiles; each part calls
+// `finish(first, last)` once its tiles' sums are in. `rows` must stay alive until the returned future completes
+// (`finish` may hold it).
+template <typename Finish>
+ffi::Future Sums(ffi::ThreadPool& pool, const int8_t* rows, int64_t M, int64_t K, const uint8_t* weights,
+                 int64_t tiles, int32_t* sums, Finish finish) {
+  const int64_t N = tiles * kTileOutputs;
   if (!Vnni()) {
     auto clean = std::shared_ptr<bool[]>(new bool[std::max<int64_t>(M, 1)]);
     for (int64_t m = 0; m < M; ++m) clean[m] = std::find(rows + m * K, rows + (m + 1) * K, -128) == rows + (m + 1) * K;
     return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
-      HalfPart(rows, M, K, weights, clean.get(), result, N, first, last);
+      HalfPart(rows, M, K, weights, clean.get(), sums, N, first, last);
+      finish(first, last);
     });
   }
   // 128 * sum_k a[m, k] per row, which the weights' + 128 added to every product sum.
@@ -241,11 +245,108 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
     shift[m] = 128 * total;
   }
   return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
-    Part(rows, M, K, weights, shift.get(), result, N, first, last);
+    Part(rows, M, K, weights, shift.get(), sums, N, first, last);
+    finish(first, last);
   });
 }
 
+// Tiles `(N / 16, K / 4, 16, 4)` whose K matches the rows' last axis, and `outputs` elements for (..., N).
+bool Shaped(const ffi::Span<const int64_t> dims, const ffi::Span<const int64_t> rows, int64_t count,
+            int64_t outputs) {
+  const int64_t K = dims[1] * kGroup;
+  return dims[2] == kTileOutputs && dims[3] == kGroup && rows.size() != 0 && rows.back() == K &&
+         outputs == count / std::max<int64_t>(K, 1) * dims[0] * kTileOutputs;
+}
+
+ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ffi::ResultBuffer<ffi::S32> out) {
+  const auto dims = w.dimensions();
+  if (!Shaped(dims, a.dimensions(), a.element_count(), out->element_count())) {
+    return Failed("kvattn's int8 dot: rows (..., K) and tiles (N / 16, K / 4, 16, 4) into (..., N) expected");
+  }
+  const int64_t K = dims[1] * kGroup;
+  const int64_t M = K ? a.element_count() / K : 0;
+  return Sums(pool, a.typed_data(), M, K, w.typed_data(), dims[0], out->typed_data(), [](int64_t, int64_t) {});
+}
+
 KVATTN_KERNEL(int8_dot, Dot);
+
+// One row quantized as `kvattn.math.quant.quantize_rows` does it under XLA, bit for bit; returns its scale.
+// The scale is max|x| * float32(1 / 127) (NaN when the row holds one; 1 for a row of zeros); each value is
+// x / scale rounded half to even and clipped to [-127, 127], a NaN quotient (inf / inf, or a NaN scale)
+// giving 0 as XLA's conversion to int8 does.
+KVATTN_AVX2 float Quantize(const float* x, int64_t K, int8_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 top = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    top = _mm256_max_ps(top, _mm256_and_ps(v, magnitude));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float lanes[8], most = 0.0f;
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  _mm256_storeu_ps(lanes, top);
+  for (float lane : lanes) most = std::max(most, lane);
+  for (; k < K; ++k) {
+    nan |= std::isnan(x[k]);
+    most = std::max(most, std::fabs(x[k]));
+  }
+  float scale = nan ? __builtin_nanf("") : most * static_cast<float>(1.0 / 127.0);
+  if (scale == 0.0f) scale = 1.0f;
+  const __m256 divisor = _mm256_set1_ps(scale), low = _mm256_set1_ps(-127.0f), high = _mm256_set1_ps(127.0f);
+  for (k = 0; k + 8 <= K; k += 8) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), divisor),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 kept = _mm256_and_ps(_mm256_min_ps(_mm256_max_ps(r, low), high), _mm256_cmp_ps(r, r, _CMP_ORD_Q));
+    const __m256i whole = _mm256_cvtps_epi32(kept);
+    const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(whole), _mm256_extracti128_si256(whole, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(halves, halves));
+  }
+  for (; k < K; ++k) {
+    const float r = std::nearbyint(x[k] / scale);
+    q[k] = std::isnan(r) ? 0 : static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f));
+  }
+  return scale;
+}
+
+// Outputs [n0, n1) of each row, held as int32 sums where they lie, made float32 sum * row_scale[m] * scale[n]
+// (that order, as XLA's elementwise product in `kvattn.kernels.dots`). n0 and n1 are whole tiles.
+KVATTN_AVX2 void Scale(float* out, int64_t M, int64_t N, const float* row_scale, const float* scale, int64_t n0,
+                       int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    const __m256 by_row = _mm256_set1_ps(row_scale[m]);
+    float* row = out + m * N;
+    for (int64_t n = n0; n < n1; n += 8) {
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + n)));
+      _mm256_storeu_ps(row + n, _mm256_mul_ps(_mm256_mul_ps(sums, by_row), _mm256_loadu_ps(scale + n)));
+    }
+  }
+}
+
+ffi::Future Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, TiledWeights w, ffi::Buffer<ffi::F32> scale,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  const auto dims = w.dimensions();
+  if (!Shaped(dims, x.dimensions(), x.element_count(), out->element_count()) ||
+      scale.element_count() != dims[0] * kTileOutputs) {
+    return Failed("kvattn's int8 dense: rows (..., K), tiles (N / 16, K / 4, 16, 4) and scale (N,) into (..., N) "
+                  "expected");
+  }
+  const int64_t K = dims[1] * kGroup, N = dims[0] * kTileOutputs;
+  const int64_t M = K ? x.element_count() / K : 0;
+  auto values = std::shared_ptr<int8_t[]>(new int8_t[std::max<int64_t>(M * K, 1)]);
+  auto row_scale = std::shared_ptr<float[]>(new float[std::max<int64_t>(M, 1)]);
+  for (int64_t m = 0; m < M; ++m) row_scale[m] = Quantize(x.typed_data() + m * K, K, values.get() + m * K);
+  float* result = out->typed_data();
+  const float* by_output = scale.typed_data();
+  // The sums go where their float32 outputs will be, each part scaling its own tiles once they are in.
+  return Sums(pool, values.get(), M, K, w.typed_data(), dims[0], reinterpret_cast<int32_t*>(result),
+              [=](int64_t first, int64_t last) {
+                Scale(result, M, N, row_scale.get(), by_output, first * kTileOutputs, last * kTileOutputs);
+                (void)values;  // the rows live until every part is done
+              });
+}
+
+KVATTN_KERNEL(int8_dense, Dense);
 
 #endif  // KVATTN_X86
 
