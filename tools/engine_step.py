@@ -14,9 +14,9 @@ step of the fixed-batch loop (`kvattn.generation.generate`), at B=8 and
 in turn within each repeat, medians over repeats, after a warm-up of each
 (compilation excluded), with the machine's load average. Greedy: the
 script reports how far the engine's tokens equal `generate`'s (all of them
-with float32 weights; with int8 weights, where XLA may round an
-activation's scale differently in the two programs, a random model's near
-ties can part them).
+with float32 weights; with int8 weights, where an activation a rounding
+apart in the two programs can quantize to another int8 value, a random
+model's near ties can part them).
 
     python -m tools.engine_step [--weights int8] [--repeats 5] [--new-tokens 32]   # from the repository root
 """

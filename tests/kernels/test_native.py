@@ -609,13 +609,15 @@ def test_an_unavailable_kernel_says_why_and_the_dots_fall_back(monkeypatch):
     assert not route.use_tiles(32, 8) and not route.use_panels(32, jnp.float32)
 
 
-@pytest.mark.parametrize("target", [native.F32_DOT, native.INT4_DOT])
+@pytest.mark.parametrize("target", [native.F32_DOT, native.INT4_DOT, native.INT8_DENSE])
 def test_a_dot_gives_each_row_the_same_bits_alone(target):
     """A row's bits do not depend on the rows computed beside it (a prompt's chunks and a batch's rows agree)."""
     entry = native.kernel(target)
     _needs(entry)
     rng = np.random.default_rng(4)
-    (x, *weights), _ = _f32_case(rng, 21, 70, 8) if target == native.F32_DOT else _int4_case(rng, 21, 256, 37, 32)
+    cases = {native.F32_DOT: lambda: _f32_case(rng, 21, 70, 8), native.INT4_DOT: lambda: _int4_case(rng, 21, 256, 37, 32),
+             native.INT8_DENSE: lambda: _int8_dense_case(rng, 21, 64, 37)}
+    (x, *weights), _ = cases[target]()
     got = np.asarray(entry.wrapper(x, *weights))
     for row in (0, 8, 20):
         np.testing.assert_array_equal(np.asarray(entry.wrapper(x[row:row + 1], *weights))[0], got[row])
