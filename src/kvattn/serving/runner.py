@@ -45,11 +45,15 @@ class Runner:
     """
 
     def __init__(self, model: CausalLM, *, donate_pools: bool = False):
-        graphdef, self._params, pools = nnx.split(model, nnx.Param, nnx.Cache)
-        self._graphdef = _Static(graphdef)
+        graphdef, params, pools = nnx.split(model, nnx.Param, nnx.Cache)
+        # Weights and pools travel as flat lists of arrays, their structure in the static argument: jit flattens
+        # a list in C++, where an `nnx.State` is taken apart in Python, node by node, on every call.
+        self._params, params_def = jax.tree.flatten(params)
+        pools, pools_def = jax.tree.flatten(pools)
+        self._graphdef = _Static((graphdef, params_def, pools_def))
         # Ours alone, so each call may donate them.
-        self._pools = pools if donate_pools else jax.tree.map(jnp.copy, pools)
-        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), pools)
+        self._pools = pools if donate_pools else [jnp.copy(a) for a in pools]
+        self._template = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in pools]
 
     def prefill(self, tokens, length, batch: PageBatch, seq: int, rows: RowSampling, adjustments: Adjustments):
         """Chunk `tokens` `(1, chunk)` of sequence `seq`, `length` of them real; each row of `rows` samples from its
@@ -175,12 +179,13 @@ class Runner:
         except Exception:  # the pools of a call that failed on the device
             failed = True
         if failed:
-            self._pools = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), self._template)
+            self._pools = [jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in self._template]
 
 
 class _Static:
-    """A graphdef as a jit static argument, hashed once: flax hashes a `GraphDef` anew on every call, node by
-    node, which a step would pay each time. Equal graphdefs stay equal, so equal models share programs."""
+    """A graphdef and the structures of the weights and pools, as a jit static argument hashed once: flax hashes a
+    `GraphDef` anew on every call, node by node, which a step would pay each time. Equal graphdefs stay equal, so
+    equal models share programs."""
 
     __slots__ = ("graphdef", "_hash")
 
@@ -198,38 +203,49 @@ class _Static:
 _lookup = jax.jit(lookup, static_argnames=("num_tokens", "max_ngram"))
 
 
+def _merged(static: _Static, params: list[jax.Array], pools: list[jax.Array]) -> CausalLM:
+    """The model of a program's flat weights and pools."""
+    graphdef, params_def, pools_def = static.graphdef
+    return nnx.merge(graphdef, jax.tree.unflatten(params_def, params), jax.tree.unflatten(pools_def, pools))
+
+
+def _pools(model: CausalLM) -> list[jax.Array]:
+    """The model's pools after a program's call, flat as the runner holds them."""
+    return jax.tree.leaves(nnx.state(model, nnx.Cache))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _prefill_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows, adjustments):
     """A chunk of each of C sequences; row c of `rows` samples from sequence c's last logits, or, with one sequence,
     every row does (the choices of a request)."""
-    model = nnx.merge(graphdef.graphdef, params, pools)
+    model = _merged(graphdef, params, pools)
     logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to), last_only=True)
     logits = jnp.broadcast_to(logits, (rows.seed.shape[0], logits.shape[-1]))
-    return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
+    return *sample_rows(logits, rows, adjustments), _pools(model)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _decode_program(graphdef, params, pools, tokens, active, table, pos, copy_from, copy_to, rows, adjustments):
-    model = nnx.merge(graphdef.graphdef, params, pools)
+    model = _merged(graphdef, params, pools)
     logits = model.step(tokens, active, pages=PageBatch(table, pos, copy_from, copy_to))
-    return *sample_rows(logits, rows, adjustments), nnx.state(model, nnx.Cache)
+    return *sample_rows(logits, rows, adjustments), _pools(model)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _mixed_program(graphdef, params, pools, tokens, active, chunk, length, table, pos, copy_from, copy_to, rows,
                    adjustments, chunk_rows, chunk_adjustments):
     """A decode step over a bucket of rows and a prefill chunk of one sequence, in one pass over the weights."""
-    model = nnx.merge(graphdef.graphdef, params, pools)
+    model = _merged(graphdef, params, pools)
     logits, last = model.mixed(tokens, active, chunk, length, pages=PageBatch(table, pos, copy_from, copy_to))
     last = jnp.broadcast_to(last, (chunk_rows.seed.shape[0], last.shape[-1]))
     return (*sample_rows(logits, rows, adjustments), *sample_rows(last, chunk_rows, chunk_adjustments),
-            nnx.state(model, nnx.Cache))
+            _pools(model))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pools",))
 def _verify_program(graphdef, params, pools, tokens, lengths, table, pos, copy_from, copy_to, rows, adjustments):
     """A speculative round: each row's pending token and drafts (`lengths` - 1 of them) scored in one chunk."""
-    model = nnx.merge(graphdef.graphdef, params, pools)
+    model = _merged(graphdef, params, pools)
     logits = model.prefill(tokens, lengths, pages=PageBatch(table, pos, copy_from, copy_to))
     kept = verify_rows(logits, tokens[:, 1:], jnp.maximum(lengths - 1, 0), rows, adjustments)
-    return *kept, nnx.state(model, nnx.Cache)
+    return *kept, _pools(model)
