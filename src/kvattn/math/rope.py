@@ -108,12 +108,8 @@ def apply_rope(
     head_dim = x.shape[-1]
     inv_freq, attention_factor, rotary_dim = rope_tables(rope, head_dim)
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # B T R/2
-    # Read back through an identity gather along T, cos and sin stay one value per position: fused straight into
-    # the rotation, XLA:CPU evaluates them again for every head, a loop several times slower; the gather gives the
-    # same bits. Along T only, so a batch sharded over devices stays so.
-    steps = jnp.arange(angles.shape[1])
-    cos = jnp.take(jnp.cos(angles) * attention_factor, steps, axis=1)[:, :, None, None, :]
-    sin = jnp.take(jnp.sin(angles) * attention_factor, steps, axis=1)[:, :, None, None, :]
+    cos = (jnp.cos(angles) * attention_factor)[:, :, None, None, :]
+    sin = (jnp.sin(angles) * attention_factor)[:, :, None, None, :]
     rotated = x[..., :rotary_dim].astype(jnp.float32)
     # Each pair as an axis of 2, so a rotation is x * cos + flip(x) * (-sin, sin), bit for bit what the halves
     # joined by a concatenate give; XLA:CPU fuses the flip without the branch per element it gives a concatenate,
@@ -123,5 +119,9 @@ def apply_rope(
     if rope.interleaved:
         cos, sin = jnp.swapaxes(cos, -1, -2), jnp.swapaxes(sin, -1, -2)
     signed_sin = jnp.concatenate([-sin, sin], axis=pair_axis)
-    turned = (pairs * cos + jnp.flip(pairs, axis=pair_axis) * signed_sin).reshape(rotated.shape).astype(x.dtype)
+    # cos joined to itself along the pair axis, as sin is: a concatenate XLA:CPU computes once, for every head and
+    # layer, where a cos broadcast straight into the rotation is evaluated again for every head, a loop several
+    # times slower. The same products, so the same bits.
+    both_cos = jnp.concatenate([cos, cos], axis=pair_axis)
+    turned = (pairs * both_cos + jnp.flip(pairs, axis=pair_axis) * signed_sin).reshape(rotated.shape).astype(x.dtype)
     return turned if rotary_dim == head_dim else jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
