@@ -473,13 +473,13 @@ def sample_rows(logits: jax.Array, settings: RowSampling, adjustments: Adjustmen
     sampling = settings.temperature > 0
 
     def drawn(logits):
-        scaled, candidates = scaled_rows(logits, settings)
-        return jnp.where(sampling, draw(candidates, row_keys(settings)), greedy_tokens(logits)), scaled
+        _, candidates = scaled_rows(logits, settings)
+        return jnp.where(sampling, draw(candidates, row_keys(settings)), greedy_tokens(logits))
 
-    def greedy(logits):  # every row's temperature is 0, so its scale 1: `scaled` is `logits`, to the bit
-        return greedy_tokens(logits), logits
-
-    tokens, scaled = jax.lax.cond(jnp.any(sampling), drawn, greedy, logits)
+    tokens = jax.lax.cond(jnp.any(sampling), drawn, greedy_tokens, logits)
+    # `scaled_rows`' scaling again, outside the cond, so it fuses into the log-probabilities' reductions rather than
+    # come out of a branch as a copy of the logits (a greedy row's scale is 1: its logits, to the bit).
+    scaled = logits / jnp.where(sampling, settings.temperature, 1.0)[:, None]
     return tokens, *token_logprobs(scaled, tokens, jnp.any(settings.top_logprobs > 0))
 
 
@@ -492,17 +492,18 @@ def token_logprobs(scaled: jax.Array, tokens: jax.Array, alternatives: jax.Array
     Each value is `jax.nn.log_softmax`'s, to the bit; the full log-softmax
     and its top-k are made only when asked.
     """
-    shifted = scaled - jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
-    total = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
-    chosen = jnp.take_along_axis(shifted, tokens[..., None], axis=-1)[..., 0] - total[..., 0]
+    # `scaled - best` is formed where each use needs it, never as a whole array of its own.
+    best = jax.lax.stop_gradient(jnp.max(scaled, axis=-1, keepdims=True))
+    total = jnp.log(jnp.sum(jnp.exp(scaled - best), axis=-1, keepdims=True))
+    chosen = (jnp.take_along_axis(scaled, tokens[..., None], axis=-1) - best)[..., 0] - total[..., 0]
     count = min(MAX_TOP_LOGPROBS, scaled.shape[-1])
 
-    def top(shifted, total):
-        values, ids = jax.lax.top_k(shifted - total, count)
+    def top(scaled, best, total):
+        values, ids = jax.lax.top_k((scaled - best) - total, count)
         return ids.astype(jnp.int32), values
 
-    def none(shifted, _):
-        shape = (*shifted.shape[:-1], count)
-        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, shifted.dtype)
+    def none(scaled, *_):
+        shape = (*scaled.shape[:-1], count)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, scaled.dtype)
 
-    return chosen, *jax.lax.cond(alternatives, top, none, shifted, total)
+    return chosen, *jax.lax.cond(alternatives, top, none, scaled, best, total)
