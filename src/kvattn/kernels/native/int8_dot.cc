@@ -224,14 +224,16 @@ void HalfPart(const int8_t* a, int64_t M, int64_t K, const uint8_t* w, const boo
 
 // Rows `(M, K)` by every tile into `sums (M, N)`, split over the pool by tiles; each part calls
 // `finish(first, last)` once its tiles' sums are in. `rows` must stay alive until the returned future completes
-// (`finish` may hold it).
+// (`finish` may hold it). `quantized`: no row holds -128 (`Quantize` made them), so none is looked through for one.
 template <typename Finish>
 ffi::Future Sums(ffi::ThreadPool& pool, const int8_t* rows, int64_t M, int64_t K, const uint8_t* weights,
-                 int64_t tiles, int32_t* sums, Finish finish) {
+                 int64_t tiles, int32_t* sums, bool quantized, Finish finish) {
   const int64_t N = tiles * kTileOutputs;
   if (!Vnni()) {
     auto clean = std::shared_ptr<bool[]>(new bool[std::max<int64_t>(M, 1)]);
-    for (int64_t m = 0; m < M; ++m) clean[m] = std::find(rows + m * K, rows + (m + 1) * K, -128) == rows + (m + 1) * K;
+    for (int64_t m = 0; m < M; ++m) {
+      clean[m] = quantized || std::find(rows + m * K, rows + (m + 1) * K, -128) == rows + (m + 1) * K;
+    }
     return kvattn::Split(pool, tiles, tiles / 8, [=](int64_t first, int64_t last) {
       HalfPart(rows, M, K, weights, clean.get(), sums, N, first, last);
       finish(first, last);
@@ -265,7 +267,8 @@ ffi::Future Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> a, TiledWeights w, ff
   }
   const int64_t K = dims[1] * kGroup;
   const int64_t M = K ? a.element_count() / K : 0;
-  return Sums(pool, a.typed_data(), M, K, w.typed_data(), dims[0], out->typed_data(), [](int64_t, int64_t) {});
+  return Sums(pool, a.typed_data(), M, K, w.typed_data(), dims[0], out->typed_data(), false,
+              [](int64_t, int64_t) {});
 }
 
 KVATTN_KERNEL(int8_dot, Dot);
@@ -327,7 +330,7 @@ ffi::Future Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, TiledWeights w,
                   ffi::ResultBuffer<ffi::F32> out) {
   const auto dims = w.dimensions();
   if (!Shaped(dims, x.dimensions(), x.element_count(), out->element_count()) ||
-      scale.element_count() != dims[0] * kTileOutputs) {
+      static_cast<int64_t>(scale.element_count()) != dims[0] * kTileOutputs) {
     return Failed("kvattn's int8 dense: rows (..., K), tiles (N / 16, K / 4, 16, 4) and scale (N,) into (..., N) "
                   "expected");
   }
@@ -339,10 +342,10 @@ ffi::Future Dense(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, TiledWeights w,
   float* result = out->typed_data();
   const float* by_output = scale.typed_data();
   // The sums go where their float32 outputs will be, each part scaling its own tiles once they are in.
-  return Sums(pool, values.get(), M, K, w.typed_data(), dims[0], reinterpret_cast<int32_t*>(result),
-              [=](int64_t first, int64_t last) {
+  // `values` is held by every part, so the rows live until the last is done.
+  return Sums(pool, values.get(), M, K, w.typed_data(), dims[0], reinterpret_cast<int32_t*>(result), true,
+              [result, M, N, row_scale, by_output, values](int64_t first, int64_t last) {
                 Scale(result, M, N, row_scale.get(), by_output, first * kTileOutputs, last * kTileOutputs);
-                (void)values;  // the rows live until every part is done
               });
 }
 
